@@ -1,0 +1,1 @@
+"""Model definitions used by `infinity train` and the tests."""
