@@ -16,8 +16,35 @@ Glossary (the words mean one thing everywhere in this code):
 * **compute shard**: the shard in compute precision (fp32, bf16 or fp16);
   **master**: the fp32 shard the optimizer updates; **moments**: Adam's
   ``exp_avg`` and ``exp_avg_sq``.
+* **sub-group**: a run of whole shards the optimizer updates (and swaps) together.
+
+Public surface::
+
+    engine = infinity.initialize(model, config)   # dict, path to JSON, or InfinityConfig
+    loss = engine(batch); engine.backward(loss); engine.step()
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+# Imported on first use, so `import infinity` (and `infinity bench`) stays light.
+_LAZY = {
+    "initialize": ("infinity.engine", "initialize"),
+    "Engine": ("infinity.engine", "Engine"),
+    "InfinityConfig": ("infinity.config", "InfinityConfig"),
+    "Init": ("infinity.materialize", "Init"),
+    "TiledLinear": ("infinity.tiling", "TiledLinear"),
+    "TiledEmbedding": ("infinity.tiling", "TiledEmbedding"),
+    "TiledTiedHead": ("infinity.tiling", "TiledTiedHead"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'infinity' has no attribute {name!r}")

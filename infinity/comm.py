@@ -1,0 +1,87 @@
+"""Collectives over the data-parallel group, each counted in bytes.
+
+One process needs no process group: every collective is then the identity.
+Bytes are counted the way the ring algorithms move them, per rank:
+an all-gather or reduce-scatter of a full tensor of ``B`` bytes moves
+``(N - 1) / N * B``; an all-reduce moves twice that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class Collectives:
+    """The engine's only door to torch.distributed."""
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.nbytes: dict[str, int] = defaultdict(int)
+        self.seconds = 0.0
+        self.on_collective = None  # optional callback(name, start_s, end_s) for the trace
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Gather every rank's ``shard`` into ``full`` (``world_size * shard.numel()`` elements)."""
+        if self.world_size == 1:
+            if full.data_ptr() != shard.data_ptr():
+                full.copy_(shard)
+            return
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(full, shard, group=self.group)
+        self._count("all_gather", full.numel() * full.element_size(), start)
+
+    def reduce_scatter_mean(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
+        """``shard_out`` = this rank's slice of the mean of ``full`` over ranks."""
+        if self.world_size == 1:
+            shard_out.copy_(full)
+            return
+        start = time.perf_counter()
+        dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group)
+        shard_out.div_(self.world_size)
+        self._count("reduce_scatter", full.numel() * full.element_size(), start)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self._count("all_reduce", 2 * tensor.numel() * tensor.element_size(), start)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        self._count("all_reduce", 2 * tensor.numel() * tensor.element_size(), start)
+        return tensor
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Make every rank hold rank 0's ``tensor`` (used once, at initialize)."""
+        if self.world_size == 1:
+            return
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def _count(self, name: str, full_nbytes: int, start: float) -> None:
+        end = time.perf_counter()
+        self.nbytes[name] += full_nbytes * (self.world_size - 1) // self.world_size
+        self.seconds += end - start
+        if self.on_collective is not None:
+            self.on_collective(name, start, end)
+
+    def snapshot(self) -> dict:
+        return {f"{name}_nbytes": n for name, n in sorted(self.nbytes.items())} | {"seconds": self.seconds}

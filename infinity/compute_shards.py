@@ -1,0 +1,94 @@
+"""This rank's compute shards (the parameters in compute precision) and where
+they rest: device memory, host memory, or NVMe with an optional host cache
+(``offload_param.max_in_cpu``).
+
+Resident shards are views of one flat buffer laid out by :class:`ShardLayout`,
+so the optimizer writes a whole sub-group's new compute shards in one pass.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infinity.layout import ParamSlot, ShardLayout, SubGroup
+from infinity.storage import IOHandle
+from infinity.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+
+class ComputeShards:
+    def __init__(self, layout: ShardLayout, dtype: torch.dtype, tier: str, tiers: Tiers, *,
+                 nvme_path: str | None = None, max_in_cpu: int = 0):
+        self.layout = layout
+        self.dtype = dtype
+        self.tier = tier
+        self._tiers = tiers
+        self._store = tiers.swap_store(nvme_path) if tier == "nvme" else None
+        self._resident: dict[int, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None
+        self._flat_tier = tier
+        if tier in ("device", "host"):
+            self._flat = tiers.empty(tier, layout.total_numel, dtype)
+            for slot in layout.slots:
+                self._resident[slot.index] = self._flat[slot.offset:slot.end]
+        else:
+            self._cache_in_host(max_in_cpu)
+
+    def _cache_in_host(self, max_in_cpu: int) -> None:
+        """Keep the first shards, up to ``max_in_cpu`` elements, in host memory instead of on NVMe."""
+        cached, total = [], 0
+        for slot in self.layout.slots:
+            if total + slot.shard_numel > max_in_cpu:
+                break
+            cached.append(slot)
+            total += slot.shard_numel
+        if not cached:
+            return
+        self._flat_tier = "host"
+        end = cached[-1].offset + cached[-1].shard_numel
+        self._flat = self._tiers.empty("host", end, self.dtype)
+        for slot in cached:
+            self._resident[slot.index] = self._flat[slot.offset:slot.end]
+        logger.info("offload_param.max_in_cpu: %d of %d shards (%d elements) stay in host memory",
+                    len(cached), len(self.layout.slots), total)
+
+    # -- reading ----------------------------------------------------------------
+    def resident(self, slot: ParamSlot) -> torch.Tensor | None:
+        """The shard itself when it rests in memory, else None (it is on NVMe)."""
+        return self._resident.get(slot.index)
+
+    def read(self, slot: ParamSlot, out: torch.Tensor) -> IOHandle:
+        """Swap in a shard that rests on NVMe."""
+        return self._store.read(self._key(slot), out)
+
+    # -- writing ----------------------------------------------------------------
+    def write(self, slot: ParamSlot, values: torch.Tensor) -> IOHandle | None:
+        """Replace a shard's values; returns a handle to wait on when the write goes to NVMe."""
+        resident = self._resident.get(slot.index)
+        if resident is not None:
+            if resident.data_ptr() != values.data_ptr():
+                resident.copy_(values)
+            return None
+        return self._store.write(self._key(slot), values)
+
+    def sub_group_view(self, group: SubGroup) -> torch.Tensor | None:
+        """The resident flat range of a sub-group, when every shard of it rests in the flat buffer."""
+        if self._flat is None or self.tier == "nvme":
+            return None
+        return self._flat[group.start:group.end]
+
+    @staticmethod
+    def _key(slot: ParamSlot) -> str:
+        return f"param.{slot.index}"
+
+    def nbytes_resident(self) -> int:
+        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
+
+    def close(self) -> None:
+        if self._flat is not None:
+            self._tiers.free(self._flat_tier, self._flat)
+            self._flat = None
+            self._resident.clear()

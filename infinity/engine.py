@@ -1,0 +1,390 @@
+"""The engine: wiring of config, layout, tiers, hooks, reducer and optimizer
+behind ``infinity.initialize``. It owns every other object's lifetime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from infinity.comm import Collectives
+from infinity.compute_shards import ComputeShards
+from infinity.config import InfinityConfig
+from infinity.grad_reducer import GradReducer
+from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
+from infinity.layout import ShardLayout
+from infinity.loss_scaler import LossScaler
+from infinity.materialize import shard_values, materialize_module
+from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.sharded_param import ParamState, ShardedParam
+from infinity.storage import HostBufferPool
+from infinity.tiers import TIER_OF_OFFLOAD, Tiers
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
+               process_group=None) -> "Engine":
+    """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says."""
+    return Engine(model, InfinityConfig.load(config), process_group=process_group)
+
+
+class Engine:
+    """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = config
+        self.comm = Collectives(process_group)
+        self.device = _compute_device()
+        self.dtype = DTYPES[config.precision]
+        self._check_batch_size()
+        if config.not_applicable:
+            logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
+        if config.tiling.max_tile_numel is not None:
+            from infinity.tiling import tile_model
+            self.tiling_plan = tile_model(model, config.tiling.max_tile_numel)
+        else:
+            self.tiling_plan = None
+        self.module = model
+        named = list(model.named_parameters())
+        if not named:
+            raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
+        zero = config.zero
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
+        self.tiers = Tiers(config, self.device)
+        self._closed = False
+        try:
+            self._build(model, named)
+        except BaseException:
+            self.tiers.close()
+            raise
+
+    # -- construction ------------------------------------------------------
+    def _build(self, model: torch.nn.Module, named: list) -> None:
+        config, zero, layout = self.config, self.config.zero, self.layout
+        param_tier = TIER_OF_OFFLOAD[zero.offload_param.device]
+        optimizer_tier = TIER_OF_OFFLOAD[zero.offload_optimizer.device]
+        self.compute = ComputeShards(layout, self.dtype, param_tier, self.tiers,
+                                     nvme_path=zero.offload_param.nvme_path, max_in_cpu=zero.offload_param.max_in_cpu)
+        self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
+                                          nvme_path=zero.offload_optimizer.nvme_path,
+                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write)
+        self._read_pool = self._make_read_pool(param_tier)
+        by_name = {name: p for name, p in named}
+        # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
+        original_data = {id(p): p.data for _, p in named}
+        self.params: list[ShardedParam] = []
+        self._by_param: dict[int, ShardedParam] = {}
+        for slot in layout.slots:
+            param = by_name[slot.name]
+            sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
+                                   read_pool=self._read_pool,
+                                   persistent=slot.numel <= zero.param_persistence_threshold)
+            self.params.append(sharded)
+        self._initialize_values(model, original_data)
+        for sharded in self.params:
+            self._by_param[id(sharded.param)] = sharded
+        self._cast_buffers(model)
+        self.groups = self._fetch_groups(model)
+        self.root_group = self.groups.get(model) or FetchGroup("", [])
+        self.reducer = GradReducer(layout, self.optimizer.grads, self.comm,
+                                   {id(by_name[s.name]): s.index for s in layout.slots})
+        trainable = [by_name[s.name] for s in layout.slots if s.trainable]
+        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
+        self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.micro_step = 0
+        self.global_step = 0
+        self._backward_pending = False
+        self._metrics: dict[str, Any] = {}
+        self._last_counters = self._counters()
+        self._step_started = time.perf_counter()
+        self._compute_s = 0.0
+        self._fetch_wait_s = 0.0
+
+    def _make_read_pool(self, param_tier: str) -> HostBufferPool | None:
+        if param_tier != "nvme" or self.comm.world_size == 1:
+            return None
+        p = self.config.zero.offload_param
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        largest = self.layout.largest_shard_numel
+        buffer_size = p.buffer_size
+        if buffer_size < largest:
+            logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
+                           buffer_size, largest, largest)
+            buffer_size = largest
+        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.tiers.pin, stats=self.tiers.stats["host"])
+
+    def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
+        """Shard every parameter's initial values into its tiers, one module at a time.
+
+        A module whose parameters are on the meta device is materialized here
+        (``reset_parameters``), so at most one module's full values exist at once.
+        """
+        pending_master: dict[int, torch.Tensor] = {}
+        sharded_by_id = {id(s.param): s for s in self.params}
+        done: set[int] = set()
+        seed = self._common_seed(any(t.is_meta for t in original_data.values()))
+        rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+        with rng:
+            if seed is not None:
+                torch.manual_seed(seed)
+            for module_name, module in model.named_modules():
+                direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
+                todo = [(n, p) for n, p in direct if id(p) not in done]
+                if not todo:
+                    continue
+                values = materialize_module(module, module_name, todo, original_data)
+                for (local_name, param), value in zip(todo, values):
+                    sharded = sharded_by_id[id(param)]
+                    if self.comm.world_size > 1 and not original_data[id(param)].is_meta:
+                        value = value.contiguous()
+                        self.comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
+                    shard = shard_values(value, sharded.slot, self.comm.rank)
+                    if sharded.slot.trainable:
+                        pending_master[sharded.slot.index] = shard
+                    handle = self.compute.write(sharded.slot, shard.to(self.dtype))
+                    if handle is not None:
+                        handle.wait()
+                    done.add(id(param))
+                    original_data[id(param)] = None
+                self.optimizer.init_master(pending_master)
+        if pending_master:
+            raise RuntimeError(f"internal error: masters not written for slots {sorted(pending_master)}")
+
+    def _common_seed(self, has_meta: bool) -> int | None:
+        """A seed all ranks share, so a meta model is initialized the same on every rank."""
+        if not has_meta or self.comm.world_size == 1:
+            return None
+        seed = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64)
+        self.comm.broadcast_from_first(seed)
+        return int(seed)
+
+    def _cast_buffers(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is None:
+                    continue
+                if buf.is_meta:
+                    raise ValueError(f"buffer {name!r} of {type(module).__name__} is on the meta device; "
+                                     f"give it a value in reset_parameters() or build it on a real device")
+                converted = buf.to(self.device)
+                if converted.is_floating_point():
+                    converted = converted.to(self.dtype)
+                module._buffers[name] = converted
+
+    def _fetch_groups(self, model: torch.nn.Module) -> dict[torch.nn.Module, FetchGroup]:
+        groups = {}
+        for name, module in model.named_modules():
+            params = [self._by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self._by_param]
+            if params:
+                groups[module] = FetchGroup(name, params)
+        return groups
+
+    def _check_batch_size(self) -> None:
+        c = self.config
+        if c.train_batch_size is not None and c.micro_batch_size is not None:
+            expected = c.micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size
+            if expected != c.train_batch_size:
+                raise ValueError(
+                    f"train_batch_size={c.train_batch_size} but train_micro_batch_size_per_gpu × "
+                    f"gradient_accumulation_steps × world size = {c.micro_batch_size} × "
+                    f"{c.gradient_accumulation_steps} × {self.comm.world_size} = {expected}")
+
+    # -- training ----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._ensure_open()
+        args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
+        start = time.perf_counter()
+        try:
+            with FetchOnUse(self._by_param, self.hooks, self.root_group):
+                output = self.module(*args, **kwargs)
+        except BaseException:
+            self._release_all()
+            raise
+        if not torch.is_grad_enabled():
+            self._release_all()
+        self._compute_s += time.perf_counter() - start
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._ensure_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward() takes the scalar loss returned by the model's forward")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was the forward run under torch.no_grad() or eval?")
+        scale = 1.0 / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        start = time.perf_counter()
+        try:
+            (loss.float() * scale).backward()
+        finally:
+            self._release_all()
+        self._compute_s += time.perf_counter() - start
+        self.micro_step += 1
+        self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
+        self._backward_pending = True
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_step % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Apply the optimizer at accumulation boundaries; a no-op between them."""
+        self._ensure_open()
+        if not self._backward_pending:
+            raise RuntimeError("step() called before backward(): run engine.backward(loss) for this micro-batch first")
+        self._backward_pending = False
+        if not self.is_gradient_accumulation_boundary():
+            return
+        coef = 1.0
+        skipped = False
+        if self.loss_scaler is not None:
+            finite = torch.tensor([0.0 if self.optimizer.grads_finite() else 1.0])
+            self.comm.all_reduce_max(finite)
+            skipped = not self.loss_scaler.update(overflow=bool(finite.item()))
+            coef = 1.0 / self.loss_scaler.applied_scale
+        if not skipped:
+            if self.config.gradient_clipping > 0:
+                norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
+                clip = self.config.gradient_clipping / (norm + 1e-6)
+                coef *= min(clip, 1.0)
+                self._metrics["grad_norm"] = norm
+            start = time.perf_counter()
+            self.optimizer.step(coef)
+            self._metrics["optimizer_s"] = time.perf_counter() - start
+            for sharded in self.params:
+                sharded.mark_stale()
+        else:
+            logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
+                        self.global_step, self.loss_scaler.scale)
+        self.reducer.zero()
+        self.optimizer.grads.zero_()
+        self.global_step += 1
+        self._close_step_metrics(skipped)
+
+    # -- what users read and set ---------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+            raise ValueError(f"lr must be a non-negative number, got {value!r}")
+        self.optimizer.lr = float(value)
+
+    def set_lr(self, value: float) -> None:
+        self.lr = value
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def step_metrics(self) -> dict:
+        """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
+        return dict(self._metrics)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
+        from infinity.state_dict import gather_full_state_dict
+        return gather_full_state_dict(self)
+
+    # -- metrics -----------------------------------------------------------------
+    def _counters(self) -> dict:
+        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes)}
+
+    def _close_step_metrics(self, skipped: bool) -> None:
+        now = self._counters()
+        last = self._last_counters
+        tiers = {}
+        for tier, snap in now["tiers"].items():
+            prev = last["tiers"].get(tier, {})
+            tiers[tier] = {
+                "live_nbytes": snap["live_nbytes"], "peak_nbytes": snap["peak_nbytes"],
+                "bytes_read": snap["bytes_read"] - prev.get("bytes_read", 0),
+                "bytes_written": snap["bytes_written"] - prev.get("bytes_written", 0),
+                "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
+            }
+        collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
+        elapsed = time.perf_counter() - self._step_started
+        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives,
+                             compute_s=self._compute_s, step_s=elapsed,
+                             fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
+                             lr=self.lr, loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
+        self._last_counters = now
+        self._step_started = time.perf_counter()
+        self._compute_s = 0.0
+
+    # -- teardown ----------------------------------------------------------------
+    def _release_all(self) -> None:
+        for sharded in self.params:
+            if sharded.state is ParamState.FETCHED:
+                sharded.force_release()
+        self.hooks.running.clear()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Remove swap files and free every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.hooks.remove()
+        self.optimizer.close()
+        self.compute.close()
+        self.tiers.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the stores clean up after themselves
+            pass
+
+
+def _compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cast_floating(tree, dtype: torch.dtype, device: torch.device):
+    from torch.utils._pytree import tree_map
+
+    def cast(x):
+        if isinstance(x, torch.Tensor):
+            x = x.to(device, non_blocking=True)
+            if x.is_floating_point() and x.dtype != dtype:
+                x = x.to(dtype)
+        return x
+    return tree_map(cast, tree)

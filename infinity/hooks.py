@@ -1,0 +1,138 @@
+"""Module hooks: fetch a module's parameters before it runs and release them
+after, in forward and again in backward. Hooks call into the fetch groups and
+the gradient reducer; they hold no state of their own beyond the handles.
+
+* forward pre-hook: fetch; wrap the inputs so that their backward releases
+  (the module's backward is done when gradients reach its inputs);
+* forward hook: release; hook the outputs so that the first gradient reaching
+  them fetches again (the module's backward is about to run);
+* a parameter's post-accumulate-grad hook hands its gradient to the reducer.
+
+A parameter used outside the forward of a module that owns it (in a parent's
+forward, say) would be read while released: the :class:`FetchOnUse` mode,
+active during the engine's forward, catches that, fetches it and adds it to the
+running module's group, so later passes fetch it with that module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from infinity.sharded_param import ParamState, ShardedParam
+
+logger = logging.getLogger(__name__)
+
+
+class FetchGroup:
+    """The parameters one module uses, fetched and released together."""
+
+    def __init__(self, name: str, params: list[ShardedParam]):
+        self.name = name
+        self.params = list(params)
+
+    def add_external(self, param: ShardedParam) -> None:
+        if param not in self.params:
+            self.params.append(param)
+            logger.info("%s uses %s outside that parameter's own module; it is now fetched with %s",
+                        self.name or "the root module", param.name, self.name or "the root module")
+
+    def fetch(self) -> None:
+        for p in self.params:
+            p.fetch()
+
+    def release(self) -> None:
+        for p in self.params:
+            p.release()
+
+
+class _ReleaseAfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, group: FetchGroup, *inputs):
+        ctx.group = group
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.group.release()
+        return (None, *grads)
+
+
+class ModuleHooks:
+    """Installs and removes the hooks of every module that owns parameters."""
+
+    def __init__(self, model: torch.nn.Module, groups: dict[torch.nn.Module, FetchGroup],
+                 on_grad_ready: Callable[[torch.nn.Parameter], None], trainable: list[torch.nn.Parameter]):
+        self.groups = groups
+        self.running: list[FetchGroup] = []  # modules inside their forward, innermost last
+        self._handles = []
+        for module, group in groups.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(group), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_forward(group)))
+        for param in trainable:
+            self._handles.append(param.register_post_accumulate_grad_hook(on_grad_ready))
+
+    def _pre_forward(self, group: FetchGroup):
+        def hook(module, args, kwargs):
+            group.fetch()
+            self.running.append(group)
+            if not torch.is_grad_enabled():
+                return None
+            return _wrap_for_release(group, args, kwargs)
+        return hook
+
+    def _post_forward(self, group: FetchGroup):
+        def hook(module, args, output):
+            if self.running and self.running[-1] is group:
+                self.running.pop()
+            group.release()
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch(), mode="any")
+            return None
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _wrap_for_release(group: FetchGroup, args, kwargs):
+    flat, _ = tree_flatten((args, kwargs))
+    needing = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needing:
+        return None  # no gradient reaches the inputs; the end of backward releases
+    wrapped = _ReleaseAfterBackward.apply(group, *needing)
+    wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+    replacement = {id(t): w for t, w in zip(needing, wrapped)}
+    new_args, new_kwargs = tree_map(lambda x: replacement.get(id(x), x) if isinstance(x, torch.Tensor) else x,
+                                    (args, kwargs))
+    return new_args, new_kwargs
+
+
+class FetchOnUse(TorchFunctionMode):
+    """Fetches a managed parameter that an op touches while it is released."""
+
+    def __init__(self, by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_group: FetchGroup):
+        super().__init__()
+        self._by_param = by_param
+        self._hooks = hooks
+        self._root_group = root_group
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in tree_flatten((args, kwargs))[0]:
+            if isinstance(arg, torch.nn.Parameter):
+                sharded = self._by_param.get(id(arg))
+                if sharded is not None and sharded.state is ParamState.RELEASED:
+                    group = self._hooks.running[-1] if self._hooks.running else self._root_group
+                    group.add_external(sharded)
+                    sharded.fetch()
+        return func(*args, **kwargs)

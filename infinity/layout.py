@@ -1,0 +1,112 @@
+"""Where each parameter's shard sits in this rank's flat spaces.
+
+Every managed parameter is flattened and padded to a multiple of the world
+size; this rank owns ``shard_numel`` elements of it. The rank's shards are laid
+end to end in one flat space (trainable parameters first, then frozen ones),
+each starting at a multiple of ``ALIGN_NUMEL`` elements so that a shard's view
+of an aligned buffer is itself aligned for direct I/O. The optimizer's flat
+spaces (master, moments, gradients) use the same offsets over the trainable
+prefix, so one offset names a parameter's place in all of them.
+
+Sub-groups cut the trainable prefix into runs of whole parameters of at most
+``sub_group_size`` elements (a larger parameter is a sub-group alone); the
+optimizer updates and swaps one sub-group at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_NUMEL = 2048
+"""Shard offsets are multiples of this many elements: 4096 bytes at 2 bytes an element."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """One parameter's place: its name, full shape, and this rank's shard."""
+
+    index: int
+    name: str
+    shape: torch.Size
+    numel: int
+    shard_numel: int
+    offset: int
+    """Start of this rank's shard in the flat spaces (elements)."""
+    trainable: bool
+    world_size: int
+
+    @property
+    def padded_numel(self) -> int:
+        """The flat parameter padded to a multiple of the world size."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.shard_numel
+
+
+@dataclass(frozen=True, slots=True)
+class SubGroup:
+    """A run of whole trainable shards the optimizer updates together."""
+
+    index: int
+    start: int
+    end: int
+    slots: tuple[ParamSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class ShardLayout:
+    """This rank's shards of all managed parameters, in one flat space."""
+
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int, sub_group_size: int):
+        self.world_size = world_size
+        ordered = [np for np in named_params if np[1].requires_grad] + [np for np in named_params if not np[1].requires_grad]
+        slots, offset = [], 0
+        for index, (name, param) in enumerate(ordered):
+            numel = param.numel()
+            shard_numel = math.ceil(numel / world_size) if numel else 0
+            slots.append(ParamSlot(index, name, param.shape, numel, shard_numel, offset, param.requires_grad, world_size))
+            offset += _round_up(shard_numel, ALIGN_NUMEL)
+        self.slots: tuple[ParamSlot, ...] = tuple(slots)
+        self.total_numel = offset
+        trainable = [s for s in slots if s.trainable]
+        self.trainable_numel = _round_up(trainable[-1].end, ALIGN_NUMEL) if trainable else 0
+        self.sub_groups = _cut_sub_groups(trainable, sub_group_size)
+
+    @property
+    def largest_shard_numel(self) -> int:
+        return max((s.shard_numel for s in self.slots), default=0)
+
+    @property
+    def largest_sub_group_numel(self) -> int:
+        return max((g.numel for g in self.sub_groups), default=0)
+
+
+def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:
+    groups: list[SubGroup] = []
+    current: list[ParamSlot] = []
+
+    def close():
+        if current:
+            start = current[0].offset
+            end = _round_up(current[-1].end, ALIGN_NUMEL)
+            groups.append(SubGroup(len(groups), start, end, tuple(current)))
+            current.clear()
+
+    for slot in trainable:
+        if current and _round_up(slot.end, ALIGN_NUMEL) - current[0].offset > sub_group_size:
+            close()
+        current.append(slot)
+    close()
+    return tuple(groups)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple

@@ -1,0 +1,207 @@
+"""The optimizer over this rank's shards: fp32 master, Adam moments and
+gradient slices in the optimizer's tier, updated one sub-group at a time by the
+fused CPU kernel, which also writes the new compute shards in the same pass.
+
+With the states on NVMe the sub-groups are pipelined through two sets of host
+buffers: sub-group i+1 is read while sub-group i is updated, and sub-group i is
+written while i+1 is updated. A buffer set is reused only after its writes
+have completed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infinity import kernels
+from infinity.compute_shards import ComputeShards
+from infinity.config import OptimizerConfig
+from infinity.layout import ShardLayout, SubGroup
+from infinity.storage import IOHandle
+from infinity.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Staging:
+    """Host buffers for one sub-group in flight (NVMe tier)."""
+
+    states: dict[str, torch.Tensor]
+    compute: torch.Tensor
+    writes: list[IOHandle]
+
+    def wait_writes(self) -> None:
+        for handle in self.writes:
+            handle.wait()
+        self.writes.clear()
+
+
+class OffloadOptimizer:
+    def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
+                 compute: ComputeShards, *, nvme_path: str | None = None, pipeline: bool = True):
+        self.layout = layout
+        self.config = config
+        self.tier = tier
+        self.lr = config.lr
+        self.step_count = 0
+        self._tiers = tiers
+        self._compute = compute
+        self._pipeline = pipeline
+        memory_tier = "device" if tier == "device" else "host"
+        self._memory_tier = memory_tier
+        # Gradient slices accumulate in memory next to the optimizer (host when offloaded).
+        self.grads = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
+        self.grads.zero_()
+        self._states: dict[str, torch.Tensor] = {}
+        self._store = None
+        self._staging: list[_Staging] = []
+        self._written_groups: set[int] = set()
+        self._host_scratch: torch.Tensor | None = None
+        if tier == "nvme":
+            self._store = tiers.swap_store(nvme_path)
+            numel = layout.largest_sub_group_numel
+            for _ in range(2 if pipeline else 1):
+                states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
+                self._staging.append(_Staging(states, tiers.empty("host", numel, compute.dtype), []))
+        else:
+            for name in STATE_NAMES:
+                self._states[name] = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
+                self._states[name].zero_()
+
+    # -- initialization ----------------------------------------------------
+    def init_master(self, values_by_slot: dict[int, torch.Tensor]) -> None:
+        """Set the fp32 master of the sub-groups whose every slot is in ``values_by_slot``.
+
+        Called as parameters are materialized; a sub-group is written to NVMe
+        once complete, so host memory holds at most one sub-group of masters.
+        """
+        for group in self.layout.sub_groups:
+            if group.index in self._written_groups or not all(s.index in values_by_slot for s in group.slots):
+                continue
+            if self.tier == "nvme":
+                staging = self._staging[0]
+                staging.wait_writes()
+                master = staging.states["master"][:group.numel]
+                master.zero_()
+                for slot in group.slots:
+                    master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
+                self._store.write(f"master.{group.index}", master).wait()
+            else:
+                for slot in group.slots:
+                    self._states["master"][slot.offset:slot.end].copy_(values_by_slot[slot.index])
+            self._written_groups.add(group.index)
+            for slot in group.slots:
+                values_by_slot.pop(slot.index, None)
+
+    # -- the step ------------------------------------------------------------
+    def step(self, grad_coef: float = 1.0) -> None:
+        """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
+        self.step_count += 1
+        if grad_coef != 1.0:
+            self.grads.mul_(grad_coef)
+        if self.tier == "nvme":
+            self._step_nvme()
+            return
+        for group in self.layout.sub_groups:
+            states = {name: t[group.start:group.end] for name, t in self._states.items()}
+            for handle in self._update(group, states, self._host_scratch):
+                handle.wait()
+
+    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
+        """Adam over one sub-group; the new compute shards go straight to their flat buffer when it is
+        resident, else through ``scratch`` to their tier. Returns the writes still in flight."""
+        cfg = self.config
+        direct = self._compute.sub_group_view(group)
+        if direct is None and scratch is None:
+            # compute shards on NVMe, optimizer states in memory: one scratch buffer, made on first use
+            scratch = self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel,
+                                                             self._compute.dtype)
+        out = direct if direct is not None else scratch[:group.numel]
+        kernels.adam_step(states["master"], self.grads[group.start:group.end], states["exp_avg"], states["exp_avg_sq"],
+                          step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                          weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                          param_out=out)
+        if direct is not None:
+            return []
+        writes = []
+        for slot in group.slots:
+            start = slot.offset - group.start
+            handle = self._compute.write(slot, out[start:start + slot.shard_numel])
+            if handle is not None:
+                writes.append(handle)
+        return writes
+
+    def _step_nvme(self) -> None:
+        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done."""
+        groups = self.layout.sub_groups
+        sets = self._staging
+        reads: dict[int, list[IOHandle]] = {0: self._read_states(groups[0], sets[0])} if groups else {}
+        for i, group in enumerate(groups):
+            staging = sets[i % len(sets)]
+            for handle in reads.pop(i):
+                handle.wait()
+            following = sets[(i + 1) % len(sets)]
+            if i + 1 < len(groups) and following is not staging:
+                following.wait_writes()
+                reads[i + 1] = self._read_states(groups[i + 1], following)
+            states = {name: t[:group.numel] for name, t in staging.states.items()}
+            staging.writes.extend(self._update(group, states, staging.compute))
+            staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
+            if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
+                staging.wait_writes()
+                reads[i + 1] = self._read_states(groups[i + 1], staging)
+        for staging in sets:
+            staging.wait_writes()
+
+    def _read_states(self, group: SubGroup, staging: _Staging) -> list[IOHandle]:
+        handles = []
+        for name in STATE_NAMES:
+            buffer = staging.states[name][:group.numel]
+            if name != "master" and self.step_count == 1:
+                buffer.zero_()  # moments start at zero: nothing on disk yet
+                continue
+            handles.append(self._store.read(f"{name}.{group.index}", buffer))
+        return handles
+
+    # -- reading states back (full_state_dict, checkpoints) -------------------
+    def read_master(self, group: SubGroup, out: torch.Tensor) -> None:
+        if self.tier == "nvme":
+            self._store.read(f"master.{group.index}", out).wait()
+        else:
+            out.copy_(self._states["master"][group.start:group.end])
+
+    def grad_sq_norm(self) -> float:
+        return float(self.grads.double().pow(2).sum()) if self.grads.numel() < 1 << 24 else float(
+            sum(chunk.double().pow(2).sum() for chunk in self.grads.split(1 << 24)))
+
+    def grads_finite(self) -> bool:
+        return bool(torch.isfinite(self.grads).all())
+
+    def close(self) -> None:
+        for staging in self._staging:
+            staging.wait_writes()
+            for tensor in staging.states.values():
+                self._tiers.free("host", tensor)
+            self._tiers.free("host", staging.compute)
+        self._staging.clear()
+        for tensor in self._states.values():
+            self._tiers.free(self._memory_tier, tensor)
+        self._states.clear()
+        if self.grads is not None:
+            self._tiers.free(self._memory_tier, self.grads)
+            self.grads = None
+        if self._host_scratch is not None:
+            self._tiers.free("host", self._host_scratch)
+            self._host_scratch = None
+
+
+def global_grad_norm(sq_norm_local: float, comm) -> float:
+    total = torch.tensor([sq_norm_local], dtype=torch.float64)
+    comm.all_reduce_sum(total)
+    return math.sqrt(float(total))

@@ -1,0 +1,83 @@
+"""The three tiers as the engine sees them: accounting for device and host
+memory, and one swap store per NVMe directory.
+
+On a machine without a GPU the device is the CPU; device bytes are still
+counted apart from host bytes, so a budget for each means the same thing on
+every machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from infinity.config import InfinityConfig
+from infinity.storage import AsyncIO, SwapStore, TierStats, aligned_empty
+
+logger = logging.getLogger(__name__)
+
+TIER_OF_OFFLOAD = {"none": "device", "cpu": "host", "nvme": "nvme"}
+
+
+class Tiers:
+    """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
+
+    def __init__(self, config: InfinityConfig, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.stats = {"device": TierStats("device"), "host": TierStats("host")}
+        self._io: AsyncIO | None = None
+        self._stores: dict[str, SwapStore] = {}
+        self._aio = config.aio
+
+    # -- memory ---------------------------------------------------------------
+    def empty(self, tier: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`."""
+        nbytes = numel * _itemsize(dtype)
+        self.stats[tier].allocate(nbytes)
+        if tier == "device" and self.device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        # Host tensors are aligned so that they can go to NVMe without a bounce.
+        return aligned_empty(numel, dtype, pin=self.pin and tier == "host")
+
+    def free(self, tier: str, tensor: torch.Tensor) -> None:
+        self.stats[tier].free(tensor.numel() * tensor.element_size())
+
+    # -- nvme -----------------------------------------------------------------
+    def swap_store(self, nvme_path: str) -> SwapStore:
+        """The store for ``nvme_path`` (one private directory per run and path)."""
+        key = os.path.realpath(nvme_path)
+        if key not in self._stores:
+            if self._io is None:
+                aio = self._aio
+                self._io = AsyncIO(aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                                   thread_count=aio.thread_count, single_submit=aio.single_submit,
+                                   overlap_events=aio.overlap_events)
+                logger.info("nvme I/O backend: %s", self._io.backend)
+            shared_stats = next(iter(self._stores.values())).stats if self._stores else None
+            self._stores[key] = SwapStore(nvme_path, io=self._io, stats=shared_stats)
+        return self._stores[key]
+
+    @property
+    def nvme_stats(self) -> TierStats | None:
+        return next(iter(self._stores.values())).stats if self._stores else None
+
+    def snapshot(self) -> dict:
+        out = {name: stats.snapshot() for name, stats in self.stats.items()}
+        nvme = self.nvme_stats
+        out["nvme"] = nvme.snapshot() if nvme is not None else TierStats("nvme").snapshot()
+        return out
+
+    def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

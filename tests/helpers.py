@@ -1,0 +1,183 @@
+"""Models and training loops shared by the tests: the engine against plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import tempfile
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.ln1 = nn.LayerNorm(d)
+        # no bias: a key bias has a zero gradient, which Adam would turn into noise-driven steps
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """GPT-style: token + position embeddings (the latter a bare parameter of the root), blocks, tied head."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 2, n_head: int = 2, seq: int = 16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.randn(seq, d) * 0.02)   # used in the root's own forward
+        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight                     # tied
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class TiedMLP(nn.Module):
+    """An MLP whose decoder reuses the encoder's weight, transposed, in the root's forward; an odd-sized layer."""
+
+    def __init__(self, d_in: int = 12, d_hidden: int = 37):
+        super().__init__()
+        self.enc = nn.Linear(d_in, d_hidden)
+        self.mid = nn.Linear(d_hidden, d_hidden)
+        self.dec_bias = nn.Parameter(torch.zeros(d_in))
+
+    def forward(self, x, y):
+        h = torch.tanh(self.enc(x))
+        h = torch.tanh(self.mid(h)) + h
+        out = F.linear(h, self.enc.weight.t(), self.dec_bias)   # the encoder's weight, outside enc's forward
+        return F.mse_loss(out.float(), y)
+
+
+def gpt_batches(n: int, *, batch: int, seq: int = 16, vocab: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    return out
+
+
+def mlp_batches(n: int, *, batch: int, d_in: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_in, generator=g)) for _ in range(n)]
+
+
+def rank_slice(batch, rank: int, world_size: int):
+    return tuple(t.chunk(world_size)[rank].contiguous() for t in batch)
+
+
+def reference_train(model: nn.Module, batches, *, steps: int, accum: int, clip: float, lr: float,
+                    weight_decay: float = 0.01, adamw: bool = True):
+    """Plain PyTorch in one process: the losses of every micro-batch and the final parameters."""
+    model = copy.deepcopy(model)
+    opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = opt_cls(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    losses = []
+    it = iter(batches)
+    for _ in range(steps):
+        for _ in range(accum):
+            loss = model(*next(it))
+            (loss / accum).backward()
+            losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: int, clip: float, lr: float,
+                  precision: str = "fp32", weight_decay: float = 0.01, adamw: bool = True, **zero_extra):
+    offload_param = {"device": param}
+    offload_optimizer = {"device": optimizer}
+    if param == "nvme":
+        offload_param["nvme_path"] = nvme_path
+    if optimizer == "nvme":
+        offload_optimizer["nvme_path"] = nvme_path
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW" if adamw else "Adam",
+                      "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": weight_decay,
+                                 **({} if adamw else {"adam_w_mode": False})}},
+        "bf16": {"enabled": precision == "bf16"},
+        "zero_optimization": {"stage": 3, "offload_param": offload_param, "offload_optimizer": offload_optimizer,
+                              "stage3_param_persistence_threshold": 0, "sub_group_size": 3000, **zero_extra},
+    }
+
+
+def engine_train(model: nn.Module, config: dict, batches, *, steps: int, accum: int, rank: int = 0,
+                 world_size: int = 1):
+    """The engine on this rank's slice of each batch: the global-mean losses and the full state dict."""
+    import infinity
+
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    losses = []
+    it = iter(batches)
+    try:
+        for _ in range(steps):
+            for _ in range(accum):
+                loss = engine(*rank_slice(next(it), rank, world_size))
+                engine.backward(loss)
+                engine.step()
+                value = loss.detach().float().reshape(1)
+                engine.comm.all_reduce_sum(value)
+                losses.append(value.item() / world_size)
+        state = engine.full_state_dict()
+        metrics = engine.step_metrics()
+    finally:
+        engine.close()
+    return losses, state, metrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- running ranks as processes --------------------------------------------------
+
+def _rank_entry(rank: int, world_size: int, port: int, fn, args, result_dir: str):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, *args, world_size: int = 2):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return each rank's result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.spawn(_rank_entry, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
