@@ -1,0 +1,29 @@
+"""``infinity.storage``: the tiers below the accelerator.
+
+- :mod:`.aio`: :class:`AsyncIO`, asynchronous direct I/O (libaio, or a thread pool) returning :class:`IOHandle`.
+- :mod:`.buffers`: :func:`aligned_empty` and :class:`HostBufferPool`, aligned (pinned on CUDA) host memory.
+- :mod:`.swap_store`: :class:`SwapStore`, tensors by key in files under a private directory.
+- :mod:`.extents`: where a key's bytes live in a swap file.
+- :mod:`.stats`: :class:`TierStats`, live/peak bytes, bytes moved and time waited per tier.
+- :mod:`.bench`: the bandwidth measurements behind ``infinity bench`` and ``benchmarks/bench_storage.py``.
+
+This package imports only torch, numpy, the standard library and ``libaio``;
+it knows nothing of models, parameters or ``torch.distributed``.
+"""
+
+from .aio import AsyncIO, IOHandle, libaio_unavailable_reason
+from .buffers import ALIGNMENT, HostBufferPool, aligned_empty
+from .stats import TierStats
+from .swap_store import DirectIOUnsupported, SwapStore
+
+__all__ = [
+    "ALIGNMENT",
+    "AsyncIO",
+    "DirectIOUnsupported",
+    "HostBufferPool",
+    "IOHandle",
+    "SwapStore",
+    "TierStats",
+    "aligned_empty",
+    "libaio_unavailable_reason",
+]

@@ -1,0 +1,197 @@
+"""Bandwidth of the tiers: what ``infinity bench`` and ``benchmarks/bench_storage.py`` measure.
+
+NVMe: one file of ``nbytes`` written, then read, with O_DIRECT through
+:class:`~.aio.AsyncIO` at a given block size, queue depth and backend, like
+``fio --rw=write|read --direct=1 --ioengine=libaio``: the file is preallocated
+before the timed write (fio lays files out the same way) and removed after.
+Reads bypass the page cache (O_DIRECT). GB/s are decimal (1e9 bytes/s), as
+fio's ``bw_bytes``.
+
+Host⇄device: copies between a pinned aligned host buffer and a CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .aio import AsyncIO
+from .buffers import ALIGNMENT, aligned_empty
+from .stats import format_nbytes
+from .swap_store import direct_io_problem
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "NvmeResult",
+    "BenchBuffers",
+    "measure_nvme",
+    "measure_copy",
+    "parse_size",
+    "check_free_space",
+    "median",
+]
+
+_MAX_BUFFER_NBYTES = 256 << 20
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``'1GiB'``, ``'512MiB'``, ``'1G'``, ``'64k'``, ``'4096'`` -> bytes. Suffixes are binary
+    (K, M, G, T with or without ``iB`` / ``B``), as in fio."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if m is None or (m.group(3) and not m.group(2) and m.group(3).lower() == "ib"):
+        raise ValueError(f"cannot read size {text!r}: use bytes or a number with K, M, G, T (e.g. 1GiB, 512MiB, 4096)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def check_free_space(directory: str | os.PathLike, nbytes: int) -> None:
+    """``OSError(ENOSPC)`` naming the path unless ``nbytes`` (plus 1%) fit on its filesystem."""
+    free = shutil.disk_usage(directory).free
+    need = nbytes + nbytes // 100
+    if free < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"not enough free space for the benchmark file: need {format_nbytes(need)}, "
+            f"{format_nbytes(free)} free",
+            str(directory),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NvmeResult:
+    """One write pass and one read pass of a file."""
+
+    backend: str
+    """What ran: ``libaio`` or ``threads`` (``auto`` resolved)."""
+    nbytes: int
+    block_size: int
+    queue_depth: int
+    thread_count: int
+    write_s: float
+    read_s: float
+
+    @property
+    def write_GBps(self) -> float:  # noqa: N802 (the unit's spelling)
+        return self.nbytes / self.write_s / 1e9
+
+    @property
+    def read_GBps(self) -> float:  # noqa: N802
+        return self.nbytes / self.read_s / 1e9
+
+
+class BenchBuffers:
+    """Aligned source and destination buffers, filled once and reused across measurements
+    (page-faulting a fresh GiB per point would be measured otherwise). ``huge_pages=False``:
+    ordinary 4 KiB pages, as fio's buffers."""
+
+    def __init__(self, *, huge_pages: bool = True) -> None:
+        self.huge_pages = huge_pages
+        self._src: torch.Tensor | None = None
+        self._dst: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = min(nbytes, _MAX_BUFFER_NBYTES)
+        if self._src is None or self._src.numel() < size:
+            self._src = aligned_empty(size, torch.uint8, huge_pages=self.huge_pages)
+            self._src.view(torch.int32)[: size // 4].random_()  # incompressible, every page touched
+            self._dst = aligned_empty(size, torch.uint8, huge_pages=self.huge_pages)
+            self._dst.fill_(0)
+        return self._src, self._dst
+
+
+def measure_nvme(
+    directory: str | os.PathLike,
+    *,
+    nbytes: int,
+    block_size: int = 1 << 20,
+    queue_depth: int = 32,
+    backend: str = "auto",
+    thread_count: int = 1,
+    single_submit: bool = False,
+    overlap_events: bool = True,
+    buffers: BenchBuffers | None = None,
+    verify: bool = True,
+) -> NvmeResult:
+    """Time writing then reading a fresh ``nbytes`` file in ``directory`` with O_DIRECT."""
+    if nbytes <= 0 or nbytes % ALIGNMENT:
+        raise ValueError(f"benchmark size must be a positive multiple of {ALIGNMENT} bytes, got {nbytes}")
+    if block_size <= 0 or block_size % ALIGNMENT:
+        raise ValueError(f"block size must be a positive multiple of {ALIGNMENT} bytes, got {block_size}")
+    problem = direct_io_problem(directory)
+    if problem is not None:
+        raise OSError(errno.EINVAL, f"cannot benchmark direct I/O here: {problem}", str(directory))
+    src, dst = (buffers or BenchBuffers()).get(nbytes)
+    chunk = src.numel()
+    fd, path = tempfile.mkstemp(prefix="infinity-bench-", suffix=".dat", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        os.unlink(path)
+        if exc.errno == errno.EINVAL:
+            raise OSError(exc.errno, "the filesystem refuses O_DIRECT", path) from exc
+        raise
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # laid out before the clock starts, as fio does
+        with AsyncIO(backend, block_size=block_size, queue_depth=queue_depth, thread_count=thread_count,
+                     single_submit=single_submit, overlap_events=overlap_events) as io:  # fmt: skip
+            offsets = range(0, nbytes, chunk)
+            start = time.perf_counter()
+            handles = [io.pwrite(fd, src[: min(chunk, nbytes - off)], off) for off in offsets]
+            for h in handles:
+                h.wait()
+            write_s = time.perf_counter() - start
+            start = time.perf_counter()
+            handles = [io.pread(fd, dst[: min(chunk, nbytes - off)], off) for off in offsets]
+            for h in handles:
+                h.wait()
+            read_s = time.perf_counter() - start
+            if verify:  # the last chunk read landed in dst; it must be what was written there
+                last = offsets[-1]
+                n = min(chunk, nbytes - last)
+                io.pread(fd, dst[:n], last).wait()
+                if not torch.equal(dst[:n], src[:n]):
+                    raise OSError(errno.EIO, f"read back differs from what was written (at offset {last})", path)
+            used = io.backend
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return NvmeResult(backend=used, nbytes=nbytes, block_size=block_size, queue_depth=queue_depth,
+                      thread_count=thread_count, write_s=write_s, read_s=read_s)  # fmt: skip
+
+
+def measure_copy(nbytes: int, *, repeat: int = 3) -> dict[str, float] | None:
+    """Host⇄device copy GB/s between a pinned aligned host buffer and CUDA memory; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    host = aligned_empty(nbytes, torch.uint8, pin=True)
+    host.fill_(1)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out: dict[str, list[float]] = {"h2d_GBps": [], "d2h_GBps": []}
+    for _ in range(repeat):
+        for name, dst, src in (("h2d_GBps", device, host), ("d2h_GBps", host, device)):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            out[name].append(nbytes / (time.perf_counter() - start) / 1e9)
+    return {k: median(v) for k, v in out.items()}
