@@ -287,8 +287,10 @@ class _Core:
     def complete(self, req: _Request, error: OSError | None) -> None:
         """One block of ``req`` is finished (under self.cond)."""
         req.inflight -= 1
-        if error is not None and req.error is None:
-            req.error = error
+        if error is not None:
+            # Of several failed blocks, report the lowest offset: the first byte not transferred.
+            if req.error is None or error.offset < req.error.offset:  # type: ignore[attr-defined]
+                req.error = error
             if not req.issued_all:  # issue no more of a failed request
                 req.issued_all = True
                 self.queue.remove(req)
@@ -510,6 +512,14 @@ class _Core:
                         self.complete(req, err)
 
 
+def _fd_path(fd: int) -> str:
+    """The file behind ``fd``, for error messages."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"<fd {fd}>"
+
+
 def _resolve_backend(backend: str) -> tuple[str, _LibAIO | None]:
     if backend not in BACKENDS:
         raise ValueError(f"AsyncIO: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -648,7 +658,7 @@ class AsyncIO:
             flags = (os.O_WRONLY | os.O_CREAT if op == WRITE else os.O_RDONLY) | os.O_DIRECT | os.O_CLOEXEC
             fd = os.open(path, flags, 0o600)
         else:
-            fd, path = file, f"<fd {file}>"
+            fd, path = file, _fd_path(file)
         req = _Request(op, fd, str(path), [(addr, nbytes, offset)] if nbytes else [], buffer, self.stats, close_fd)
         try:
             self._core.submit(req)

@@ -296,7 +296,7 @@ class SwapStore:
                 )
         body = nbytes - nbytes % ALIGNMENT
         tail = nbytes - body
-        bounce, copy_from, copy_to, copy_n = None, 0, 0, 0
+        bounce, copy_from, copy_to, copy_n = None, 0, 0, 0  # copy_to: offset into `out`
         if nbytes == 0:
             segments = []
         elif addr % ALIGNMENT == 0:  # in place, but for the tail
@@ -304,18 +304,20 @@ class SwapStore:
             if tail:
                 bounce = self._take_tail_buffer()
                 segments.append((bounce.data_ptr(), ALIGNMENT, ext.offset + body))
-                copy_from, copy_to, copy_n = bounce.data_ptr(), addr + body, tail
+                copy_from, copy_to, copy_n = bounce.data_ptr(), body, tail
         else:
             logger.debug("swap read %r: tensor at %#x is not %d-aligned; bouncing %d bytes", key, addr,
                          ALIGNMENT, nbytes)  # fmt: skip
             bounce = aligned_empty(ext.capacity, torch.uint8)
             segments = [(bounce.data_ptr(), ext.capacity, ext.offset)]
-            copy_from, copy_to, copy_n = bounce.data_ptr(), addr, nbytes
+            copy_from, copy_to, copy_n = bounce.data_ptr(), 0, nbytes
 
         def finalize(error: OSError | None) -> OSError | None:
+            # Through `out` itself, so that this closure keeps it alive until the copy: the request lets
+            # go of it when its I/O ends, which may be before anyone waits (out may be a temporary).
             self._forget(key, handle)
             if error is None and copy_n:
-                ctypes.memmove(copy_to, copy_from, copy_n)
+                ctypes.memmove(out.data_ptr() + copy_to, copy_from, copy_n)
             self._give_tail_buffer(bounce)
             return None if error is None else _name_key(error, key, "reading")
 

@@ -1,0 +1,92 @@
+"""``infinity bench``: the single-point JSON form, the grid's table and aio block, the plot, errors."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from infinity.cli import main
+from infinity.storage import libaio_unavailable_reason
+from infinity.storage.swap_store import direct_io_problem
+
+
+@pytest.fixture
+def bench_dir(tmp_path):
+    if direct_io_problem(tmp_path):
+        pytest.skip(f"{tmp_path} does not take O_DIRECT: {direct_io_problem(tmp_path)}")
+    return tmp_path
+
+
+def test_single_point_json(bench_dir, capsys):
+    rc = main(["bench", "--path", str(bench_dir), "--size", "8MiB", "--block-size", "1MiB", "--queue-depth", "4",
+               "--json", "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    point = json.loads(out)
+    assert point["write_GBps"] > 0 and point["read_GBps"] > 0
+    assert (point["size"], point["block_size"], point["queue_depth"]) == (8 << 20, 1 << 20, 4)
+    assert point["backend"] == ("libaio" if libaio_unavailable_reason() is None else "threads")
+    assert list(bench_dir.iterdir()) == []  # the benchmark file is gone
+
+
+def test_grid_prints_a_table_and_the_best_aio_block(bench_dir, capsys):
+    rc = main(["bench", "--path", str(bench_dir), "--size", "2MiB", "--block-size", "256KiB,1MiB",
+               "--queue-depth", "2,4", "--backend", "all", "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = out.splitlines()
+    backends = 1 if libaio_unavailable_reason() else 2
+    assert sum(1 for line in lines if line.split()[:1] in (["libaio"], ["threads"])) == 4 * backends
+    assert "<- best" in out
+    aio = json.loads(out[out.index('{\n  "aio"'):])["aio"]
+    assert set(aio) == {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"}
+    assert aio["block_size"] in (256 << 10, 1 << 20) and aio["queue_depth"] in (2, 4)
+
+
+def test_grid_json_and_plot(bench_dir, tmp_path_factory, capsys):
+    png = tmp_path_factory.mktemp("plot") / "bw.png"
+    rc = main(["bench", "--path", str(bench_dir), "--size", "1MiB", "--block-size", "64KiB,128KiB",
+               "--queue-depth", "1,2", "--backend", "threads", "--json", "--plot", str(png), "--repeat", "2"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0
+    result = json.loads(captured.out)
+    assert len(result["results"]) == 4 and result["aio"]["queue_depth"] == result["best"]["queue_depth"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "infinity bench" in captured.err  # the progress bar goes to stderr
+
+
+def test_default_path_is_a_temporary_directory_removed_after(capsys):
+    before = set(Path(tempfile.gettempdir()).glob("infinity-bench-*"))
+    if direct_io_problem(tempfile.gettempdir()):
+        pytest.skip("the system temp dir does not take O_DIRECT")
+    rc = main(["bench", "--size", "1MiB", "--block-size", "256KiB", "--queue-depth", "2", "--json",
+               "--no-progress"])  # fmt: skip
+    assert rc == 0 and json.loads(capsys.readouterr().out)["read_GBps"] > 0
+    assert set(Path(tempfile.gettempdir()).glob("infinity-bench-*")) == before
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "lots"], "cannot read size 'lots'"),
+        (["--size", "1000"], "multiple of 4096"),
+        (["--block-size", "1000"], "--block-size"),
+        (["--queue-depth", "0"], "--queue-depth"),
+        (["--path", "/no/such/dir"], "does not exist"),
+        (["--size", "1000TiB"], "not enough free space"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message, capsys, bench_dir):
+    if "--path" not in argv:
+        argv = ["--path", str(bench_dir)] + argv
+    rc = main(["bench", "--no-progress"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_tmpfs_path_is_refused(capsys):
+    if direct_io_problem("/dev/shm") is None:
+        pytest.skip("/dev/shm is not tmpfs here")
+    rc = main(["bench", "--path", "/dev/shm", "--size", "1MiB", "--no-progress"])
+    assert rc == 2 and "tmpfs" in capsys.readouterr().err
