@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Collectives:
     """The engine's only door to torch.distributed."""
@@ -37,7 +41,7 @@ class Collectives:
                 full.copy_(shard)
             return
         start = time.perf_counter()
-        dist.all_gather_into_tensor(full, shard, group=self.group)
+        _all_gather_single(full, shard, group=self.group)
         self._count("all_gather", full.numel() * full.element_size(), start)
 
     def reduce_scatter_mean(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
@@ -46,7 +50,7 @@ class Collectives:
             shard_out.copy_(full)
             return
         start = time.perf_counter()
-        dist.reduce_scatter_tensor(shard_out, full, op=dist.ReduceOp.SUM, group=self.group)
+        _reduce_scatter_single(shard_out, full, op=dist.ReduceOp.SUM, group=self.group)
         shard_out.div_(self.world_size)
         self._count("reduce_scatter", full.numel() * full.element_size(), start)
 

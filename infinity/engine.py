@@ -16,10 +16,11 @@ from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.grad_reducer import GradReducer
+from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
-from infinity.materialize import shard_values, materialize_module
+from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
@@ -43,6 +44,7 @@ class Engine:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = config
+        keep_large_blocks_mapped()
         self.comm = Collectives(process_group)
         self.device = _compute_device()
         self.dtype = DTYPES[config.precision]
@@ -55,6 +57,7 @@ class Engine:
         else:
             self.tiling_plan = None
         self.module = model
+        meta_data = replace_meta_parameters(model)
         named = list(model.named_parameters())
         if not named:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
@@ -63,25 +66,28 @@ class Engine:
         self.tiers = Tiers(config, self.device)
         self._closed = False
         try:
-            self._build(model, named)
+            self._build(model, named, meta_data)
         except BaseException:
             self.tiers.close()
             raise
 
     # -- construction ------------------------------------------------------
-    def _build(self, model: torch.nn.Module, named: list) -> None:
+    def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
         config, zero, layout = self.config, self.config.zero, self.layout
         param_tier = TIER_OF_OFFLOAD[zero.offload_param.device]
         optimizer_tier = TIER_OF_OFFLOAD[zero.offload_optimizer.device]
         self.compute = ComputeShards(layout, self.dtype, param_tier, self.tiers,
                                      nvme_path=zero.offload_param.nvme_path, max_in_cpu=zero.offload_param.max_in_cpu)
+        # fp16 gradients are unscaled in place, which needs fp32's range.
+        lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16"
+        grad_dtype = self.dtype if lossless else torch.float32
         self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
-                                          nvme_path=zero.offload_optimizer.nvme_path,
+                                          grad_dtype=grad_dtype, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write)
         self._read_pool = self._make_read_pool(param_tier)
         by_name = {name: p for name, p in named}
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
-        original_data = {id(p): p.data for _, p in named}
+        original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         for slot in layout.slots:

@@ -63,3 +63,26 @@ def shard_values(full: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor
     if valid:
         shard[:valid].copy_(flat[start:start + valid])
     return shard
+
+
+def replace_meta_parameters(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Swap each meta parameter for a real (empty) one in every module that registers it, so tying holds.
+
+    Returns, by the new parameter's id, the meta tensor it replaces (its shape
+    and the signal that values must come from ``reset_parameters``).
+    """
+    replaced: dict[int, torch.nn.Parameter] = {}
+    meta_of: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for local_name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in replaced:
+                # the right shape, no bytes: the engine gives it storage when it is fetched
+                real = torch.empty(param.shape, dtype=param.dtype)
+                real.untyped_storage().resize_(0)
+                new = torch.nn.Parameter(real, requires_grad=param.requires_grad)
+                replaced[id(param)] = new
+                meta_of[id(new)] = param.data
+            module._parameters[local_name] = replaced[id(param)]
+    return meta_of

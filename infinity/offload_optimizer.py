@@ -44,7 +44,8 @@ class _Staging:
 
 class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
-                 compute: ComputeShards, *, nvme_path: str | None = None, pipeline: bool = True):
+                 compute: ComputeShards, *, grad_dtype: torch.dtype = torch.float32,
+                 nvme_path: str | None = None, pipeline: bool = True):
         self.layout = layout
         self.config = config
         self.tier = tier
@@ -55,8 +56,9 @@ class OffloadOptimizer:
         self._pipeline = pipeline
         memory_tier = "device" if tier == "device" else "host"
         self._memory_tier = memory_tier
-        # Gradient slices accumulate in memory next to the optimizer (host when offloaded).
-        self.grads = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
+        # Gradient slices rest in memory next to the optimizer (host when offloaded); fp32 when they
+        # accumulate over micro-batches, else the compute precision they were reduced in (lossless).
+        self.grads = tiers.empty(memory_tier, layout.trainable_numel, grad_dtype)
         self.grads.zero_()
         self._states: dict[str, torch.Tensor] = {}
         self._store = None

@@ -46,6 +46,11 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight                     # tied
 
+    def reset_parameters(self):
+        """Initializes the root's own parameter (the engine calls it for a model built on meta)."""
+        with torch.no_grad():
+            self.wpe.normal_(0.0, 0.02)
+
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe[: idx.shape[1]]
         for block in self.blocks:

@@ -1,0 +1,109 @@
+"""The DeepSpeed-style config: honoured, not applicable, or rejected by name."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import InfinityConfig
+
+DEEPSPEED_CONFIG = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5, "buffer_size": 1e8,
+                          "max_in_cpu": 1e9, "pin_memory": True},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4, "pin_memory": True,
+                              "pipeline_read": True, "pipeline_write": True, "fast_init": False},
+        "sub_group_size": 1e9,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True},
+}
+
+
+def test_a_deepspeed_config_is_accepted_unchanged():
+    config = InfinityConfig.from_deepspeed(DEEPSPEED_CONFIG)
+    assert config.precision == "bf16"
+    assert config.gradient_accumulation_steps == 4 and config.gradient_clipping == 1.0
+    assert config.optimizer.lr == 3e-4 and config.optimizer.betas == (0.9, 0.95) and config.optimizer.adamw
+    assert config.zero.offload_param.device == "nvme" and config.zero.offload_param.nvme_path == "/local_nvme"
+    assert config.zero.offload_param.buffer_size == 100_000_000
+    assert config.zero.prefetch_bucket_size == 50_000_000 and config.zero.param_persistence_threshold == 100_000
+    assert config.aio.queue_depth == 8 and config.aio.thread_count == 1
+    assert {"steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
+            "zero_optimization.offload_optimizer.fast_init"} <= set(config.not_applicable)
+
+
+def test_intra_op_parallelism_is_the_thread_count():
+    assert InfinityConfig.from_deepspeed({"aio": {"intra_op_parallelism": 3}}).aio.thread_count == 3
+
+
+def test_deepspeed_adam_is_adamw_unless_told_otherwise():
+    assert InfinityConfig.from_deepspeed({"optimizer": {"type": "Adam", "params": {}}}).optimizer.adamw
+    plain = InfinityConfig.from_deepspeed({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
+    assert not plain.optimizer.adamw
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"zero_optimisation": {"stage": 3}}, "zero_optimisation"),
+    ({"zero_optimization": {"stage": 3, "offload_parm": {}}}, "offload_parm"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_pth": "/x"}}}, "nvme_pth"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param.nvme_path"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}}, "offload_optimizer.device"),
+    ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "amsgrad"),
+    ({"optimizer": {"type": "Adam", "params": {"learning_rate": 1}}}, "learning_rate"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"aio": {"block_size": 1000}}, "aio.block_size"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+    ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+    ({"zero_optimization": {"sub_group_size": -5}}, "sub_group_size"),
+])
+def test_bad_keys_and_values_are_rejected_by_name(raw, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        InfinityConfig.from_deepspeed(raw)
+
+
+def test_config_from_a_json_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DEEPSPEED_CONFIG))
+    assert InfinityConfig.load(str(path)).precision == "bf16"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json.*not JSON"):
+        InfinityConfig.load(str(bad))
+    with pytest.raises(OSError, match="missing.json"):
+        InfinityConfig.load(str(tmp_path / "missing.json"))
+
+
+def test_not_applicable_keys_are_logged_once(caplog):
+    model = torch.nn.Linear(4, 4)
+    with caplog.at_level(logging.INFO, logger="infinity.engine"):
+        engine = infinity.initialize(model, {"steps_per_print": 5, "wall_clock_breakdown": True})
+        engine.close()
+    lines = [r.getMessage() for r in caplog.records if "not applicable" in r.getMessage()]
+    assert len(lines) == 1 and "steps_per_print" in lines[0] and "wall_clock_breakdown" in lines[0]
+
+
+def test_train_batch_size_must_add_up():
+    with pytest.raises(ValueError, match="train_batch_size=10"):
+        infinity.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
+                                                    "gradient_accumulation_steps": 2})

@@ -1,0 +1,54 @@
+"""Bad input to the engine gets a clear error."""
+
+import pytest
+import torch
+
+import infinity
+
+
+def test_model_without_parameters():
+    with pytest.raises(ValueError, match="has no parameters"):
+        infinity.initialize(torch.nn.ReLU(), {})
+
+
+def test_not_a_module():
+    with pytest.raises(ValueError, match="torch.nn.Module"):
+        infinity.initialize(lambda x: x, {})
+
+
+def test_step_before_backward():
+    engine = infinity.initialize(torch.nn.Linear(3, 1), {})
+    try:
+        engine(torch.randn(2, 3)).sum()
+        with pytest.raises(RuntimeError, match=r"step\(\) called before backward\(\)"):
+            engine.step()
+    finally:
+        engine.close()
+
+
+def test_backward_of_a_loss_without_grad():
+    engine = infinity.initialize(torch.nn.Linear(3, 1), {})
+    try:
+        with torch.no_grad():
+            loss = engine(torch.randn(2, 3)).sum()
+        with pytest.raises(ValueError, match="does not require grad"):
+            engine.backward(loss)
+    finally:
+        engine.close()
+
+
+def test_nvme_path_that_does_not_exist_is_named(tmp_path):
+    missing = tmp_path / "nope" / "deeper"
+    config = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(missing)}}}
+    with pytest.raises(OSError, match="nope"):
+        infinity.initialize(torch.nn.Linear(3, 1), config)
+
+
+def test_meta_module_without_reset_parameters():
+    class Raw(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(3, device="meta"))
+
+    with pytest.raises(ValueError, match="reset_parameters"):
+        infinity.initialize(Raw(), {})
