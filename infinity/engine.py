@@ -318,6 +318,19 @@ class Engine:
         from infinity.state_dict import gather_full_state_dict
         return gather_full_state_dict(self)
 
+    # -- checkpoints ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
+        from infinity.checkpoint import save_checkpoint
+        self._ensure_open()
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
+        from infinity.checkpoint import load_checkpoint
+        self._ensure_open()
+        return load_checkpoint(self, load_dir, tag=tag)
+
     # -- metrics -----------------------------------------------------------------
     def _counters(self) -> dict:
         return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes)}

@@ -171,12 +171,40 @@ class OffloadOptimizer:
             handles.append(self._store.read(f"{name}.{group.index}", buffer))
         return handles
 
-    # -- reading states back (full_state_dict, checkpoints) -------------------
+    # -- reading and writing states (full_state_dict, checkpoints) -----------
     def read_master(self, group: SubGroup, out: torch.Tensor) -> None:
-        if self.tier == "nvme":
-            self._store.read(f"master.{group.index}", out).wait()
+        self.read_state("master", group, out)
+
+    def read_state(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
+        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (fp32, group.numel)."""
+        if name not in STATE_NAMES:
+            raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
+        if self.tier != "nvme":
+            out.copy_(self._states[name][group.start:group.end])
+        elif name != "master" and self.step_count == 0:
+            out.zero_()  # moments are written by the first step
         else:
-            out.copy_(self._states["master"][group.start:group.end])
+            self._store.read(f"{name}.{group.index}", out).wait()
+
+    def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
+        """Replace one state of a sub-group (loading a checkpoint)."""
+        if name not in STATE_NAMES:
+            raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
+        if values.numel() != group.numel or values.dtype != torch.float32:
+            raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
+                             f"elements, got {values.numel()} {values.dtype}")
+        if self.tier != "nvme":
+            self._states[name][group.start:group.end].copy_(values)
+        else:
+            self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
+
+    def state_dict(self) -> dict:
+        """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
+        return {"step": self.step_count, "lr": self.lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
         return float(self.grads.double().pow(2).sum()) if self.grads.numel() < 1 << 24 else float(
