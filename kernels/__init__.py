@@ -1,0 +1,21 @@
+"""infinity.kernels: fused CPU optimizer kernels, with a torch fallback.
+
+The optimizer step of an offloaded run goes over every parameter of the rank
+on the CPU, and it is bound by memory bandwidth; ``adam_step`` does it in one
+pass: fp32 master and moments in place, fp32/bf16/fp16 gradients, and the
+low-precision parameter copy written in the same pass.
+
+    adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
+              weight_decay, adamw=True, bias_correction=True, param_out=None)
+    adam_step_reference(...)   same signature; always the torch implementation
+    backend()                  "cpp" or "torch": what adam_step uses
+
+The C++ kernel (``csrc/adam.cpp``) is built on first use and cached per machine
+(``extension.py``). ``reference.py`` is the same computation in torch ops,
+used when no compiler is found or when ``INFINITY_KERNELS=torch``; the two
+agree bit for bit. This package imports only torch and the standard library.
+"""
+
+from .adam import BACKEND_ENV, adam_step, adam_step_reference, backend
+
+__all__ = ["BACKEND_ENV", "adam_step", "adam_step_reference", "backend"]

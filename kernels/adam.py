@@ -1,0 +1,155 @@
+"""The public Adam/AdamW step: checks, then the C++ kernel or the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import extension, reference
+from .constants import AdamConstants
+
+BACKEND_ENV = "INFINITY_KERNELS"
+"""Environment variable: "torch" forces the reference, "cpp" requires the kernel,
+"auto" (the default) uses the kernel when it can be built."""
+
+_FP32 = (torch.float32,)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def backend() -> str:
+    """Which implementation ``adam_step`` uses: "cpp" or "torch".
+
+    The first call that wants the kernel loads it (building it once per machine).
+    """
+    requested = _requested_backend()
+    if requested == "torch":
+        return "torch"
+    if extension.KERNEL.ops() is not None:
+        return "cpp"
+    if requested == "cpp":
+        raise RuntimeError(
+            f"{BACKEND_ENV}=cpp, but the C++ kernel is unavailable: {extension.KERNEL.error}"
+        )
+    return "torch"
+
+
+@torch.no_grad()
+def adam_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """One Adam (``adamw=False``) or AdamW step, fused into one pass over memory.
+
+    ``param``, ``exp_avg`` and ``exp_avg_sq`` are fp32 and updated in place;
+    ``grad`` is fp32, bf16 or fp16 and only read. ``param_out`` (bf16, fp16 or
+    fp32), when given, receives the updated parameter rounded to nearest even,
+    equal to ``param.to(param_out.dtype)``. All are contiguous CPU tensors of
+    one numel, any shapes. ``step`` is the 1-based step count used for bias
+    correction. The numerics are those of ``torch.optim.Adam``/``AdamW``
+    (fused CPU kernel's operation order, without FMA), identical on both
+    backends. Threads follow ``torch.set_num_threads``.
+
+    Raises ``ValueError`` naming the argument for a wrong dtype, device,
+    numel, layout, overlap or hyperparameter.
+    """
+    constants = AdamConstants.for_step(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        adamw=adamw, bias_correction=bias_correction,
+    )  # fmt: skip
+    check_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
+    if backend() == "cpp":
+        extension.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
+    else:
+        reference.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
+
+
+@torch.no_grad()
+def adam_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """``adam_step`` computed with torch ops, whatever the backend (same results, bit for bit)."""
+    constants = AdamConstants.for_step(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        adamw=adamw, bias_correction=bias_correction,
+    )  # fmt: skip
+    check_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
+    reference.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
+
+
+def check_tensors(
+    param: object,
+    grad: object,
+    exp_avg: object,
+    exp_avg_sq: object,
+    param_out: object | None,
+) -> None:
+    """Raises ``ValueError`` naming the first tensor argument the kernel cannot take."""
+    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if param_out is not None:
+        named["param_out"] = param_out
+    allowed = {
+        "param": _FP32, "grad": _GRAD_DTYPES, "exp_avg": _FP32, "exp_avg_sq": _FP32,
+        "param_out": _OUT_DTYPES,
+    }  # fmt: skip
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in allowed[name]:
+            names = " or ".join(str(d).removeprefix("torch.") for d in allowed[name])
+            raise ValueError(f"{name} must be {names}, got {str(t.dtype).removeprefix('torch.')}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    numel = param.numel()
+    for name, t in named.items():
+        if t.numel() != numel:
+            raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+    # The kernel reads and writes each element once; overlapping buffers would
+    # read values it has already written.
+    spans = {
+        name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for name, t in named.items()
+        if t.numel() > 0
+    }
+    names = list(spans)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]:
+                raise ValueError(f"{a} and {b} overlap in memory; each needs its own buffer")
+
+
+def _requested_backend() -> str:
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "cpp", "torch"):
+        raise ValueError(f"{BACKEND_ENV} must be 'auto', 'cpp' or 'torch', got {value!r}")
+    return value
