@@ -1,0 +1,151 @@
+"""infinity.estimate: hand-checked numbers, offloading moves bytes down the tiers, the CLI."""
+
+import json
+from itertools import product
+
+import pytest
+import torch
+
+from infinity.cli import main
+from infinity.estimate import (
+    OFFLOAD_CHOICES,
+    TIERS,
+    _largest_sub_group,
+    estimate,
+    estimate_gpt,
+    format_bytes,
+    parse_count,
+)
+from infinity.models.gpt import PRESETS, param_numels
+
+
+def test_a_small_case_by_hand():
+    # two parameters on 2 ranks: 4096 elements (shard 2048) and 100 (shard 50, persistent);
+    # each shard starts at a multiple of 2048 elements, so the rank's flat space is 2048 + 2048.
+    r = estimate(param_numels=[4096, 100], world_size=2, offload_param="nvme", offload_optimizer="cpu",
+                 precision="bf16", max_in_cpu=0, param_persistence_threshold=1000)
+    assert r["shard_numel"] == 2048 + 50
+    t = r["tiers"]
+    assert t["nvme"]["compute_shard"] == 4096 * 2
+    assert t["host"]["master"] == 4096 * 4
+    assert t["host"]["moments"] == 4096 * 8
+    assert t["host"]["gradients"] == 4096 * 2  # one micro-batch a step in bf16: bf16 gradients
+    assert t["device"]["gathered_params"] == (100 + 4096) * 2  # the persistent one + the largest
+    assert t["host"]["param_io_buffers"] == 2048 * 2  # the largest shard in flight
+    assert t["host"]["optimizer_staging"] == 4096 * 2  # new compute shards on their way to NVMe
+    assert r["totals"] == {"device": 8392, "host": 16384 + 32768 + 8192 + 4096 + 8192, "nvme": 8192}
+
+
+def test_seven_billion_on_eight_ranks_by_hand():
+    r = estimate(7e9, world_size=8, offload_param="nvme", offload_optimizer="nvme", precision="bf16",
+                 max_in_cpu=0, sub_group_size=1e8, gradient_accumulation_steps=4)
+    shard = 875_000_000
+    assert r["shard_numel"] == shard
+    t = r["tiers"]
+    assert t["nvme"] == {**t["nvme"], "compute_shard": 2 * shard, "master": 4 * shard, "moments": 8 * shard}
+    assert r["totals"]["nvme"] == 14 * shard
+    assert t["host"]["gradients"] == 4 * shard  # accumulated over micro-batches: fp32
+    assert t["host"]["optimizer_staging"] == 2 * 10**8 * (12 + 2)  # two sets of master, moments, compute
+    assert t["device"]["master"] == t["device"]["moments"] == t["device"]["gradients"] == 0
+
+
+def test_fp32_without_offload_on_one_rank_is_twenty_bytes_a_parameter():
+    # compute copy 4 + master 4 + moments 8 + gradient 4; on one rank the full tensors are the shards
+    r = estimate(param_numels=[2048] * 3, precision="fp32")
+    assert r["totals"] == {"device": 20 * 3 * 2048, "host": 0, "nvme": 0}
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_offloading_moves_bytes_from_the_device_down(world_size):
+    numels = param_numels(PRESETS["10m"])
+    est = {(p, o): estimate(param_numels=numels, world_size=world_size, offload_param=p, offload_optimizer=o,
+                            max_in_cpu=0)
+           for p, o in product(OFFLOAD_CHOICES, OFFLOAD_CHOICES)}
+    for p in OFFLOAD_CHOICES:  # the optimizer: none -> cpu -> nvme
+        none, cpu, nvme = (est[p, o]["totals"] for o in OFFLOAD_CHOICES)
+        assert cpu["device"] < none["device"] and cpu["host"] > none["host"]
+        assert nvme["device"] == cpu["device"] and nvme["nvme"] > cpu["nvme"]
+    for o in OFFLOAD_CHOICES:  # the parameters: none -> cpu -> nvme
+        none, cpu, nvme = (est[p, o]["totals"] for p in OFFLOAD_CHOICES)
+        assert cpu["device"] <= none["device"]
+        assert nvme["nvme"] > cpu["nvme"]
+    # the resting states are the same bytes wherever they rest
+    kinds = ("compute_shard", "master", "moments")
+    for r in est.values():
+        assert sum(r["tiers"][t][k] for t in TIERS for k in kinds) == sum(
+            est["none", "none"]["tiers"][t][k] for t in TIERS for k in kinds)
+
+
+def test_more_ranks_fewer_bytes_per_rank():
+    one, eight = (estimate(1.3e9, world_size=w, offload_param="cpu", offload_optimizer="cpu")["totals"]["host"]
+                  for w in (1, 8))
+    assert eight == pytest.approx(one / 8, rel=0.01)
+
+
+def test_sub_groups_are_cut_as_the_engine_cuts_them():
+    from infinity.layout import ShardLayout
+
+    torch.manual_seed(0)
+    for world_size, sub_group_size in [(1, 5000), (3, 7000), (2, 10**9)]:
+        numels = torch.randint(1, 6000, (12,)).tolist()
+        params = [(f"p{i}", torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(numels)]
+        layout = ShardLayout(params, world_size=world_size, sub_group_size=sub_group_size)
+        shards = [-(-n // world_size) for n in numels]
+        assert _largest_sub_group(shards, sub_group_size) == layout.largest_sub_group_numel
+
+
+def test_gpt_estimate_adds_activations_outside_the_engines_accounting():
+    r = estimate_gpt(PRESETS["small"], micro_batch=4, offload_param="nvme", offload_optimizer="nvme")
+    assert r["tiers"]["device"]["activations"] > 0
+    assert r["accounted"]["device"] == r["totals"]["device"] - r["tiers"]["device"]["activations"]
+    assert r["setting"]["num_params"] == sum(param_numels(PRESETS["small"]))
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(ValueError, match="offload_param must be one of none, cpu, nvme; got 'disk'"):
+        estimate(10, offload_param="disk")
+    with pytest.raises(ValueError, match="world_size"):
+        estimate(10, world_size=0)
+    with pytest.raises(ValueError, match="num_params or param_numels"):
+        estimate()
+
+
+def test_parse_count_and_format_bytes():
+    assert parse_count("7B") == 7_000_000_000
+    assert parse_count("350M") == 350_000_000
+    assert parse_count("1.3e9") == 1_300_000_000
+    assert parse_count("125k") == 125_000
+    assert parse_count("2.7b") == 2_700_000_000
+    with pytest.raises(ValueError, match="7 billion"):
+        parse_count("7 billion")
+    assert format_bytes(0) == "0"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**30) == "3 GiB"
+
+
+def test_cli_prints_the_requested_setting_and_the_alternatives(capsys):
+    assert main(["estimate", "--params", "7B", "--world-size", "8", "--offload-param", "nvme",
+                 "--offload-optimizer", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "7,000,000,000 parameters, world size 8" in out
+    assert "* nvme / nvme" in out
+    assert sum(line.strip().startswith(("none /", "cpu /", "nvme /", "* ")) for line in out.splitlines()) == 9
+    for kind in ("compute shard", "master", "moments", "optimizer staging"):
+        assert kind in out
+
+
+def test_cli_json_for_a_preset(capsys):
+    assert main(["estimate", "--preset", "125m", "--world-size", "2", "--offload-optimizer", "cpu", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["estimate"]["setting"]["offload_optimizer"] == "cpu"
+    assert doc["estimate"]["tiers"]["host"]["master"] > 0
+    assert len(doc["alternatives"]) == 9
+
+
+def test_cli_errors(capsys):
+    assert main(["estimate", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "lots"])
+    assert "cannot read a parameter count from 'lots'" in capsys.readouterr().err
