@@ -186,8 +186,14 @@ class GPT(nn.Module):
         logits = self.wte(x, unembed=True) if self.head is None else self.head(x)
         if targets is None:
             return logits
-        # cross-entropy in fp32 whatever the compute precision
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return _mean_cross_entropy(logits, targets)
+
+
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in at least fp32, whatever the compute precision."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # --------------------------------------------------------------------------- sizes
@@ -317,4 +323,4 @@ class _HFCausalLM(nn.Module):
         logits = self.inner(input_ids=input_ids).logits
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return _mean_cross_entropy(logits, targets)
