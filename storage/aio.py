@@ -344,7 +344,9 @@ class _Core:
                 return
             self.stopping = True
         if cancel:
-            self.cancel(list(self.queue))
+            with self.cond:
+                queued = list(self.queue)
+            self.cancel(queued)
         with self.cond:
             while self.active:
                 self.cond.wait()

@@ -31,15 +31,17 @@ def _random(nbytes, seed=0):
     return buf
 
 
+@pytest.mark.parametrize("thread_count, single_submit, overlap_events", [(1, False, True), (2, True, False)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_roundtrip_many_requests_in_flight(direct_dir, backend):
+def test_roundtrip_many_requests_in_flight(direct_dir, backend, thread_count, single_submit, overlap_events):
     path = direct_dir / "data"
     chunks = [_random(n, seed=i) for i, n in enumerate([4096, 65536, 3 * 65536, 12288, 40960] * 4)]
     offsets, off = [], 0
     for c in chunks:
         offsets.append(off)
         off += c.numel()
-    with AsyncIO(backend, block_size=16384, queue_depth=4) as io:
+    with AsyncIO(backend, block_size=16384, queue_depth=4, thread_count=thread_count, single_submit=single_submit,
+                 overlap_events=overlap_events) as io:  # fmt: skip
         assert io.backend == backend
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         try:
