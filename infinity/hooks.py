@@ -8,6 +8,10 @@ the gradient reducer; they hold no state of their own beyond the handles.
   them fetches again (the module's backward is about to run);
 * a parameter's post-accumulate-grad hook hands its gradient to the reducer.
 
+A module whose inputs need no gradient (the first layer, or every tile of a
+tiled layer fed the same input) has no backward through its inputs; it is
+released in backward once all its trainable parameters' gradients are ready.
+
 A parameter used outside the forward of a module that owns it (in a parent's
 forward, say) would be read while released: the :class:`FetchOnUse` mode,
 active during the engine's forward, catches that, fetches it and adds it to the
@@ -34,6 +38,19 @@ class FetchGroup:
     def __init__(self, name: str, params: list[ShardedParam]):
         self.name = name
         self.params = list(params)
+        self.release_on_grads = False        # its inputs need no gradient: release when its grads are ready
+        self.awaiting_grads: set[int] = set()  # ids of parameters whose gradient this backward still waits for
+
+    def fetch_for_backward(self) -> None:
+        self.fetch()
+        if self.release_on_grads:
+            self.awaiting_grads = {id(p.param) for p in self.params if p.slot.trainable}
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        if id(param) in self.awaiting_grads:
+            self.awaiting_grads.discard(id(param))
+            if not self.awaiting_grads:
+                self.release()
 
     def add_external(self, param: ShardedParam) -> None:
         if param not in self.params:
@@ -71,12 +88,22 @@ class ModuleHooks:
                  on_grad_ready: Callable[[torch.nn.Parameter], None], trainable: list[torch.nn.Parameter]):
         self.groups = groups
         self.running: list[FetchGroup] = []  # modules inside their forward, innermost last
+        self._on_grad_ready = on_grad_ready
+        self._groups_of: dict[int, list[FetchGroup]] = {}
+        for group in groups.values():
+            for p in group.params:
+                self._groups_of.setdefault(id(p.param), []).append(group)
         self._handles = []
         for module, group in groups.items():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(group), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_forward(group)))
         for param in trainable:
-            self._handles.append(param.register_post_accumulate_grad_hook(on_grad_ready))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        self._on_grad_ready(param)
+        for group in self._groups_of.get(id(param), ()):
+            group.grad_ready(param)
 
     def _pre_forward(self, group: FetchGroup):
         def hook(module, args, kwargs):
@@ -84,7 +111,9 @@ class ModuleHooks:
             self.running.append(group)
             if not torch.is_grad_enabled():
                 return None
-            return _wrap_for_release(group, args, kwargs)
+            wrapped = _wrap_for_release(group, args, kwargs)
+            group.release_on_grads = wrapped is None
+            return wrapped
         return hook
 
     def _post_forward(self, group: FetchGroup):
@@ -94,7 +123,8 @@ class ModuleHooks:
             group.release()
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch(), mode="any")
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch_for_backward(),
+                                                              mode="any")
             return None
         return hook
 
