@@ -1,0 +1,131 @@
+"""Fused CPU Adam: our kernel against torch, and against the bandwidth floor.
+
+Two cases over the same buffers (so the same physical pages) in one run:
+
+  fp32  ours: adam_step(p, g32, m, v)
+        torch: torch._fused_adamw_ (what AdamW(fused=True).step() calls)
+  bf16  ours: adam_step(p, g16, m, v, param_out=p16)            bf16 grads,
+        torch: g32.copy_(g16); _fused_adamw_; p16.copy_(p)       bf16 param copy
+              (the best torch pipeline: preallocated upcast buffer)
+
+and for each case the bandwidth floor: the kernel's `touch` pass, which makes
+exactly the step's loads and stores with no Adam arithmetic.
+
+Contenders run alternately, round after round, with the order rotated each
+round; a figure is the median over rounds, and a ratio the median of the
+per-round ratios. The machine is shared: read ratios, not times.
+
+    .venv/bin/python benchmarks/bench_adam.py [--numel 100000000] [--rounds 11]
+
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+import infinity.kernels as kernels
+from infinity.kernels import extension
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+# Bytes each pass moves per element: reads p, g, m, v; writes p, m, v (+ copy).
+BYTES_PER_ELEM = {"fp32": 4 + 4 + 4 + 4 + 3 * 4, "bf16": 4 + 2 + 4 + 4 + 3 * 4 + 2}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=int, default=100_000_000, help="parameters (default 100M)")
+    ap.add_argument("--rounds", type=int, default=11, help="timed rounds after 2 warm-up rounds")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if kernels.backend() != "cpp":
+        raise SystemExit(f"the C++ kernel is unavailable ({extension.KERNEL.error}); nothing to measure")
+
+    n = args.numel
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen).mul_(1e-2)
+    v = torch.rand(n, generator=gen).mul_(1e-4)
+    g32 = torch.randn(n, generator=gen)
+    g16 = g32.to(torch.bfloat16)
+    p16 = torch.empty(n, dtype=torch.bfloat16)
+    g32_buf = torch.empty(n)  # torch pipeline's preallocated upcast buffer
+    step = [0]
+
+    def ours_fp32():
+        step[0] += 1
+        kernels.adam_step(p, g32, m, v, step=step[0], **HYPER)
+
+    def ours_bf16():
+        step[0] += 1
+        kernels.adam_step(p, g16, m, v, step=step[0], param_out=p16, **HYPER)
+
+    def torch_fused(grad):
+        step[0] += 1
+        torch._fused_adamw_(
+            [p], [grad], [m], [v], [], [torch.tensor(float(step[0]))],
+            lr=HYPER["lr"], beta1=HYPER["beta1"], beta2=HYPER["beta2"],
+            weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+    def torch_fp32():
+        torch_fused(g32)
+
+    def torch_bf16():
+        g32_buf.copy_(g16)
+        torch_fused(g32_buf)
+        p16.copy_(p)
+
+    cases = {
+        "fp32": {"ours": ours_fp32, "torch": torch_fp32, "floor": lambda: extension.touch(p, g32, m, v)},
+        "bf16": {"ours": ours_bf16, "torch": torch_bf16, "floor": lambda: extension.touch(p, g16, m, v, p16)},
+    }
+    times = {case: {name: [] for name in fns} for case, fns in cases.items()}
+    order = [(case, name) for case, fns in cases.items() for name in fns]
+    for r in range(2 + args.rounds):
+        rotated = order[r % len(order) :] + order[: r % len(order)]
+        for case, name in rotated:
+            start = time.perf_counter()
+            cases[case][name]()
+            elapsed = time.perf_counter() - start
+            if r >= 2:
+                times[case][name].append(elapsed)
+
+    print(
+        f"fused Adam, {n:,} params, {torch.get_num_threads()} threads, body {extension.best_isa()}, "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
+    )
+    print(f"{'case':5} {'contender':8} {'median ms':>10} {'Gparam/s':>9} {'GB/s':>7}")
+    result = {"numel": n, "threads": torch.get_num_threads(), "rounds": args.rounds, "isa": extension.best_isa()}
+    for case, by_name in times.items():
+        for name, ts in by_name.items():
+            med = statistics.median(ts)
+            gbps = n * BYTES_PER_ELEM[case] / med / 1e9
+            print(f"{case:5} {name:8} {med * 1e3:10.1f} {n / med / 1e9:9.3f} {gbps:7.1f}")
+            result[f"{case}_{name}_ms"] = round(med * 1e3, 2)
+            result[f"{case}_{name}_gparams_s"] = round(n / med / 1e9, 3)
+        speedup = statistics.median(t / o for t, o in zip(by_name["torch"], by_name["ours"]))
+        over_floor = statistics.median(o / f for o, f in zip(by_name["ours"], by_name["floor"]))
+        result[f"{case}_speedup_vs_torch"] = round(speedup, 3)
+        result[f"{case}_ours_over_floor"] = round(over_floor, 3)
+    print(
+        f"fp32: ours {result['fp32_speedup_vs_torch']:.2f}x torch fused AdamW (need >= 1.0), "
+        f"{result['fp32_ours_over_floor']:.2f}x the floor (need <= 1.25)"
+    )
+    print(
+        f"bf16: ours {result['bf16_speedup_vs_torch']:.2f}x the torch pipeline (need >= 1.3), "
+        f"{result['bf16_ours_over_floor']:.2f}x the floor (need <= 1.25)"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
