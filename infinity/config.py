@@ -110,7 +110,7 @@ class ZeroConfig:
     sub_group_size: int = 1_000_000_000
     """Elements the optimizer updates per chunk (and swaps per NVMe transfer)."""
     prefetch_bucket_size: int = 50_000_000
-    """Elements fetched ahead of need."""
+    """Elements swapped in ahead of need; 0 turns prefetching off."""
     param_persistence_threshold: int = 100_000
     """Parameters with at most this many elements stay gathered between uses."""
     max_live_parameters: int = 1_000_000_000
@@ -125,9 +125,9 @@ class ZeroConfig:
             raise ValueError(
                 f"zero_optimization.stage must be 3 (this engine is ZeRO stage 3 with offload), got {self.stage!r}"
             )
-        for name in ("sub_group_size", "prefetch_bucket_size", "max_live_parameters"):
+        for name in ("sub_group_size", "max_live_parameters"):
             _require_positive(f"zero_optimization.{name}", getattr(self, name))
-        for name in ("param_persistence_threshold", "max_reuse_distance"):
+        for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
             _require_non_negative(f"zero_optimization.{name}", getattr(self, name))
 
 

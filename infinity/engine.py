@@ -22,6 +22,7 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
 from infinity.tiers import TIER_OF_OFFLOAD, Tiers
@@ -100,6 +101,13 @@ class Engine:
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
         self._cast_buffers(model)
+        self.prefetcher = None
+        if any(p.needs_swap_in for p in self.params) and (zero.prefetch_bucket_size or zero.max_reuse_distance):
+            self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
+                                         max_live_numel=zero.max_live_parameters,
+                                         max_reuse_distance=zero.max_reuse_distance,
+                                         device_stats=self.tiers.stats["device"])
+        self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         self.reducer = GradReducer(layout, self.optimizer.grads, self.comm,
@@ -107,6 +115,7 @@ class Engine:
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.overlap_step = self._overlap_allowed()
         self.micro_step = 0
         self.global_step = 0
         self._backward_pending = False
@@ -115,6 +124,20 @@ class Engine:
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
         self._fetch_wait_s = 0.0
+
+    def _overlap_allowed(self) -> bool:
+        """Overlapping the step with backward is exact unless every gradient must be seen before any update."""
+        if not self.config.zero.overlap_step_with_backward:
+            return False
+        reason = None
+        if self.config.gradient_clipping > 0:
+            reason = "gradient clipping needs the global gradient norm before any shard is updated"
+        elif self.config.precision == "fp16":
+            reason = "fp16 loss scaling must see every gradient (overflow check) before any shard is updated"
+        if reason:
+            logger.info("overlap_step_with_backward is off: %s; the step runs after backward", reason)
+            return False
+        return True
 
     def _make_read_pool(self, param_tier: str) -> HostBufferPool | None:
         if param_tier != "nvme" or self.comm.world_size == 1:
@@ -213,14 +236,15 @@ class Engine:
         self._ensure_open()
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
+        self._begin_pass()
         try:
             with FetchOnUse(self._by_param, self.hooks, self.root_group):
                 output = self.module(*args, **kwargs)
         except BaseException:
-            self._release_all()
+            self._end_pass()
             raise
         if not torch.is_grad_enabled():
-            self._release_all()
+            self._end_pass()  # no backward follows
         self._compute_s += time.perf_counter() - start
         return output
 
@@ -234,10 +258,15 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
+        boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        if boundary and self.overlap_step:
+            self.optimizer.begin_overlapped_step()
+            self.reducer.on_slot_final = self.optimizer.slot_grad_final
         try:
             (loss.float() * scale).backward()
         finally:
-            self._release_all()
+            self.reducer.on_slot_final = None
+            self._end_pass()
         self._compute_s += time.perf_counter() - start
         self.micro_step += 1
         self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
@@ -253,6 +282,14 @@ class Engine:
             raise RuntimeError("step() called before backward(): run engine.backward(loss) for this micro-batch first")
         self._backward_pending = False
         if not self.is_gradient_accumulation_boundary():
+            return
+        if self.optimizer.overlapping:
+            start = time.perf_counter()
+            self._metrics["sub_groups_during_backward"] = self.optimizer.finish_overlapped_step()
+            self._metrics["optimizer_s"] = time.perf_counter() - start
+            for sharded in self.params:
+                sharded.mark_stale()
+            self._finish_step(skipped=False)
             return
         coef = 1.0
         skipped = False
@@ -275,6 +312,9 @@ class Engine:
         else:
             logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
                         self.global_step, self.loss_scaler.scale)
+        self._finish_step(skipped)
+
+    def _finish_step(self, skipped: bool) -> None:
         self.reducer.zero()
         self.optimizer.grads.zero_()
         self.global_step += 1
@@ -357,10 +397,25 @@ class Engine:
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
 
+    # -- passes ------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        """A pass is one micro-batch's forward and backward (or a forward alone without grad)."""
+        if self._in_pass:
+            return
+        self._in_pass = True
+        if self.prefetcher is not None:
+            self.prefetcher.begin_pass()
+
+    def _end_pass(self) -> None:
+        self._release_all()
+        if self._in_pass and self.prefetcher is not None:
+            self.prefetcher.end_pass()
+        self._in_pass = False
+
     # -- teardown ----------------------------------------------------------------
     def _release_all(self) -> None:
         for sharded in self.params:
-            if sharded.state is ParamState.FETCHED:
+            if sharded.state is not ParamState.RELEASED:
                 sharded.force_release()
         self.hooks.running.clear()
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,8 @@ class OffloadOptimizer:
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
         self._host_scratch: torch.Tensor | None = None
+        self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
+        self._overlap: _OverlappedStep | None = None
         if tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
@@ -161,6 +165,41 @@ class OffloadOptimizer:
         for staging in sets:
             staging.wait_writes()
 
+    # -- the step overlapped with backward -------------------------------------
+    @property
+    def overlapping(self) -> bool:
+        return self._overlap is not None
+
+    def begin_overlapped_step(self) -> None:
+        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final."""
+        self.step_count += 1
+        self._overlap = _OverlappedStep(self)
+
+    def slot_grad_final(self, slot) -> None:
+        """The gradient reducer's callback: ``slot``'s gradient is final for this step."""
+        self._overlap.slot_final(slot, self._group_of_slot[slot.index])
+
+    def finish_overlapped_step(self) -> int:
+        """Update the sub-groups still waiting (parameters that got no gradient) and wait for all updates;
+        returns how many sub-groups were ready before backward ended."""
+        overlap, self._overlap = self._overlap, None
+        return overlap.finish()
+
+    def _update_alone(self, group: SubGroup, staging_index: int) -> None:
+        """One sub-group's whole update (read, Adam, write back), as the worker does it."""
+        if self.tier != "nvme":
+            states = {name: t[group.start:group.end] for name, t in self._states.items()}
+            for handle in self._update(group, states, self._host_scratch):
+                handle.wait()
+            return
+        staging = self._staging[staging_index % len(self._staging)]
+        staging.wait_writes()
+        for handle in self._read_states(group, staging):
+            handle.wait()
+        states = {name: t[:group.numel] for name, t in staging.states.items()}
+        staging.writes.extend(self._update(group, states, staging.compute))
+        staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
+
     def _read_states(self, group: SubGroup, staging: _Staging) -> list[IOHandle]:
         handles = []
         for name in STATE_NAMES:
@@ -229,6 +268,53 @@ class OffloadOptimizer:
         if self._host_scratch is not None:
             self._tiers.free("host", self._host_scratch)
             self._host_scratch = None
+
+
+class _OverlappedStep:
+    """A worker thread that updates sub-groups in the order their gradients become final."""
+
+    def __init__(self, optimizer: OffloadOptimizer):
+        self._optimizer = optimizer
+        self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
+        self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
+        self._error: BaseException | None = None
+        self.updated = 0
+        self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
+        self._worker.start()
+
+    def slot_final(self, slot, group: SubGroup) -> None:
+        waiting = self._waiting.get(group.index)
+        if waiting is None:
+            return
+        waiting.discard(slot.index)
+        if not waiting:
+            del self._waiting[group.index]
+            self._ready.put(group)
+
+    def finish(self) -> int:
+        """Returns how many sub-groups were updated while backward still ran."""
+        during_backward = self.updated + self._ready.qsize()
+        groups = self._optimizer.layout.sub_groups
+        for index in sorted(self._waiting):
+            self._ready.put(groups[index])
+        self._waiting.clear()
+        self._ready.put(None)
+        self._worker.join()
+        for staging in self._optimizer._staging:
+            staging.wait_writes()
+        if self._error is not None:
+            raise self._error
+        return during_backward
+
+    def _run(self) -> None:
+        while (group := self._ready.get()) is not None:
+            if self._error is not None:
+                continue  # drain; finish() raises the first error
+            try:
+                self._optimizer._update_alone(group, self.updated)
+                self.updated += 1
+            except BaseException as err:  # handed to the main thread by finish()
+                self._error = err
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:

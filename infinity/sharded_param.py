@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 class ParamState(enum.Enum):
     RELEASED = "released"   # only the shard exists
+    FETCHING = "fetching"   # the full tensor is allocated; its shard's swap-in is in flight (prefetch)
     FETCHED = "fetched"     # the full tensor is in device memory
 
 
@@ -43,6 +44,9 @@ class ShardedParam:
         self.persistent = persistent
         self.holders = 0
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
+        self._swap_in = None   # (handle, shard view, pool buffer or None) while FETCHING
+        self.on_fetch = None   # callback(self) at every fetch request (the prefetcher's trace)
+        self.retain = None     # callback(self) -> bool: keep the full tensor though no one holds it
         dtype = shards.dtype
         # With one rank and the shard in device memory, the shard is the full tensor.
         resident = shards.resident(slot)
@@ -61,26 +65,53 @@ class ShardedParam:
     def full_nbytes(self) -> int:
         return self.slot.padded_numel * self.full.element_size()
 
+    @property
+    def needs_swap_in(self) -> bool:
+        """Its shard rests on NVMe, so fetching it starts with a read that can be issued ahead."""
+        return self._shards.resident(self.slot) is None
+
     # -- verbs --------------------------------------------------------------
     def fetch(self) -> None:
         """Make the full tensor available; counted once per holder."""
         self.holders += 1
+        if self.on_fetch is not None:
+            self.on_fetch(self)
         if self.state is ParamState.FETCHED and not (self.stale and not self.aliased):
             return
+        before = self.state
         if self.state is ParamState.RELEASED:
-            self._tiers.stats["device"].allocate(self.full_nbytes)
-            self.full.untyped_storage().resize_(self.full_nbytes)
-        self._gather()
+            self._allocate()
+        if self.state is ParamState.FETCHING:
+            self._finish_swap_in()
+        else:
+            self._gather()
         self.stale = False
-        if self.state is ParamState.RELEASED:
-            logger.debug("%s: RELEASED -> FETCHED", self.name)
         self.state = ParamState.FETCHED
+        if before is not ParamState.FETCHED:
+            logger.debug("%s: %s -> FETCHED", self.name, before.name)
+
+    def prefetch(self) -> bool:
+        """Start swapping in the shard of a released parameter whose shard is on NVMe; False if nothing to do."""
+        if self.state is not ParamState.RELEASED or not self.needs_swap_in:
+            return False
+        self._allocate()
+        slot = self.slot
+        if self._comm.world_size == 1:
+            target, buffer = self.full[:slot.shard_numel], None
+        else:
+            nbytes = slot.shard_numel * self.full.element_size()
+            buffer = self._read_pool.acquire(nbytes)
+            target = buffer[:nbytes].view(self.full.dtype)
+        self._swap_in = (self._shards.read(slot, target), target, buffer)
+        self.state = ParamState.FETCHING
+        logger.debug("%s: RELEASED -> FETCHING (nvme->host)", self.name)
+        return True
 
     def release(self) -> None:
         """Drop one holder; free the full tensor when none is left (persistent parameters stay)."""
         if self.holders > 0:
             self.holders -= 1
-        if self.holders == 0 and not self.persistent:
+        if self.holders == 0 and not self.persistent and not (self.retain is not None and self.retain(self)):
             self._free()
 
     def force_release(self) -> None:
@@ -97,13 +128,34 @@ class ShardedParam:
                 self._free()
 
     # -- internals ----------------------------------------------------------
+    def _allocate(self) -> None:
+        self._tiers.stats["device"].allocate(self.full_nbytes)
+        self.full.untyped_storage().resize_(self.full_nbytes)
+
+    def _finish_swap_in(self) -> None:
+        handle, shard, buffer = self._swap_in
+        self._swap_in = None
+        try:
+            handle.wait()
+            if buffer is not None:
+                self._comm.all_gather_into(self.full, shard.to(self.full.device, non_blocking=True))
+        finally:
+            if buffer is not None:
+                self._read_pool.release(buffer)
+
     def _free(self) -> None:
         if self.aliased or self.state is ParamState.RELEASED:
             return
+        if self.state is ParamState.FETCHING:  # a prefetch nobody used: let the read land first
+            handle, _, buffer = self._swap_in
+            self._swap_in = None
+            handle.wait()
+            if buffer is not None:
+                self._read_pool.release(buffer)
         self.full.untyped_storage().resize_(0)
         self._tiers.stats["device"].free(self.full_nbytes)
+        logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
         self.state = ParamState.RELEASED
-        logger.debug("%s: FETCHED -> RELEASED", self.name)
 
     def _gather(self) -> None:
         slot = self.slot

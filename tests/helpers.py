@@ -119,6 +119,7 @@ def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: i
     offload_optimizer = {"device": optimizer}
     if param == "nvme":
         offload_param["nvme_path"] = nvme_path
+        offload_param["max_in_cpu"] = 0  # really on NVMe, not cached in host memory
     if optimizer == "nvme":
         offload_optimizer["nvme_path"] = nvme_path
     return {

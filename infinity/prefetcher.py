@@ -1,0 +1,129 @@
+"""The dynamic prefetcher: swap shards in ahead of need, in the order the
+last pass used them.
+
+A pass (one micro-batch's forward and backward) records every fetch request
+in order. The next pass follows that trace: each time a request matches the
+trace, the swap-ins of the parameters coming next are started, as far ahead as
+``prefetch_bucket_size`` elements and as the live-parameter budget allow, so
+the NVMe reads run while the current module computes. A released parameter
+whose next use is within ``max_reuse_distance`` elements of fetches is kept
+gathered (within the same budget) instead of being fetched again.
+
+When the order changes (a data-dependent branch, adapters switched on or off)
+the pass stops prefetching, fetches on demand, and its trace becomes the plan
+for the next pass: no error, no deadlock, one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from infinity.sharded_param import ParamState, ShardedParam
+from infinity.storage import TierStats
+
+logger = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    def __init__(self, params: list[ShardedParam], *, bucket_numel: int, max_live_numel: int,
+                 max_reuse_distance: int, device_stats: TierStats):
+        self._params = params
+        self._bucket_numel = bucket_numel
+        self._max_live_numel = max_live_numel
+        self._max_reuse_distance = max_reuse_distance
+        self._device = device_stats
+        self.plan: list[ShardedParam] = []    # the last complete pass's requests
+        self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
+        self._numel_before: list[int] = []    # elements requested before each plan position
+        self._trace: list[ShardedParam] = []  # this pass's requests so far
+        self._on_plan = False
+        self._issued_upto = 0                 # plan positions below this have had their prefetch considered
+        self.prefetched = 0                   # swap-ins started ahead of need (metrics)
+        self.order_changes = 0
+        for p in params:
+            p.on_fetch = self._on_fetch
+            p.retain = self._retain
+
+    # -- a pass ------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._trace = []
+        self._on_plan = bool(self.plan)
+        self._issued_upto = 0
+
+    def end_pass(self) -> None:
+        if self._trace != self.plan:
+            if self.plan:
+                self.order_changes += 1
+                logger.info("the order of parameter fetches changed (pass of %d requests, plan of %d): "
+                            "fetching on demand this pass and following the new order from the next",
+                            len(self._trace), len(self.plan))
+            self._adopt(self._trace)
+        self._trace = []
+        self._on_plan = False
+
+    def _adopt(self, trace: list[ShardedParam]) -> None:
+        self.plan = list(trace)
+        self._numel_before, total = [], 0
+        for p in self.plan:
+            self._numel_before.append(total)
+            total += p.slot.numel
+        self._next_use = [len(self.plan)] * len(self.plan)
+        last_seen: dict[int, int] = {}
+        for i in range(len(self.plan) - 1, -1, -1):
+            key = id(self.plan[i])
+            self._next_use[i] = last_seen.get(key, len(self.plan))
+            last_seen[key] = i
+
+    # -- callbacks from ShardedParam ---------------------------------------------
+    def _on_fetch(self, param: ShardedParam) -> None:
+        position = len(self._trace)
+        self._trace.append(param)
+        if not self._on_plan:
+            return
+        if position >= len(self.plan) or self.plan[position] is not param:
+            self._on_plan = False  # off the plan: on demand until the pass ends
+            return
+        self._prefetch_after(position)
+
+    def _retain(self, param: ShardedParam) -> bool:
+        """Keep a released parameter gathered when the plan uses it again soon and the budget allows."""
+        if not self._on_plan or self._max_reuse_distance == 0:
+            return False
+        position = len(self._trace) - 1
+        if position < 0 or position >= len(self.plan):
+            return False
+        # the last request of this parameter in the trace so far
+        for i in range(position, -1, -1):
+            if self.plan[i] is param:
+                nxt = self._next_use[i]
+                break
+        else:
+            return False
+        if nxt >= len(self.plan):
+            return False
+        distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
+        return distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
+
+    # -- internals ----------------------------------------------------------------
+    def _prefetch_after(self, position: int) -> None:
+        start = max(position + 1, self._issued_upto)
+        ahead_numel = self._numel_before[start] - self._numel_before[position + 1] if start < len(self.plan) else 0
+        i = start
+        while i < len(self.plan):
+            p = self.plan[i]
+            numel = p.slot.numel
+            if ahead_numel + numel > self._bucket_numel and i > position + 1:
+                break
+            if p.state is ParamState.RELEASED and p.needs_swap_in:
+                if self._live_numel() + p.slot.padded_numel > self._max_live_numel:
+                    break
+                if p.prefetch():
+                    self.prefetched += 1
+            ahead_numel += numel
+            i += 1
+        self._issued_upto = i
+
+    def _live_numel(self) -> int:
+        # device bytes are all gathered parameters (and resident shards when params stay on the device)
+        itemsize = self._params[0].full.element_size() if self._params else 1
+        return self._device.live_nbytes // itemsize
