@@ -26,6 +26,7 @@ from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
 from infinity.tiers import TIER_OF_OFFLOAD, Tiers
+from infinity.trace import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ class Engine:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
         zero = config.zero
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
-        self.tiers = Tiers(config, self.device)
+        self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
+        self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
+        self.tiers = Tiers(config, self.device, self.timeline)
         self._closed = False
         try:
             self._build(model, named, meta_data)
@@ -84,7 +87,8 @@ class Engine:
         grad_dtype = self.dtype if lossless else torch.float32
         self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
                                           grad_dtype=grad_dtype, nvme_path=zero.offload_optimizer.nvme_path,
-                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write)
+                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+                                          timeline=self.timeline)
         self._read_pool = self._make_read_pool(param_tier)
         by_name = {name: p for name, p in named}
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
@@ -238,7 +242,7 @@ class Engine:
         start = time.perf_counter()
         self._begin_pass()
         try:
-            with FetchOnUse(self._by_param, self.hooks, self.root_group):
+            with FetchOnUse(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
         except BaseException:
             self._end_pass()
@@ -263,7 +267,8 @@ class Engine:
             self.optimizer.begin_overlapped_step()
             self.reducer.on_slot_final = self.optimizer.slot_grad_final
         try:
-            (loss.float() * scale).backward()
+            with self.timeline.span("compute", "backward"):
+                (loss.float() * scale).backward()
         finally:
             self.reducer.on_slot_final = None
             self._end_pass()
@@ -389,6 +394,7 @@ class Engine:
             }
         collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
         elapsed = time.perf_counter() - self._step_started
+        self._metrics["timeline"] = self.timeline.close_step()
         self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives,
                              compute_s=self._compute_s, step_s=elapsed,
                              fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
@@ -429,6 +435,11 @@ class Engine:
             return
         self._closed = True
         self.hooks.remove()
+        if self.optimizer.overlapping:
+            self.optimizer.finish_overlapped_step()
+        path = self.timeline.write()
+        if path:
+            logger.info("timeline written to %s (open it in Perfetto or chrome://tracing)", path)
         self.optimizer.close()
         self.compute.close()
         self.tiers.close()

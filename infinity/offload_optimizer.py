@@ -10,6 +10,7 @@ have completed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue
@@ -28,6 +29,7 @@ from infinity.tiers import Tiers
 logger = logging.getLogger(__name__)
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+_nothing = contextlib.nullcontext
 
 
 @dataclass
@@ -47,7 +49,7 @@ class _Staging:
 class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
                  compute: ComputeShards, *, grad_dtype: torch.dtype = torch.float32,
-                 nvme_path: str | None = None, pipeline: bool = True):
+                 nvme_path: str | None = None, pipeline: bool = True, timeline=None):
         self.layout = layout
         self.config = config
         self.tier = tier
@@ -56,6 +58,7 @@ class OffloadOptimizer:
         self._tiers = tiers
         self._compute = compute
         self._pipeline = pipeline
+        self._timeline = timeline
         memory_tier = "device" if tier == "device" else "host"
         self._memory_tier = memory_tier
         # Gradient slices rest in memory next to the optimizer (host when offloaded); fp32 when they
@@ -129,10 +132,11 @@ class OffloadOptimizer:
             scratch = self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel,
                                                              self._compute.dtype)
         out = direct if direct is not None else scratch[:group.numel]
-        kernels.adam_step(states["master"], self.grads[group.start:group.end], states["exp_avg"], states["exp_avg_sq"],
-                          step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
-                          param_out=out)
+        with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
+            kernels.adam_step(states["master"], self.grads[group.start:group.end], states["exp_avg"],
+                              states["exp_avg_sq"], step=self.step_count, lr=self.lr, beta1=cfg.betas[0],
+                              beta2=cfg.betas[1], eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
+                              bias_correction=cfg.bias_correction, param_out=out)
         if direct is not None:
             return []
         writes = []

@@ -24,8 +24,9 @@ TIER_OF_OFFLOAD = {"none": "device", "cpu": "host", "nvme": "nvme"}
 class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
-    def __init__(self, config: InfinityConfig, device: torch.device):
+    def __init__(self, config: InfinityConfig, device: torch.device, timeline=None):
         self.device = device
+        self._timeline = timeline
         self.pin = device.type == "cuda"
         self.stats = {"device": TierStats("device"), "host": TierStats("host")}
         self._io: AsyncIO | None = None
@@ -47,7 +48,14 @@ class Tiers:
 
     # -- nvme -----------------------------------------------------------------
     def swap_store(self, nvme_path: str) -> SwapStore:
-        """The store for ``nvme_path`` (one private directory per run and path)."""
+        """The store for ``nvme_path`` (one private directory per run and path); its requests go on the timeline."""
+        store = self._swap_store(nvme_path)
+        if self._timeline is None:
+            return store
+        from infinity.trace import TracedStore
+        return TracedStore(store, self._timeline)
+
+    def _swap_store(self, nvme_path: str) -> SwapStore:
         key = os.path.realpath(nvme_path)
         if key not in self._stores:
             if self._io is None:

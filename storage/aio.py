@@ -143,7 +143,7 @@ class _Request:
 
     __slots__ = (
         "op", "fd", "path", "segments", "nbytes", "seg", "pos", "issued_all", "inflight",
-        "error", "event", "keepalive", "stats", "close_fd", "count_nbytes",
+        "error", "event", "keepalive", "stats", "close_fd", "count_nbytes", "submitted_s", "completed_s",
     )  # fmt: skip
 
     def __init__(self, op, fd, path, segments, keepalive, stats, close_fd) -> None:
@@ -162,6 +162,8 @@ class _Request:
         self.stats = stats
         self.close_fd = close_fd
         self.count_nbytes = self.nbytes  # what `stats` records on success (the swap store counts payload bytes)
+        self.submitted_s = time.perf_counter()  # for timelines: when asked for and when done
+        self.completed_s: float | None = None
 
 
 class IOHandle:
@@ -205,6 +207,16 @@ class IOHandle:
     def error(self) -> OSError | None:
         """The failure, once done (``None`` while in flight or on success)."""
         return self._error if self.done() else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self._requests)
+
+    def interval(self) -> tuple[float, float] | None:
+        """``(submitted, completed)`` in ``time.perf_counter`` seconds once done, else None (for timelines)."""
+        if not self._requests or not all(r.event.is_set() for r in self._requests):
+            return None
+        return min(r.submitted_s for r in self._requests), max(r.completed_s for r in self._requests)
 
     def _wait(self, timeout: float | None = None) -> None:
         start = time.perf_counter()
@@ -306,6 +318,7 @@ class _Core:
         if req.error is None and req.stats is not None:
             (req.stats.record_read if req.op == READ else req.stats.record_write)(req.count_nbytes)
         req.keepalive = None
+        req.completed_s = time.perf_counter()
         req.event.set()
         self.active -= 1
         self.cond.notify_all()

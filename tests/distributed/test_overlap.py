@@ -151,3 +151,24 @@ def test_delayed_completions_give_the_same_results(tmp_path, monkeypatch):
     assert slow_losses == real_losses
     for key in real_state:
         assert torch.equal(slow_state[key], real_state[key]), key
+
+
+def test_trace_has_a_track_per_activity_and_steps_summarize(tmp_path):
+    import json
+    torch.manual_seed(0)
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-3)
+    config["trace"] = {"path": str(tmp_path / "trace.json")}
+    engine = infinity.initialize(TinyGPT(), config)
+    for x, y in gpt_batches(2, batch=2):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    summary = engine.step_metrics()["timeline"]
+    engine.close()
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"compute", "nvme read", "nvme write", "optimizer"} <= names
+    tids = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert len(tids) >= 4
+    assert summary["compute_s"] > 0 and summary["io_s"] > 0
+    assert 0 <= summary["io_exposed_s"] <= summary["io_s"]
