@@ -111,41 +111,43 @@ def check_tensors(
     param_out: object | None,
 ) -> None:
     """Raises ``ValueError`` naming the first tensor argument the kernel cannot take."""
-    named = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if param_out is not None:
-        named["param_out"] = param_out
-    allowed = {
-        "param": _FP32, "grad": _GRAD_DTYPES, "exp_avg": _FP32, "exp_avg_sq": _FP32,
-        "param_out": _OUT_DTYPES,
-    }  # fmt: skip
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in allowed[name]:
-            names = " or ".join(str(d).removeprefix("torch.") for d in allowed[name])
-            raise ValueError(f"{name} must be {names}, got {str(t.dtype).removeprefix('torch.')}")
-        if t.device.type != "cpu":
-            raise ValueError(f"{name} must be on the CPU, got {t.device}")
-        if t.layout != torch.strided:
-            raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
-    numel = param.numel()
-    for name, t in named.items():
-        if t.numel() != numel:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+    numel = _check_tensor("param", param, _FP32, None)
+    named = [("param", param)]
+    for name, t, allowed in (
+        ("grad", grad, _GRAD_DTYPES),
+        ("exp_avg", exp_avg, _FP32),
+        ("exp_avg_sq", exp_avg_sq, _FP32),
+        ("param_out", param_out, _OUT_DTYPES),
+    ):
+        if t is not None or name != "param_out":
+            _check_tensor(name, t, allowed, numel)
+            named.append((name, t))
+    if numel == 0:
+        return
     # The kernel reads and writes each element once; overlapping buffers would
     # read values it has already written.
-    spans = {
-        name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-        for name, t in named.items()
-        if t.numel() > 0
-    }
-    names = list(spans)
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]:
+    spans = [(name, t.data_ptr(), t.data_ptr() + numel * t.element_size()) for name, t in named]
+    for i, (a, a_lo, a_hi) in enumerate(spans):
+        for b, b_lo, b_hi in spans[i + 1 :]:
+            if a_lo < b_hi and b_lo < a_hi:
                 raise ValueError(f"{a} and {b} overlap in memory; each needs its own buffer")
+
+
+def _check_tensor(name: str, t: object, allowed: tuple, numel: int | None) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{name} must be {names}, got {str(t.dtype).removeprefix('torch.')}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+    return t.numel()
 
 
 def _requested_backend() -> str:

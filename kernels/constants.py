@@ -61,7 +61,7 @@ class AdamConstants:
         bias_correction: bool,
     ) -> AdamConstants:
         """Checks the hyperparameters (``ValueError`` naming the bad one) and derives the constants."""
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        if type(step) is not int and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
             raise ValueError(f"step must be an int (the 1-based step count), got {type(step).__name__}")
         if step < 1:
             raise ValueError(f"step must be >= 1 (it counts steps from 1), got {step}")
@@ -105,6 +105,8 @@ class AdamConstants:
 
 
 def _real(name: str, value: object) -> float:
+    if type(value) is float:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)

@@ -37,7 +37,8 @@ _CSRC = Path(__file__).resolve().with_name("csrc")
 _SOURCES = ("adam.cpp",)
 _NAME = "infinity_kernels_adam"
 _MARKER = "built.ok"
-BUILD_MESSAGE = "infinity.kernels: building the fused Adam kernel (once per machine, ~30 s)…"
+_STALE_LOCK_SECONDS = 15 * 60  # a build takes well under a minute
+BUILD_MESSAGE = "infinity.kernels: building the fused Adam kernel (once per machine, ~30 s)..."
 
 # Code paths in csrc/adam.cpp; "auto" is the best one this CPU runs.
 ISA_CODES = {"auto": 0, "generic": 1, "avx2": 2, "avx512": 3}
@@ -147,6 +148,15 @@ class _Kernel:
         from torch.utils import cpp_extension  # imported only to build
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        # cpp_extension waits for as long as its lock file exists; one left by
+        # a build that was killed would make every later process wait forever.
+        lock = build_dir / "lock"
+        try:
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+                logger.warning("infinity.kernels: removing a stale build lock %s", lock)
+                lock.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
         print(BUILD_MESSAGE, file=sys.stderr, flush=True)
         start = time.perf_counter()
         # cpp_extension holds a lock file in build_dir, so concurrent processes
