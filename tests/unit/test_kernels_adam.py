@@ -392,8 +392,19 @@ def test_overlapping_buffers_are_rejected(fn):
     with pytest.raises(ValueError, match="exp_avg and exp_avg_sq overlap"):
         fn(**args)
     args = valid_args()
+    buf = torch.zeros(9)
+    args["param"] = buf[1:]
     with pytest.raises(ValueError, match="param and param_out overlap"):
-        fn(**args, param_out=args["param"])
+        fn(**args, param_out=buf[:8])
+
+
+@pytest.mark.parametrize("fn", [kernels.adam_step, kernels.adam_step_reference], ids=["adam_step", "reference"])
+def test_param_out_may_be_param_itself(fn):
+    param, grad = torch.randn(8), torch.randn(8)
+    expected = param.clone()
+    kernels.adam_step_reference(expected, grad, torch.zeros(8), torch.zeros(8), step=1, weight_decay=0.1, **HYPER)
+    fn(param, grad, torch.zeros(8), torch.zeros(8), step=1, weight_decay=0.1, param_out=param, **HYPER)
+    assert torch.equal(param, expected)
 
 
 BAD_SCALARS = [
