@@ -1,1 +1,1 @@
-"""Sub-commands of the ``infinity`` CLI. Each module defines ``add_parser(subparsers)`` and ``run(args) -> int``."""
+"""Sub-commands of the ``infinity`` CLI. Each module defines ``add_arguments(parser)`` and ``run(args) -> int``."""

@@ -1,0 +1,145 @@
+"""Overlap: step time with parameters and optimizer on NVMe, all overlap on
+against all off, against two floors measured in the same run:
+
+* the compute floor: the same model and batch with no offload (everything in
+  memory, the same fused optimizer);
+* the I/O floor: the bytes one step moves to and from NVMe divided by the
+  bandwidth `infinity bench` measures on the same path (read and write apart).
+
+The overlapped and the sequential engines live side by side and their steps
+alternate, so the machine's noise hits both alike; figures are medians.
+The last line is JSON with at least step_s, step_no_overlap_s,
+compute_floor_s and io_floor_s.
+
+    python benchmarks/bench_overlap.py                     # ~300M parameters
+    python benchmarks/bench_overlap.py --layers 4 --steps 2  # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+import infinity
+from infinity.models.gpt import GPT, GPTConfig, count_params
+from infinity.storage.bench import check_free_space, measure_nvme
+
+
+def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) -> dict:
+    offload = "nvme" if nvme_path else "none"
+    param = {"device": offload}
+    optimizer = {"device": offload}
+    if nvme_path:
+        param.update(nvme_path=nvme_path, max_in_cpu=0)
+        optimizer.update(nvme_path=nvme_path)
+    return {
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3, "offload_param": param, "offload_optimizer": optimizer, "sub_group_size": sub_group_size,
+            "overlap_step_with_backward": overlap,
+            "stage3_prefetch_bucket_size": 200_000_000 if overlap else 0,
+            "stage3_max_reuse_distance": 1_000_000_000 if overlap else 0,
+        },
+    }
+
+
+def build(cfg: GPTConfig, config: dict):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return infinity.initialize(model, config)
+
+
+def one_step(engine, batch) -> tuple[float, dict]:
+    start = time.perf_counter()
+    loss = engine(*batch)
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - start, engine.step_metrics()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps of each engine")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sub-group-size", type=int, default=20_000_000)
+    parser.add_argument("--nvme-path", default=None, help="a directory on the NVMe tier (default: a temporary one)")
+    args = parser.parse_args()
+
+    cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
+    numel = count_params(cfg)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    print(f"model: {numel / 1e6:.0f}M parameters, batch {args.batch} x {args.seq_len} tokens, bf16")
+
+    with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-overlap-") as nvme:
+        check_free_space(nvme, 2 * numel * 14 + (1 << 30))
+        bw = [measure_nvme(nvme, nbytes=1 << 30, block_size=1 << 20, queue_depth=32) for _ in range(3)]
+        read_GBps = statistics.median(r.read_GBps for r in bw)
+        write_GBps = statistics.median(r.write_GBps for r in bw)
+        print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write {write_GBps:.2f} GB/s, "
+              f"read {read_GBps:.2f} GB/s")
+
+        floor = build(cfg, engine_config(None, overlap=True, sub_group_size=args.sub_group_size))
+        compute_times = [one_step(floor, batch)[0] for _ in range(args.warmup + args.steps)][args.warmup:]
+        floor.close()
+        del floor
+
+        on = build(cfg, engine_config(nvme, overlap=True, sub_group_size=args.sub_group_size))
+        off = build(cfg, engine_config(nvme, overlap=False, sub_group_size=args.sub_group_size))
+        times = {"on": [], "off": []}
+        metrics_on = None
+        for i in range(args.warmup + args.steps):
+            for name, engine in (("on", on), ("off", off)):
+                elapsed, metrics = one_step(engine, batch)
+                if i >= args.warmup:
+                    times[name].append(elapsed)
+                    if name == "on":
+                        metrics_on = metrics
+            print(f"  step {i}: overlap on {times['on'][-1] if i >= args.warmup else elapsed:.2f} s", flush=True)
+        on.close()
+        off.close()
+
+    nvme_tier = metrics_on["tiers"]["nvme"]
+    io_floor = nvme_tier["bytes_read"] / (read_GBps * 1e9) + nvme_tier["bytes_written"] / (write_GBps * 1e9)
+    result = {
+        "params": numel,
+        "step_s": statistics.median(times["on"]),
+        "step_no_overlap_s": statistics.median(times["off"]),
+        "compute_floor_s": statistics.median(compute_times),
+        "io_floor_s": io_floor,
+        "bytes_read_per_step": nvme_tier["bytes_read"],
+        "bytes_written_per_step": nvme_tier["bytes_written"],
+        "read_GBps": read_GBps,
+        "write_GBps": write_GBps,
+        "timeline": metrics_on["timeline"],
+    }
+    bound = max(result["compute_floor_s"], result["io_floor_s"])
+    result["step_over_floor"] = result["step_s"] / bound
+    result["speedup_over_no_overlap"] = result["step_no_overlap_s"] / result["step_s"]
+    print(f"step, overlap on : {result['step_s']:.2f} s  ({result['step_over_floor']:.2f} x max(floors); "
+          f"target <= 1.15)")
+    print(f"step, overlap off: {result['step_no_overlap_s']:.2f} s  ({result['speedup_over_no_overlap']:.2f} x slower)")
+    print(f"compute floor    : {result['compute_floor_s']:.2f} s")
+    print(f"I/O floor        : {result['io_floor_s']:.2f} s  ({nvme_tier['bytes_read'] / 1e9:.2f} GB read, "
+          f"{nvme_tier['bytes_written'] / 1e9:.2f} GB written per step)")
+    tl = result["timeline"]
+    print(f"timeline (overlap on, last step): compute {tl['compute_s']:.2f} s, optimizer {tl['optimizer_s']:.2f} s, "
+          f"I/O {tl['io_s']:.2f} s, I/O not hidden {tl['io_exposed_s']:.2f} s")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
