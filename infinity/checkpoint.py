@@ -77,7 +77,7 @@ STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
-_READ_CHUNK_NBYTES = 16 << 20
+_READ_CHUNK_NBYTES = 1 << 20  # hashing and casting go through buffers this large
 _HEADER_MAX_NBYTES = 100 << 20
 
 
@@ -570,12 +570,7 @@ def save_checkpoint(engine, save_dir, *, tag: str | None = None, client_state: d
     (rank 0's) must be JSON-able; it comes back from :func:`load_checkpoint`.
     Returns the tag (default ``global_step<N>``).
     """
-    accum = engine.config.gradient_accumulation_steps
-    if engine.micro_step % accum != 0:
-        raise RuntimeError(f"save_checkpoint: {engine.micro_step % accum} of {accum} micro-batches of this step are "
-                           f"accumulated; save after engine.step() completes the step (gradients are not saved)")
-    if getattr(engine, "_backward_pending", False):
-        raise RuntimeError("save_checkpoint: backward() ran but step() did not; call engine.step() first")
+    _check_step_boundary(engine, "save_checkpoint")
     tag = f"global_step{engine.global_step}" if tag is None else tag
     _check_tag(tag)
     save_dir = Path(save_dir)
@@ -649,6 +644,16 @@ def save_checkpoint(engine, save_dir, *, tag: str | None = None, client_state: d
         logger.info("saved checkpoint %s (%d rank(s), %.2f s)", save_dir / tag, world_size,
                     time.perf_counter() - started)
     return tag
+
+
+def _check_step_boundary(engine, what: str) -> None:
+    """Gradients are in neither the checkpoint nor the engine's tiers at a step boundary: only there."""
+    accum = engine.config.gradient_accumulation_steps
+    if engine.micro_step % accum != 0:
+        raise RuntimeError(f"{what}: {engine.micro_step % accum} of {accum} micro-batches of this step are "
+                           f"accumulated; call it after engine.step() completes the step (gradients are not saved)")
+    if getattr(engine, "_backward_pending", False):
+        raise RuntimeError(f"{what}: backward() ran but step() did not; call engine.step() first")
 
 
 def _tmp_dir_name(pid: int, nonce: int, tag: str) -> str:
@@ -910,6 +915,7 @@ def load_checkpoint(engine, load_dir, *, tag: str | None = None) -> dict:
     resharded. Returns the saved ``client_state``. Nothing is changed in the
     engine until every shard file has been verified.
     """
+    _check_step_boundary(engine, "load_checkpoint")
     comm = engine.comm
     path = resolve_checkpoint(load_dir, tag)
     ckpt = Checkpoint(path)
