@@ -101,6 +101,8 @@ class Engine:
                                    read_pool=self._read_pool,
                                    persistent=slot.numel <= zero.param_persistence_threshold)
             self.params.append(sharded)
+        for sharded in self.params:
+            sharded.on_pool_exhausted = self._land_prefetches
         self._initialize_values(model, original_data)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
@@ -144,7 +146,8 @@ class Engine:
         return True
 
     def _make_read_pool(self, param_tier: str) -> HostBufferPool | None:
-        if param_tier != "nvme" or self.comm.world_size == 1:
+        """Host buffers for NVMe reads of shards bound for a GPU (on the CPU they land in place)."""
+        if param_tier != "nvme" or self.device.type == "cpu":
             return None
         p = self.config.zero.offload_param
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -402,6 +405,10 @@ class Engine:
         self._last_counters = now
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
+
+    def _land_prefetches(self) -> None:
+        for sharded in self.params:
+            sharded.land_prefetch()
 
     # -- passes ------------------------------------------------------------------
     def _begin_pass(self) -> None:

@@ -47,6 +47,7 @@ class ShardedParam:
         self._swap_in = None   # (handle, shard view, pool buffer or None) while FETCHING
         self.on_fetch = None   # callback(self) at every fetch request (the prefetcher's trace)
         self.retain = None     # callback(self) -> bool: keep the full tensor though no one holds it
+        self.on_pool_exhausted = None  # callback() that lands every prefetch in flight (GPU only)
         dtype = shards.dtype
         # With one rank and the shard in device memory, the shard is the full tensor.
         resident = shards.resident(slot)
@@ -81,10 +82,15 @@ class ShardedParam:
         before = self.state
         if self.state is ParamState.RELEASED:
             self._allocate()
-        if self.state is ParamState.FETCHING:
-            self._finish_swap_in()
+            if self.needs_swap_in:
+                self._start_swap_in(block=True)
+        if self._swap_in is not None:
+            self._land()
+            own = self._own_slot()
         else:
-            self._gather()
+            own = self._shards.resident(self.slot).to(self.full.device, non_blocking=True)
+        # every rank reaches this collective in the same program order; prefetches only read locally
+        self._comm.all_gather_into(self.full, own)
         self.stale = False
         self.state = ParamState.FETCHED
         if before is not ParamState.FETCHED:
@@ -95,14 +101,9 @@ class ShardedParam:
         if self.state is not ParamState.RELEASED or not self.needs_swap_in:
             return False
         self._allocate()
-        slot = self.slot
-        if self._comm.world_size == 1:
-            target, buffer = self.full[:slot.shard_numel], None
-        else:
-            nbytes = slot.shard_numel * self.full.element_size()
-            buffer = self._read_pool.acquire(nbytes)
-            target = buffer[:nbytes].view(self.full.dtype)
-        self._swap_in = (self._shards.read(slot, target), target, buffer)
+        if not self._start_swap_in(block=False):
+            self._deallocate()
+            return False
         self.state = ParamState.FETCHING
         logger.debug("%s: RELEASED -> FETCHING (nvme->host)", self.name)
         return True
@@ -132,13 +133,48 @@ class ShardedParam:
         self._tiers.stats["device"].allocate(self.full_nbytes)
         self.full.untyped_storage().resize_(self.full_nbytes)
 
-    def _finish_swap_in(self) -> None:
-        handle, shard, buffer = self._swap_in
+    def _deallocate(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self._tiers.stats["device"].free(self.full_nbytes)
+
+    def _own_slot(self) -> torch.Tensor:
+        """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place."""
+        n = self.slot.shard_numel
+        return self.full[self._comm.rank * n:(self._comm.rank + 1) * n]
+
+    def _start_swap_in(self, *, block: bool) -> bool:
+        """Issue the NVMe read of the shard: into its own chunk of the full tensor when that is in host
+        memory, else into a host buffer copied up on landing (False if no buffer is free and not ``block``)."""
+        if self.full.device.type == "cpu":
+            target, buffer = self._own_slot(), None
+        else:
+            nbytes = self.slot.shard_numel * self.full.element_size()
+            try:
+                buffer = self._read_pool.acquire(nbytes, timeout=0)
+            except MemoryError:
+                if not block:
+                    return False  # a prefetch never waits for a buffer
+                # Buffers held by prefetched shards are given back when those land: land them, then wait.
+                if self.on_pool_exhausted is not None:
+                    self.on_pool_exhausted()
+                buffer = self._read_pool.acquire(nbytes)
+            target = buffer[:nbytes].view(self.full.dtype)
+        self._swap_in = (self._shards.read(self.slot, target), target, buffer)
+        return True
+
+    def land_prefetch(self) -> None:
+        """Complete a prefetch's read now (its host buffer is freed); the gather still waits for fetch()."""
+        if self._swap_in is not None and self._swap_in[2] is not None:
+            self._land()
+
+    def _land(self) -> None:
+        """Wait for the swap-in; copy it up to the device when it went through a host buffer."""
+        handle, target, buffer = self._swap_in
         self._swap_in = None
         try:
             handle.wait()
             if buffer is not None:
-                self._comm.all_gather_into(self.full, shard.to(self.full.device, non_blocking=True))
+                self._own_slot().copy_(target, non_blocking=False)
         finally:
             if buffer is not None:
                 self._read_pool.release(buffer)
@@ -146,31 +182,8 @@ class ShardedParam:
     def _free(self) -> None:
         if self.aliased or self.state is ParamState.RELEASED:
             return
-        if self.state is ParamState.FETCHING:  # a prefetch nobody used: let the read land first
-            handle, _, buffer = self._swap_in
-            self._swap_in = None
-            handle.wait()
-            if buffer is not None:
-                self._read_pool.release(buffer)
-        self.full.untyped_storage().resize_(0)
-        self._tiers.stats["device"].free(self.full_nbytes)
+        if self._swap_in is not None:  # a prefetch nobody used: let the read land before freeing its target
+            self._land()
+        self._deallocate()
         logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
         self.state = ParamState.RELEASED
-
-    def _gather(self) -> None:
-        slot = self.slot
-        shard = self._shards.resident(slot)
-        if shard is not None:
-            self._comm.all_gather_into(self.full, shard.to(self.full.device, non_blocking=True))
-            return
-        if self._comm.world_size == 1:
-            self._shards.read(slot, self.full[:slot.shard_numel]).wait()
-            return
-        nbytes = slot.shard_numel * self.full.element_size()
-        buffer = self._read_pool.acquire(nbytes)
-        try:
-            shard = buffer[:nbytes].view(self.full.dtype)
-            self._shards.read(slot, shard).wait()
-            self._comm.all_gather_into(self.full, shard.to(self.full.device, non_blocking=True))
-        finally:
-            self._read_pool.release(buffer)
