@@ -63,7 +63,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
@@ -683,7 +683,8 @@ def _meta_body(engine, tag: str, client_state: dict) -> dict:
 
 
 def _publish(save_dir: Path, tmp: Path, tag: str) -> None:
-    """Rename the sealed ``tmp`` to ``tag`` and point ``latest`` at it; ``latest`` names a complete checkpoint throughout."""
+    """Rename the sealed ``tmp`` to ``tag`` and point ``latest`` at it; ``latest`` names a complete
+    checkpoint at every moment, also when ``tag`` replaces the folder it names."""
     final = save_dir / tag
     backup = None
     if final.exists():
@@ -782,7 +783,9 @@ def _write_shard_file(engine, path: Path) -> tuple[bytes, int]:
                 submit(writer.write, name, tensor)
             for future in futures:
                 future.result()  # the first error, in file order
-            return writer.close()
+            digest, nbytes = writer.close()
+            logger.debug("wrote %s: %d bytes, sha256 %s", path, nbytes, digest.hex())
+            return digest, nbytes
     finally:
         for tensor in host:
             tiers.free("host", tensor)
@@ -853,6 +856,7 @@ class Checkpoint:
             code, detail = self.check_file(rank)
             if code:
                 raise self.problem(rank, code, detail)
+            logger.debug("%s: size and sha256 as recorded", self.file_path(rank))
 
     # -- values ---------------------------------------------------------------------------
     def read_range(self, kind: str, param: dict, start: int, out: torch.Tensor) -> None:
