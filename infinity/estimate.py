@@ -18,13 +18,15 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
   or when fp16 gradients are unscaled;
 * **gathered** full parameters (compute bytes, padded) live on the device:
   the persistent ones (at most ``param_persistence_threshold`` elements each)
-  always, plus the largest layer being used, plus whatever is prefetched
-  (``prefetch_numel``, capped by ``max_live_parameters``). With one rank and
-  the compute shard on the device, the shard *is* the full tensor: nothing is
-  gathered;
-* with params on NVMe and more than one rank, host **I/O buffers** (compute
-  bytes) stage the reads: the largest shard plus the prefetched ones, within
-  the pool's budget of ``buffer_count x buffer_size`` elements;
+  always, plus the largest layer being used; with params on NVMe the
+  prefetcher also keeps up to ``max(prefetch_bucket_size, max_reuse_distance)``
+  elements gathered (ahead of need, or for reuse), within
+  ``max_live_parameters``. With one rank and the compute shard on the device,
+  the shard *is* the full tensor: nothing is gathered;
+* with params on NVMe and a GPU, host **I/O buffers** (compute bytes) stage the
+  reads: the largest shard plus ``prefetch_bucket_size`` elements in flight,
+  within the pool's budget of ``buffer_count x buffer_size`` elements (on a
+  CPU-only machine shards land in place: no buffers);
 * with the optimizer on NVMe, host **staging** holds two sets (one without
   pipelining) of one sub-group's master, both moments (12 B) and new compute
   shard; with the compute shard on NVMe but the optimizer in memory, one
@@ -91,7 +93,8 @@ def estimate(
     param_numels: Sequence[int] | None = None,
     largest_layer_params: int | None = None,
     max_live_parameters: float = 1e9,
-    prefetch_numel: float = 0,
+    prefetch_bucket_size: float = 5e7,
+    max_reuse_distance: float = 1e9,
     param_persistence_threshold: float = 1e5,
     sub_group_size: float = 1e9,
     buffer_count: int = 5,
@@ -99,6 +102,7 @@ def estimate(
     max_in_cpu: float = 1e9,
     pipeline: bool = True,
     gradient_accumulation_steps: int = 1,
+    gpu: bool = True,
     activation_nbytes: int = 0,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
@@ -159,15 +163,20 @@ def estimate(
     # unscaling); else fp32
     grad_bytes = cbytes if gradient_accumulation_steps == 1 and precision != "fp16" else 4
     tiers[optim_memory]["gradients"] += flat_numel * grad_bytes
+    swapped_in = offload_param == "nvme" and host_cached < flat_numel  # fetches start with an NVMe read
+    prefetching = swapped_in and (prefetch_bucket_size > 0 or max_reuse_distance > 0)
     if not (world_size == 1 and offload_param == "none"):
         padded_largest = math.ceil(largest / world_size) * world_size
         rest = max(0, num_params - persistent_numel)
-        fetched = min(rest, padded_largest + min(int(prefetch_numel), int(max_live_parameters)))
+        # the prefetcher keeps parameters gathered ahead of need and for reuse, within max_live_parameters
+        ahead = min(int(max(prefetch_bucket_size, max_reuse_distance)), int(max_live_parameters)) if prefetching else 0
+        fetched = min(rest, padded_largest + ahead)
         tiers["device"]["gathered_params"] += (persistent_numel + fetched) * cbytes
-    if offload_param == "nvme" and world_size > 1 and host_cached < flat_numel:
-        # reads in flight: the largest shard, plus the prefetched ones; the pool's budget bounds them
+    if swapped_in and gpu:
+        # reads in flight: the largest shard plus the prefetched ones, within the pool's budget
         per_buffer = max(int(buffer_size), math.ceil(largest / world_size))
-        in_flight = math.ceil((largest + min(int(prefetch_numel), int(max_live_parameters))) / world_size)
+        ahead = min(int(prefetch_bucket_size), int(max_live_parameters)) if prefetching else 0
+        in_flight = math.ceil((largest + ahead) / world_size)
         tiers["host"]["param_io_buffers"] += min(buffer_count * per_buffer, in_flight, flat_numel) * cbytes
     if offload_optimizer == "nvme":
         sets = 2 if pipeline else 1
@@ -187,7 +196,8 @@ def estimate(
             "precision": precision,
             "largest_layer_params": largest,
             "max_live_parameters": int(max_live_parameters),
-            "prefetch_numel": int(prefetch_numel),
+            "prefetch_bucket_size": int(prefetch_bucket_size),
+            "max_reuse_distance": int(max_reuse_distance),
             "param_persistence_threshold": int(param_persistence_threshold),
             "sub_group_size": sub_group_size,
             "buffer_count": buffer_count,
@@ -195,6 +205,7 @@ def estimate(
             "max_in_cpu": max_in_cpu,
             "pipeline": pipeline,
             "gradient_accumulation_steps": gradient_accumulation_steps,
+            "gpu": gpu,
         },
         "shard_numel": shard_numel,
         "tiers": tiers,

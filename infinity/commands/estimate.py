@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parameters of the largest layer (default: from the preset, or a GPT of that size)")
     p.add_argument("--max-live-parameters", type=_count, default=10**9, metavar="N",
                    help="gathered parameter budget on the device (default 1e9)")
-    p.add_argument("--prefetch", type=_count, default=0, metavar="N",
-                   help="parameters fetched ahead of need (default 0)")
+    p.add_argument("--prefetch-bucket-size", type=_count, default=5 * 10**7, metavar="N",
+                   help="parameters swapped in ahead of need with --offload-param nvme (default 5e7)")
+    p.add_argument("--max-reuse-distance", type=_count, default=10**9, metavar="N",
+                   help="parameters used again within this many stay gathered (default 1e9)")
     p.add_argument("--param-persistence-threshold", type=_count, default=10**5, metavar="N",
                    help="parameters this small stay gathered (default 1e5)")
     p.add_argument("--max-in-cpu", type=_count, default=0, metavar="N",
@@ -50,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-count", type=int, default=5, metavar="N", help="host buffers for NVMe params (default 5)")
     p.add_argument("--buffer-size", type=_count, default=10**8, metavar="N",
                    help="elements per host buffer for NVMe params (default 1e8)")
+    p.add_argument("--cpu", action="store_true",
+                   help="the ranks compute on the CPU (no GPU): NVMe reads need no host buffers")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -67,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision,
         largest_layer_params=args.largest_layer,
         max_live_parameters=args.max_live_parameters,
-        prefetch_numel=args.prefetch,
+        prefetch_bucket_size=args.prefetch_bucket_size,
+        max_reuse_distance=args.max_reuse_distance,
+        gpu=not args.cpu,
         param_persistence_threshold=args.param_persistence_threshold,
         max_in_cpu=args.max_in_cpu,
         sub_group_size=args.sub_group_size,

@@ -22,8 +22,9 @@ from infinity.models.gpt import PRESETS, param_numels
 def test_a_small_case_by_hand():
     # two parameters on 2 ranks: 4096 elements (shard 2048) and 100 (shard 50, persistent);
     # each shard starts at a multiple of 2048 elements, so the rank's flat space is 2048 + 2048.
-    r = estimate(param_numels=[4096, 100], world_size=2, offload_param="nvme", offload_optimizer="cpu",
-                 precision="bf16", max_in_cpu=0, param_persistence_threshold=1000)
+    kw = dict(param_numels=[4096, 100], world_size=2, offload_param="nvme", offload_optimizer="cpu",
+              precision="bf16", max_in_cpu=0, param_persistence_threshold=1000)
+    r = estimate(**kw, prefetch_bucket_size=0, max_reuse_distance=0)  # no prefetcher
     assert r["shard_numel"] == 2048 + 50
     t = r["tiers"]
     assert t["nvme"]["compute_shard"] == 4096 * 2
@@ -34,6 +35,16 @@ def test_a_small_case_by_hand():
     assert t["host"]["param_io_buffers"] == 2048 * 2  # the largest shard in flight
     assert t["host"]["optimizer_staging"] == 4096 * 2  # new compute shards on their way to NVMe
     assert r["totals"] == {"device": 8392, "host": 16384 + 32768 + 8192 + 4096 + 8192, "nvme": 8192}
+    # with the prefetcher (the defaults), everything within max_live_parameters stays gathered,
+    # and the reads in flight are bounded by the rank's shards
+    r = estimate(**kw)
+    assert r["tiers"]["device"]["gathered_params"] == (100 + 4096) * 2
+    assert r["tiers"]["host"]["param_io_buffers"] == 4096 * 2
+    capped = estimate(param_numels=[4096] * 10, offload_param="nvme", max_in_cpu=0, param_persistence_threshold=0,
+                      max_live_parameters=5000)
+    assert capped["tiers"]["device"]["gathered_params"] == (4096 + 5000) * 2  # the largest layer + the budget
+    # on a CPU-only machine swap-ins land in place: no host buffers
+    assert estimate(**kw, gpu=False)["tiers"]["host"]["param_io_buffers"] == 0
 
 
 def test_seven_billion_on_eight_ranks_by_hand():

@@ -1,0 +1,587 @@
+"""``infinity train``: train a GPT-style model on bytes of text with its states offloaded.
+
+With no arguments it trains the ``small`` preset on the Python standard
+library's source, parameters and optimizer states on NVMe in a private
+temporary directory, in bf16, long enough to see the loss fall from ~5.5 to
+under 3 (a few minutes on 2 CPU cores). Examples::
+
+    infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
+    infinity train --model my_model.py --data corpus/ --config ds_config.json --json
+    torchrun --nproc_per_node 2 -m infinity.cli train --preset 10m
+
+A DeepSpeed-style ``--config`` JSON is read first; flags given explicitly
+override it. Every input is checked before any work: the corpus, the preset,
+the config, the NVMe path, and that the disk has room for the estimated swap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import copy
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infinity.estimate import OFFLOAD_CHOICES, format_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 200
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_LR = 2e-3
+META_BUILD_ABOVE = 10**9
+"""Presets with more parameters are built on the meta device and materialized by the engine."""
+TIERS = ("device", "host", "nvme")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Defaults are None so that a flag given explicitly is told from one left out: those left
+    # out take the --config file's value, then the built-in default (shown in the help).
+    what = p.add_argument_group("model and data")
+    what.add_argument("--preset", metavar="NAME", help="GPT preset (default small); see `infinity estimate --help`")
+    what.add_argument("--model", metavar="FILE",
+                      help="a Python file defining build_model() -> nn.Module whose forward(input_ids, targets) "
+                           "returns the loss, or a Hugging Face transformers config .json")
+    what.add_argument("--data", metavar="PATH", help="a text file or folder (default: the Python standard library's source)")
+    what.add_argument("--max-bytes", type=int, metavar="N", default=8 * 2**20,
+                      help="read at most this many bytes of the corpus (default 8 MiB)")
+    run_ = p.add_argument_group("schedule")
+    run_.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})")
+    run_.add_argument("--micro-batch", type=int, metavar="N", help=f"sequences per micro-batch per rank (default {DEFAULT_MICRO_BATCH})")
+    run_.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
+    run_.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the model's, at most 256)")
+    run_.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR})")
+    run_.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
+    run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
+    run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config; flags given override it")
+    eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
+    eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
+    eng.add_argument("--nvme-path", metavar="DIR", help="folder for swap files (default: a private temporary folder, removed at exit)")
+    eng.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision (default bf16)")
+    eng.add_argument("--trace", metavar="PATH", help="write a Chrome trace of compute, I/O and collectives")
+    out = p.add_argument_group("checkpoints and output")
+    out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
+    out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
+    out.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR (or from DIR/TAG)")
+    out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    """Everything decided and checked before any work."""
+
+    ds_config: dict
+    steps: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    lr: float
+    min_lr: float
+    warmup: int
+    precision: str
+    offload_param: str
+    offload_optimizer: str
+    nvme_path: str | None
+    nvme_is_temporary: bool
+    preset: str | None
+    model_file: str | None
+    rank: int
+    world_size: int
+    local_world_size: int
+    estimate: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"config file {path!r} is a folder, not a JSON file") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path!r} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _dist_env() -> tuple[int, int, int]:
+    """(rank, world size, ranks on this machine) from torchrun's environment; (0, 1, 1) without it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 0, 1, 1
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Merge the config file and the flags into one DeepSpeed-style config and check every input."""
+    raw = _read_config_file(args.config) if args.config else {}
+    ds = copy.deepcopy(raw)
+    zero = ds.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ValueError(f"config key zero_optimization must be a JSON object, got {zero!r}")
+    zero.setdefault("stage", 3)
+    optimizer = ds.setdefault("optimizer", {"type": "AdamW"})
+    if not isinstance(optimizer, dict):
+        raise ValueError(f"config key optimizer must be a JSON object, got {optimizer!r}")
+    opt_params = optimizer.setdefault("params", {})
+
+    def pick(flag, from_config, default):
+        return flag if flag is not None else (from_config if from_config is not None else default)
+
+    micro_batch = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
+    grad_accum = pick(args.grad_accum, ds.get("gradient_accumulation_steps"), 1)
+    lr = pick(args.lr, opt_params.get("lr"), DEFAULT_LR)
+    steps = pick(args.steps, None, DEFAULT_STEPS)
+    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum), ("--lr", lr)):
+        _positive(name, value)
+    min_lr = pick(args.min_lr, None, lr / 10)
+    if not 0 <= min_lr <= lr:
+        raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
+    warmup = pick(args.warmup, None, max(1, steps // 20))
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+
+    config_precision = "bf16" if (ds.get("bf16") or {}).get("enabled") else (
+        "fp16" if (ds.get("fp16") or {}).get("enabled") else ("fp32" if ("bf16" in ds or "fp16" in ds) else None))
+    precision = pick(args.precision, config_precision, "bf16")
+    if args.precision is not None:
+        ds.pop("fp16", None)
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
+    elif config_precision is None:
+        ds["bf16"] = {"enabled": precision == "bf16"}
+
+    offload = {}
+    for key, flag in (("offload_param", args.offload_param), ("offload_optimizer", args.offload_optimizer)):
+        block = zero.get(key)
+        block = dict(block) if isinstance(block, dict) else {}
+        device = pick(flag, block.get("device"), "nvme")
+        block["device"] = "none" if device is None else device
+        if block["device"] not in OFFLOAD_CHOICES:
+            raise ValueError(f"config key zero_optimization.{key}.device must be one of {', '.join(OFFLOAD_CHOICES)}, "
+                             f"got {block['device']!r}")
+        zero[key] = block
+        offload[key] = block["device"]
+    # With params on NVMe, keep none of them cached in host memory unless the config says otherwise:
+    # `--offload-param nvme` means the compute shards live on the disk.
+    if offload["offload_param"] == "nvme":
+        zero["offload_param"].setdefault("max_in_cpu", 0)
+
+    ds["train_micro_batch_size_per_gpu"] = micro_batch
+    ds["gradient_accumulation_steps"] = grad_accum
+    ds.setdefault("gradient_clipping", 1.0)
+    if "type" not in optimizer:
+        optimizer["type"] = "AdamW"
+    opt_params["lr"] = lr
+    if not raw.get("optimizer"):
+        opt_params.update({"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1})
+    if args.trace:
+        ds["trace"] = {"path": args.trace}
+
+    if args.preset is not None and args.model is not None:
+        raise ValueError("give --preset or --model, not both")
+    preset = None if args.model else (args.preset or _default_preset())
+    if preset is not None:
+        from infinity.models.gpt import get_preset
+
+        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
+    else:
+        if not Path(args.model).is_file():
+            raise FileNotFoundError(f"model file {args.model!r} does not exist")
+        model_seq = None
+    seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
+    _positive("--seq-len", seq_len)
+    if model_seq is not None and seq_len > model_seq:
+        raise ValueError(f"--seq-len {seq_len} is longer than preset {preset!r} allows ({model_seq})")
+    if args.save_every is not None and not args.save_dir:
+        raise ValueError("--save-every needs --save-dir")
+    if args.save_every is not None:
+        _positive("--save-every", args.save_every)
+    if args.resume and not Path(args.resume).is_dir():
+        raise FileNotFoundError(f"--resume folder {args.resume!r} does not exist")
+
+    rank, world_size, local_world_size = _dist_env()
+    uses_nvme = "nvme" in offload.values()
+    nvme_path = args.nvme_path or next(
+        (zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer") if zero[k].get("nvme_path")), None)
+    plan = Plan(ds_config=ds, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
+                min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
+                offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_path,
+                nvme_is_temporary=uses_nvme and nvme_path is None, preset=preset, model_file=args.model,
+                rank=rank, world_size=world_size, local_world_size=local_world_size)
+    if uses_nvme and nvme_path is not None:
+        check_writable(nvme_path)
+    # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
+    from infinity.config import InfinityConfig
+
+    # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
+    InfinityConfig.from_deepspeed(_with_nvme_path(ds, nvme_path or _PLACEHOLDER_PATH))
+    return plan
+
+
+_PLACEHOLDER_PATH = "<temporary folder>"
+
+
+def _default_preset() -> str:
+    from infinity.models.gpt import DEFAULT_PRESET
+
+    return DEFAULT_PRESET
+
+
+def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
+    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe."""
+    ds = copy.deepcopy(ds)
+    for key in ("offload_param", "offload_optimizer"):
+        block = ds["zero_optimization"][key]
+        if block.get("device") == "nvme" and nvme_path is not None:
+            block["nvme_path"] = nvme_path
+    return ds
+
+
+def check_writable(path: str) -> None:
+    """``OSError`` naming ``path`` unless a file can be created in it (created, with its parents, if missing)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(f"nvme path {path!r} is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".infinity-probe-{uuid.uuid4().hex}"
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+        probe.unlink()
+    except OSError as err:
+        raise PermissionError(f"nvme path {path!r} is not writable: {err.strerror or err}") from None
+
+
+def check_disk_room(path: str, needed_nbytes: int) -> None:
+    """``OSError`` naming both numbers when the disk under ``path`` has less free room than ``needed_nbytes``."""
+    free = shutil.disk_usage(path).free
+    if needed_nbytes > free:
+        raise OSError(
+            f"not enough room on the disk of nvme path {path!r}: the swap files need about "
+            f"{format_bytes(needed_nbytes)} ({needed_nbytes:,} bytes) but {format_bytes(free)} ({free:,} bytes) are free"
+        )
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = make_plan(args)
+    from infinity.data import ByteCorpus
+
+    corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                        rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
+    if (args.save_dir or args.resume) and not _engine_has_checkpoints():
+        raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
+    if plan.preset is not None:  # a preset's size is known without building it
+        from infinity.models.gpt import get_preset
+
+        plan.estimate = estimate_for(plan, get_preset(plan.preset))
+        check_nvme_room(plan)
+    cleanup = _Cleanup()
+    try:
+        if plan.nvme_is_temporary:
+            plan.nvme_path = cleanup.temporary_folder()
+        plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
+        return _train(args, plan, corpus, cleanup)
+    finally:
+        cleanup.run()
+
+
+def _engine_has_checkpoints() -> bool:
+    import importlib.util
+
+    from infinity.engine import Engine
+
+    return (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")
+            and importlib.util.find_spec("infinity.checkpoint") is not None)
+
+
+def check_nvme_room(plan: Plan) -> None:
+    """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
+    if "nvme" not in (plan.offload_param, plan.offload_optimizer):
+        return
+    where = plan.nvme_path if plan.nvme_path is not None else tempfile.gettempdir()
+    check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+
+
+class _Cleanup:
+    """The temporary swap folder and the process group, undone however the run ends."""
+
+    def __init__(self):
+        self.folders: list[str] = []
+        self.callbacks: list = []
+        atexit.register(self.run)
+
+    def temporary_folder(self) -> str:
+        folder = tempfile.mkdtemp(prefix="infinity-train-")  # mode 0700
+        self.folders.append(folder)
+        return folder
+
+    def run(self) -> None:
+        while self.callbacks:
+            try:
+                self.callbacks.pop()()
+            except Exception as err:  # cleanup must go on; say what failed
+                logger.warning("cleanup failed: %s", err)
+        while self.folders:
+            shutil.rmtree(self.folders.pop(), ignore_errors=True)
+
+
+def _build_model(plan: Plan, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    if plan.model_file is not None:
+        from infinity.models.gpt import load_model_file
+
+        return load_model_file(plan.model_file)
+    from infinity.models.gpt import GPT, count_params, get_preset
+
+    cfg = get_preset(plan.preset)
+    if count_params(cfg) > META_BUILD_ABOVE:
+        with torch.device("meta"):
+            return GPT(cfg)
+    return GPT(cfg)
+
+
+def estimate_for(plan: Plan, model) -> dict:
+    """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
+    import torch
+
+    from infinity.config import InfinityConfig
+    from infinity.estimate import estimate, gpt_activation_nbytes
+    from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
+
+    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, plan.nvme_path or _PLACEHOLDER_PATH))
+    zero = cfg.zero
+    gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
+    if isinstance(model, GPTConfig):
+        numels, largest = param_numels(model), largest_module_params(model)
+    else:
+        numels = [p.numel() for p in model.parameters()]
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    activations = 0
+    if gpt_cfg is not None:
+        activations = gpt_activation_nbytes(gpt_cfg, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                                            precision=plan.precision)
+    return estimate(
+        param_numels=numels,
+        world_size=plan.world_size,
+        offload_param=plan.offload_param,
+        offload_optimizer=plan.offload_optimizer,
+        precision=cfg.precision,
+        largest_layer_params=largest,
+        max_live_parameters=zero.max_live_parameters,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_reuse_distance=zero.max_reuse_distance,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        sub_group_size=zero.sub_group_size,
+        buffer_count=zero.offload_param.buffer_count,
+        buffer_size=zero.offload_param.buffer_size,
+        max_in_cpu=zero.offload_param.max_in_cpu,
+        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        gpu=torch.cuda.is_available(),
+        activation_nbytes=activations,
+    )
+
+
+def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
+    if plan.world_size == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        cleanup.callbacks.append(dist.destroy_process_group)
+
+
+def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import infinity
+    from infinity.lr_schedule import lr_at
+
+    is_main = plan.rank == 0
+    say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
+
+    model = _build_model(plan, args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    if plan.estimate is None:  # a user's model: its size is known once built
+        plan.estimate = estimate_for(plan, model)
+        check_nvme_room(plan)
+
+    what = f"preset {plan.preset}" if plan.preset else f"model {plan.model_file}"
+    say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
+    say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
+        f"{plan.seq_len} bytes; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
+        + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
+    say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(plan.estimate['totals'][t])}" for t in TIERS))
+
+    _init_distributed(plan, cleanup)
+    engine = infinity.initialize(model, plan.ds_config)
+    cleanup.callbacks.append(engine.close)
+
+    start_step = 0
+    losses: list[float] = []
+    if args.resume:
+        client = _call_checkpoint(engine.load_checkpoint, *_checkpoint_dir_and_tag(args.resume)) or {}
+        start_step = int(client.get("step", 0))
+        losses = list(client.get("losses", []))
+        if "corpus" in client:
+            corpus.load_state_dict(client["corpus"])
+        say(f"  resumed from {args.resume} at step {start_step}")
+
+    tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
+    totals = {t: {"peak_nbytes": 0, "bytes_read": 0, "bytes_written": 0} for t in TIERS}
+    report_every = max(1, plan.steps // 10)
+    bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
+               dynamic_ncols=True, leave=False)
+    train_s = 0.0
+    for step in range(start_step, plan.steps):
+        t0 = time.perf_counter()
+        engine.lr = lr_at(step, peak_lr=plan.lr, warmup_steps=plan.warmup, total_steps=plan.steps, min_lr=plan.min_lr)
+        step_loss = 0.0
+        for _ in range(plan.grad_accum):
+            input_ids, targets = corpus.next_batch()
+            loss = engine(input_ids, targets)
+            engine.backward(loss)
+            engine.step()
+            step_loss += float(loss.detach()) / plan.grad_accum
+        step_loss = _mean_over_ranks(step_loss, plan.world_size)
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"loss is {step_loss} at step {step}; lower --lr or use bf16/fp32")
+        dt = time.perf_counter() - t0
+        train_s += dt
+        losses.append(step_loss)
+        metrics = engine.step_metrics()
+        tiers = metrics.get("tiers", {})
+        for t in TIERS:
+            m = tiers.get(t, {})
+            totals[t]["peak_nbytes"] = max(totals[t]["peak_nbytes"], int(m.get("peak_nbytes", 0)))
+            totals[t]["bytes_read"] += int(m.get("bytes_read", 0))
+            totals[t]["bytes_written"] += int(m.get("bytes_written", 0))
+        progress = _progress(step_loss, tokens_per_step / dt, tiers, metrics.get("step_s") or dt)
+        bar.set_postfix_str(progress, refresh=False)
+        bar.update(1)
+        if is_main and ((step + 1) % report_every == 0 or step == start_step):
+            bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.lr:.2e}  {progress}", file=sys.stdout)
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
+            _save(engine, args.save_dir, step + 1, corpus, losses)
+    bar.close()
+    if args.save_dir:
+        _save(engine, args.save_dir, plan.steps, corpus, losses)
+    engine.close()
+
+    steps_run = plan.steps - start_step
+    tokens_per_s = steps_run * tokens_per_step / train_s if train_s > 0 else 0.0
+    peak_rss = _peak_rss_bytes()
+    summary = {
+        "preset": plan.preset,
+        "model": plan.model_file,
+        "num_params": num_params,
+        "steps": plan.steps,
+        "world_size": plan.world_size,
+        "tokens_per_step": tokens_per_step,
+        "losses": losses,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "tokens_per_s": tokens_per_s,
+        "train_s": train_s,
+        "peak_rss_bytes": peak_rss,
+        "tiers": totals,
+        "estimate": plan.estimate["accounted"],
+        "precision": plan.precision,
+        "offload_param": plan.offload_param,
+        "offload_optimizer": plan.offload_optimizer,
+    }
+    if is_main:
+        _print_summary(summary)
+        if args.json:
+            print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _call_checkpoint(fn, *a, **k):
+    try:
+        return fn(*a, **k)
+    except NotImplementedError as err:
+        raise ValueError(f"checkpoints are not supported by this build of the engine: {err}") from None
+
+
+def _checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
+    """``--resume DIR`` takes DIR's latest checkpoint; ``--resume DIR/TAG`` that one."""
+    p = Path(path)
+    if not (p / "latest").exists() and (p.parent / "latest").exists():
+        return str(p.parent), p.name
+    return str(p), None
+
+
+def _save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
+    _call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}",
+                     client_state={"step": step, "corpus": corpus.state_dict(), "losses": losses})
+
+
+def _mean_over_ranks(value: float, world_size: int) -> float:
+    if world_size == 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / world_size
+
+
+def _progress(loss: float, tokens_per_s: float, tiers: dict, step_s: float) -> str:
+    parts = [f"loss {loss:.3f}", f"{tokens_per_s:,.0f} tok/s"]
+    for t in TIERS:
+        m = tiers.get(t)
+        if m and (m.get("bytes_read") or m.get("bytes_written")) and step_s > 0:
+            parts.append(f"{t} r/w {m['bytes_read'] / step_s / 1e9:.2f}/{m['bytes_written'] / step_s / 1e9:.2f} GB/s")
+    return ", ".join(parts)
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _print_summary(s: dict) -> None:
+    print(f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
+          f"{s['tokens_per_s']:,.0f} tokens/s, {s['train_s']:.0f} s, peak RSS {format_bytes(s['peak_rss_bytes'])}")
+    print(f"  {'tier':<7} {'peak':>10} {'estimate':>10} {'read':>10} {'written':>10}")
+    for t in TIERS:
+        m = s["tiers"][t]
+        print(f"  {t:<7} {format_bytes(m['peak_nbytes']):>10} {format_bytes(s['estimate'][t]):>10} "
+              f"{format_bytes(m['bytes_read']):>10} {format_bytes(m['bytes_written']):>10}")

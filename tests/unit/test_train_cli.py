@@ -1,0 +1,233 @@
+"""`infinity train`: flags and config merge, every bad input refused before any work, a short run end to end."""
+
+import json
+import shutil
+import tempfile
+from collections import namedtuple
+
+import pytest
+
+from infinity.cli import build_parser, main
+from infinity.commands import train
+
+
+def _args(*argv):
+    argv = ["train", *argv]
+    return build_parser(argv).parse_args(argv)
+
+
+@pytest.fixture
+def no_work(monkeypatch, tmp_path):
+    """Fail the test if training would start: no model built, no swap folder made."""
+    def forbidden(*a, **k):
+        raise AssertionError("work started before the bad input was reported")
+    monkeypatch.setattr(train, "_build_model", forbidden)
+    monkeypatch.setattr(tempfile, "mkdtemp", forbidden)
+    return tmp_path
+
+
+def _fails(capsys, *argv) -> str:
+    assert main(["train", "--max-bytes", "200000", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("infinity train: error: ")
+    return err
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def test_no_arguments_is_the_make_train_job():
+    plan = train.make_plan(_args())
+    assert plan.preset == "small" and plan.steps == train.DEFAULT_STEPS
+    assert (plan.offload_param, plan.offload_optimizer, plan.precision) == ("nvme", "nvme", "bf16")
+    assert plan.nvme_path is None and plan.nvme_is_temporary
+    ds = plan.ds_config
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "max_in_cpu": 0}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme"}
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": train.DEFAULT_LR, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                           "weight_decay": 0.1}}
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["train_micro_batch_size_per_gpu"] == train.DEFAULT_MICRO_BATCH
+    assert ds["gradient_accumulation_steps"] == 1
+
+
+def test_flags_build_a_deepspeed_config(tmp_path):
+    plan = train.make_plan(_args("--preset", "tiny", "--offload-param", "cpu", "--offload-optimizer", "nvme",
+                                 "--nvme-path", str(tmp_path / "swap"), "--precision", "fp32", "--micro-batch", "3",
+                                 "--grad-accum", "2", "--seq-len", "64", "--lr", "1e-3", "--steps", "7",
+                                 "--trace", str(tmp_path / "t.json")))
+    ds = plan.ds_config
+    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert plan.nvme_path == str(tmp_path / "swap") and not plan.nvme_is_temporary
+    assert (tmp_path / "swap").is_dir()  # made, and found writable
+    assert ds["bf16"] == {"enabled": False}
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (3, 2)
+    assert ds["optimizer"]["params"]["lr"] == 1e-3
+    assert ds["trace"] == {"path": str(tmp_path / "t.json")}
+    assert (plan.steps, plan.seq_len, plan.warmup, plan.min_lr) == (7, 64, 1, pytest.approx(1e-4))
+
+
+def test_flags_given_override_the_config_file_and_the_rest_comes_from_it(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "fp16": {"enabled": False}, "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "sub_group_size": 1000,
+                              "offload_optimizer": {"device": "cpu"},
+                              "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nv"), "max_in_cpu": 5}},
+    }))
+    plan = train.make_plan(_args("--config", str(cfg), "--lr", "5e-4", "--grad-accum", "1"))
+    ds = plan.ds_config
+    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 5e-4, "weight_decay": 0.0}}
+    assert (plan.lr, plan.micro_batch, plan.grad_accum) == (5e-4, 3, 1)
+    assert plan.precision == "fp32"
+    assert (plan.offload_param, plan.offload_optimizer) == ("nvme", "cpu")
+    assert plan.nvme_path == str(tmp_path / "nv")
+    assert ds["zero_optimization"]["offload_param"]["max_in_cpu"] == 5  # the file's choice is kept
+    assert ds["zero_optimization"]["sub_group_size"] == 1000
+
+
+def test_estimate_of_the_plan_uses_the_engine_config():
+    plan = train.make_plan(_args("--preset", "tiny", "--seq-len", "32", "--micro-batch", "2"))
+    from infinity.models.gpt import PRESETS, count_params
+
+    est = train.estimate_for(plan, PRESETS["tiny"])
+    assert est["setting"]["num_params"] == count_params(PRESETS["tiny"])
+    assert est["setting"]["max_in_cpu"] == 0
+    assert est["totals"]["nvme"] > 0 and est["tiers"]["device"]["activations"] > 0
+
+
+# --------------------------------------------------------------------------- bad input, before any work
+
+
+def test_missing_corpus_is_named(no_work, capsys):
+    err = _fails(capsys, "--data", str(no_work / "missing_corpus"))
+    assert "missing_corpus" in err and "does not exist" in err
+
+
+def test_empty_corpus_is_named(no_work, capsys):
+    empty = no_work / "empty.txt"
+    empty.write_text("")
+    err = _fails(capsys, "--data", str(empty))
+    assert "empty.txt" in err and "empty" in err
+
+
+def test_unknown_preset_lists_the_presets(no_work, capsys):
+    err = _fails(capsys, "--preset", "gigantic")
+    assert "unknown preset 'gigantic'" in err and "small" in err and "1.3b" in err
+
+
+def test_config_that_is_not_json_is_named(no_work, capsys):
+    bad = no_work / "ds_config.json"
+    bad.write_text("{ this is not json")
+    err = _fails(capsys, "--config", str(bad))
+    assert "ds_config.json" in err and "not JSON" in err
+    err = _fails(capsys, "--config", str(no_work / "absent.json"))
+    assert "absent.json" in err and "does not exist" in err
+
+
+def test_config_with_an_unknown_key_is_refused(no_work, capsys):
+    bad = no_work / "typo.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "sub_grup_size": 10}}))
+    assert "sub_grup_size" in _fails(capsys, "--config", str(bad))
+
+
+def test_nvme_path_that_is_not_writable_is_named(no_work, capsys):
+    blocker = no_work / "a_file"
+    blocker.write_text("x")
+    err = _fails(capsys, "--nvme-path", str(blocker / "swap"))
+    assert "nvme path" in err and "a_file/swap" in err and "not writable" in err
+    err = _fails(capsys, "--nvme-path", str(blocker))
+    assert "a_file" in err and "not a folder" in err
+
+
+def test_disk_too_small_names_both_numbers(no_work, monkeypatch, capsys):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    err = _fails(capsys, "--nvme-path", str(no_work), "--preset", "10m")
+    assert "not enough room" in err and str(no_work) in err and "1,000 bytes" in err
+    needed = int(err.split("need about ")[1].split("(")[1].split(" bytes")[0].replace(",", ""))
+    assert needed > 100 * 10**6  # 10M parameters x 14 bytes on NVMe
+
+
+def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 1, 0))
+    with pytest.raises(AssertionError, match="work started"):  # passes every check, then would build the model
+        main(["train", "--preset", "tiny", "--offload-param", "cpu", "--offload-optimizer", "none"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny", "--model", "m.py"], "--preset or --model"),
+    (["--model", "no_such_model.py"], "no_such_model.py"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--micro-batch", "0"], "--micro-batch must be positive"),
+    (["--preset", "tiny", "--seq-len", "4096"], "longer than preset 'tiny' allows (128)"),
+    (["--save-every", "10"], "--save-every needs --save-dir"),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr"),
+])
+def test_other_bad_flags(no_work, capsys, argv, message):
+    assert message in _fails(capsys, *argv)
+
+
+def test_resume_from_a_missing_folder(no_work, capsys):
+    assert "missing_ckpt" in _fails(capsys, "--resume", str(no_work / "missing_ckpt"))
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _run_json(capsys, *argv) -> dict:
+    assert main(["train", "--preset", "tiny", "--seq-len", "32", "--micro-batch", "2", "--max-bytes", "200000", "--json",
+                 *argv]) == 0  # later flags win: a test may name another preset
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_short_run_ends_with_a_json_line_and_removes_its_swap_folder(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("infinity.engine")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = _run_json(capsys, "--steps", "4")
+    assert len(out["losses"]) == 4 and all(isinstance(x, float) for x in out["losses"])
+    assert out["tokens_per_s"] > 0 and out["peak_rss_bytes"] > 0
+    assert out["tiers"]["nvme"]["bytes_written"] > 0 and out["tiers"]["nvme"]["bytes_read"] > 0
+    assert list(tmp_path.iterdir()) == []  # the private swap folder is gone
+
+
+@pytest.mark.parametrize("preset, offload", [
+    ("tiny", ("none", "none")), ("tiny", ("cpu", "cpu")), ("tiny", ("nvme", "nvme")), ("tiny", ("nvme", "cpu")),
+    ("tiny", ("none", "nvme")), ("small", ("nvme", "nvme")), ("10m", ("nvme", "nvme")), ("10m", ("cpu", "none")),
+])
+def test_estimate_is_within_15_percent_of_what_train_measures(capsys, tmp_path, preset, offload):
+    pytest.importorskip("infinity.engine")
+    out = _run_json(capsys, "--preset", preset, "--steps", "2", "--seq-len", "16", "--micro-batch", "1",
+                    "--offload-param", offload[0], "--offload-optimizer", offload[1], "--nvme-path", str(tmp_path))
+    for tier in ("device", "host", "nvme"):
+        measured, estimated = out["tiers"][tier]["peak_nbytes"], out["estimate"][tier]
+        assert estimated == pytest.approx(measured, rel=0.15, abs=64 * 1024), tier
+
+
+def test_a_users_model_file_trains(capsys, tmp_path):
+    pytest.importorskip("infinity.engine")
+    f = tmp_path / "my_model.py"
+    f.write_text(
+        "from infinity.models.gpt import GPT, GPTConfig\n"
+        "def build_model():\n"
+        "    return GPT(GPTConfig(n_layer=1, n_head=2, d_model=32, seq_len=32))\n"
+    )
+    assert main(["train", "--model", str(f), "--steps", "2", "--seq-len", "32", "--micro-batch", "2",
+                 "--max-bytes", "100000", "--offload-param", "cpu", "--offload-optimizer", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == str(f) and out["preset"] is None and len(out["losses"]) == 2
+
+
+def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
+    if not train._engine_has_checkpoints():
+        pytest.skip("the engine has no checkpoints yet")
+    full = _run_json(capsys, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--save-every", "2")
+    resumed = _run_json(capsys, "--steps", "4", "--resume", str(tmp_path / "ck" / "step2"))
+    assert resumed["losses"][:2] == full["losses"][:2]  # restored, not recomputed
+    assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-6)  # same weights, data and lr
