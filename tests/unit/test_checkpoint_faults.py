@@ -30,7 +30,8 @@ from helpers import TinyGPT, engine_config
 STEPS = 24
 EVERY = 2
 ACCUM = 2
-SLOW_WRITE_S = 0.001  # per write into a checkpoint file: a save lasts ~0.15 s, so kills land in saves too
+SLOW_WRITE_S = 0.001  # per write into a checkpoint file in a killed run: a save lasts over 0.1 s
+PAUSE_S = 0.005  # after each backward in a killed run: a step lasts over 10 ms
 
 
 # --------------------------------------------------------------------------- the child processes
@@ -40,8 +41,10 @@ def _log(path: str):
     return open(path, "a", buffering=1)
 
 
-def train_run(workdir: str, log_path: str, steps: int, every: int, slow_write_s: float, result_path: str | None):
-    """Train (resuming from ``workdir/ckpt`` if it has a checkpoint), logging each step and save."""
+def train_run(workdir: str, log_path: str, steps: int, every: int, slow_write_s: float, pause_s: float,
+              result_path: str | None):
+    """Train (resuming from ``workdir/ckpt`` if it has a checkpoint), logging each step and save.
+    ``slow_write_s`` and ``pause_s`` stretch saves and steps (not their numerics) for the kills to aim."""
     import numpy as np
 
     import infinity
@@ -78,6 +81,7 @@ def train_run(workdir: str, log_path: str, steps: int, every: int, slow_write_s:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+            time.sleep(pause_s)
         log.write(f"step {step + 1}\n")
         if (step + 1) % every == 0:
             log.write(f"saving {step + 1}\n")
@@ -152,7 +156,7 @@ def _wait_for(proc, log: Path, line: str, timeout: float = 120.0) -> bool:
 
 
 def _run_to_end(ctx, workdir: Path, log: Path, result: Path, *, steps: int, every: int, slow: float) -> None:
-    proc = ctx.Process(target=train_run, args=(str(workdir), str(log), steps, every, slow, str(result)))
+    proc = ctx.Process(target=train_run, args=(str(workdir), str(log), steps, every, slow, 0.0, str(result)))
     proc.start()
     proc.join(300)
     assert proc.exitcode == 0, f"training run failed (exit {proc.exitcode}); see {log}"
@@ -176,24 +180,34 @@ def kill_trials(workdir: Path, *, kills: int, seed: int, steps: int = STEPS, eve
     where = {"training": 0, "save": 0, "startup or resume": 0}
     for trial in range(kills):
         log = workdir / f"trial{trial}.log"
-        proc = ctx.Process(target=train_run, args=(str(run_dir), str(log), steps, every, slow_write_s, None))
+        proc = ctx.Process(target=train_run, args=(str(run_dir), str(log), steps, every, slow_write_s, PAUSE_S, None))
         proc.start()
         if not _wait_for(proc, log, "begin"):
             raise AssertionError(f"trial {trial}: the run died before starting (exit {proc.exitcode}); see {log}")
+        # Where to kill: a moment the run logs, then a delay. A save lasts at least ~0.1 s (each of its
+        # ~100 writes sleeps SLOW_WRITE_S) and a step at least 2 * PAUSE_S, so "saving" + < 0.08 s is
+        # inside a save and "step" (of a step that saves nothing) + < PAUSE_S is inside the next step.
         start = int(saved)
         moment = rng.choice(["begin", "step", "step", "saving", "saving", "saved"])
+        target = min(steps - 1, start + rng.randint(1, 2 * every))  # a few steps on: kills spread over the run
         if moment == "begin":
             delay = rng.uniform(0.0, 0.5)
         else:
-            target = min(steps - 1, start + rng.randint(1, 2 * every))  # a few steps on: kills spread over the run
-            if moment != "step":
-                target = min(steps - 1, target + (-target) % every)
-                if target % every:
-                    moment = "step"
-            if not _wait_for(proc, log, f"{moment} {target}"):
+            if moment == "step":
+                target -= 1 if target % every == 0 and target - 1 > start else 0
+                moment = "step" if target % every else "saving"
+                delay = rng.uniform(0.0, PAUSE_S)
+            elif moment == "saving":
+                target = min(steps - 1 - (steps - 1) % every, target + (-target) % every)
+                delay = rng.uniform(0.0, 0.08)
+            else:
+                target = min(steps - 1 - (steps - 1) % every, target + (-target) % every)
+                delay = rng.uniform(0.0, 0.25)
+            if target <= start:
+                moment, target, delay = "begin", 0, rng.uniform(0.0, 0.5)
+            elif not _wait_for(proc, log, f"{moment} {target}"):
                 raise AssertionError(f"trial {trial}: the run ended before '{moment} {target}' (exit "
                                      f"{proc.exitcode}); see {log}")
-            delay = rng.uniform(0.0, 0.25)
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
