@@ -19,8 +19,9 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
 * **gathered** full parameters (compute bytes, padded) live on the device:
   the persistent ones (at most ``param_persistence_threshold`` elements each)
   always, plus the largest layer being used; with params on NVMe the
-  prefetcher also keeps up to ``max(prefetch_bucket_size, max_reuse_distance)``
-  elements gathered (ahead of need, or for reuse), within
+  prefetcher also keeps up to ``max(prefetch_bucket_size, max_reuse_distance / 2)``
+  elements gathered (ahead of need, or until their reuse in the backward: the
+  last ``max_reuse_distance / 2`` elements of the forward), within
   ``max_live_parameters``. With one rank and the compute shard on the device,
   the shard *is* the full tensor: nothing is gathered;
 * with params on NVMe and a GPU, host **I/O buffers** (compute bytes) stage the
@@ -168,8 +169,11 @@ def estimate(
     if not (world_size == 1 and offload_param == "none"):
         padded_largest = math.ceil(largest / world_size) * world_size
         rest = max(0, num_params - persistent_numel)
-        # the prefetcher keeps parameters gathered ahead of need and for reuse, within max_live_parameters
-        ahead = min(int(max(prefetch_bucket_size, max_reuse_distance)), int(max_live_parameters)) if prefetching else 0
+        # The prefetcher keeps parameters gathered ahead of need and for reuse, within max_live_parameters.
+        # A parameter's reuse distance is twice the elements used after it in the forward (the rest of
+        # the forward, then the backward back to it): the last max_reuse_distance / 2 elements stay.
+        kept = max(int(prefetch_bucket_size), int(max_reuse_distance) // 2)
+        ahead = min(kept, int(max_live_parameters)) if prefetching else 0
         fetched = min(rest, padded_largest + ahead)
         tiers["device"]["gathered_params"] += (persistent_numel + fetched) * cbytes
     if swapped_in and gpu:

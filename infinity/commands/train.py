@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
@@ -39,6 +39,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_STEPS = 200
 DEFAULT_MICRO_BATCH = 8
 DEFAULT_LR = 2e-3
+"""Peak learning rate of the default preset; other presets have theirs in PRESET_LR."""
+PRESET_LR = {
+    "tiny": 3e-3, "small": DEFAULT_LR, "10m": 1e-3, "50m": 8e-4,
+    # GPT-3's (Brown et al. 2020, table 2.1) from 125m up
+    "125m": 6e-4, "350m": 3e-4, "760m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4, "6.7b": 1.2e-4, "13b": 1e-4,
+}
+MODEL_FILE_LR = 3e-4
+DEFAULT_SUB_GROUP_SIZE = 10**8
 META_BUILD_ABOVE = 10**9
 """Presets with more parameters are built on the meta device and materialized by the engine."""
 TIERS = ("device", "host", "nvme")
@@ -60,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--micro-batch", type=int, metavar="N", help=f"sequences per micro-batch per rank (default {DEFAULT_MICRO_BATCH})")
     run_.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     run_.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the model's, at most 256)")
-    run_.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULT_LR})")
+    run_.add_argument("--lr", type=float,
+                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model)")
     run_.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
@@ -104,7 +113,6 @@ class Plan:
     world_size: int
     local_world_size: int
     estimate: dict | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def _read_config_file(path: str) -> dict:
@@ -146,6 +154,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if not isinstance(zero, dict):
         raise ValueError(f"config key zero_optimization must be a JSON object, got {zero!r}")
     zero.setdefault("stage", 3)
+    # Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at 2 x 1e8 x 14 bytes whatever the
+    # model, and sub-groups pipeline (the engine's own default, 1e9, makes one group of a small model).
+    zero.setdefault("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW"})
     if not isinstance(optimizer, dict):
         raise ValueError(f"config key optimizer must be a JSON object, got {optimizer!r}")
@@ -156,7 +167,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     micro_batch = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
     grad_accum = pick(args.grad_accum, ds.get("gradient_accumulation_steps"), 1)
-    lr = pick(args.lr, opt_params.get("lr"), DEFAULT_LR)
+    if args.preset is not None and args.model is not None:
+        raise ValueError("give --preset or --model, not both")
+    preset = None if args.model else (args.preset or _default_preset())
+    if preset is not None:
+        from infinity.models.gpt import get_preset
+
+        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
+        preset = preset.lower()
+    else:
+        if not Path(args.model).is_file():
+            raise FileNotFoundError(f"model file {args.model!r} does not exist")
+        model_seq = None
+    lr = pick(args.lr, opt_params.get("lr"), PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
     steps = pick(args.steps, None, DEFAULT_STEPS)
     for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum), ("--lr", lr)):
         _positive(name, value)
@@ -176,15 +199,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
     elif config_precision is None:
         ds["bf16"] = {"enabled": precision == "bf16"}
 
+    # Without --config everything goes to NVMe (the `make train` job); a config file that names no offload
+    # means none, as in DeepSpeed.
+    default_offload = "none" if args.config else "nvme"
     offload = {}
     for key, flag in (("offload_param", args.offload_param), ("offload_optimizer", args.offload_optimizer)):
         block = zero.get(key)
         block = dict(block) if isinstance(block, dict) else {}
-        device = pick(flag, block.get("device"), "nvme")
+        device = pick(flag, block.get("device"), default_offload)
         block["device"] = "none" if device is None else device
         if block["device"] not in OFFLOAD_CHOICES:
             raise ValueError(f"config key zero_optimization.{key}.device must be one of {', '.join(OFFLOAD_CHOICES)}, "
                              f"got {block['device']!r}")
+        if args.nvme_path and block["device"] == "nvme":
+            block["nvme_path"] = args.nvme_path
         zero[key] = block
         offload[key] = block["device"]
     # With params on NVMe, keep none of them cached in host memory unless the config says otherwise:
@@ -203,17 +231,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.trace:
         ds["trace"] = {"path": args.trace}
 
-    if args.preset is not None and args.model is not None:
-        raise ValueError("give --preset or --model, not both")
-    preset = None if args.model else (args.preset or _default_preset())
-    if preset is not None:
-        from infinity.models.gpt import get_preset
-
-        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
-    else:
-        if not Path(args.model).is_file():
-            raise FileNotFoundError(f"model file {args.model!r} does not exist")
-        model_seq = None
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
@@ -226,21 +243,23 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise FileNotFoundError(f"--resume folder {args.resume!r} does not exist")
 
     rank, world_size, local_world_size = _dist_env()
-    uses_nvme = "nvme" in offload.values()
-    nvme_path = args.nvme_path or next(
-        (zero[k].get("nvme_path") for k in ("offload_param", "offload_optimizer") if zero[k].get("nvme_path")), None)
+    if "train_batch_size" in ds and ds["train_batch_size"] != micro_batch * grad_accum * world_size:
+        raise ValueError(f"config key train_batch_size={ds['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
+                         f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
+    nvme_blocks = [zero[k] for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"]
+    nvme_paths = list(dict.fromkeys(b["nvme_path"] for b in nvme_blocks if b.get("nvme_path")))
     plan = Plan(ds_config=ds, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
                 min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
-                offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_path,
-                nvme_is_temporary=uses_nvme and nvme_path is None, preset=preset, model_file=args.model,
-                rank=rank, world_size=world_size, local_world_size=local_world_size)
-    if uses_nvme and nvme_path is not None:
-        check_writable(nvme_path)
+                offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
+                nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
+                model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size)
+    for path in nvme_paths:
+        check_writable(path)
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
     from infinity.config import InfinityConfig
 
     # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
-    InfinityConfig.from_deepspeed(_with_nvme_path(ds, nvme_path or _PLACEHOLDER_PATH))
+    InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH))
     return plan
 
 
@@ -254,11 +273,11 @@ def _default_preset() -> str:
 
 
 def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
-    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe."""
+    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe and names no path."""
     ds = copy.deepcopy(ds)
     for key in ("offload_param", "offload_optimizer"):
         block = ds["zero_optimization"][key]
-        if block.get("device") == "nvme" and nvme_path is not None:
+        if block.get("device") == "nvme" and not block.get("nvme_path") and nvme_path is not None:
             block["nvme_path"] = nvme_path
     return ds
 
@@ -276,6 +295,25 @@ def check_writable(path: str) -> None:
         probe.unlink()
     except OSError as err:
         raise PermissionError(f"nvme path {path!r} is not writable: {err.strerror or err}") from None
+
+
+def check_memory(plan: Plan) -> None:
+    """``ValueError`` when the estimate's memory (host; and device, on a CPU-only machine) for every rank on
+    this machine is more than the memory available, so the run fails with a reason instead of being killed."""
+    import psutil
+    import torch
+
+    totals = plan.estimate["totals"]
+    per_rank = totals["host"] + (0 if torch.cuda.is_available() else totals["device"])
+    needed = per_rank * plan.local_world_size
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise ValueError(
+            f"this run needs about {format_bytes(needed)} of memory ({format_bytes(per_rank)} per rank x "
+            f"{plan.local_world_size}) but {format_bytes(available)} is available; offload more "
+            f"(--offload-param/--offload-optimizer nvme), lower --micro-batch or --seq-len, or lower "
+            f"zero_optimization.sub_group_size / stage3_max_live_parameters in --config"
+        )
 
 
 def check_disk_room(path: str, needed_nbytes: int) -> None:
@@ -304,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
 
         plan.estimate = estimate_for(plan, get_preset(plan.preset))
         check_nvme_room(plan)
+        check_memory(plan)
     cleanup = _Cleanup()
     try:
         if plan.nvme_is_temporary:
@@ -327,8 +366,11 @@ def check_nvme_room(plan: Plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
     if "nvme" not in (plan.offload_param, plan.offload_optimizer):
         return
-    where = plan.nvme_path if plan.nvme_path is not None else tempfile.gettempdir()
-    check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+    zero = plan.ds_config["zero_optimization"]
+    paths = {zero[k].get("nvme_path") or tempfile.gettempdir()
+             for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
+    for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
+        check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
 
 
 class _Cleanup:
@@ -379,7 +421,7 @@ def estimate_for(plan: Plan, model) -> dict:
     from infinity.estimate import estimate, gpt_activation_nbytes
     from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
-    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, plan.nvme_path or _PLACEHOLDER_PATH))
+    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
     zero = cfg.zero
     gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
     if isinstance(model, GPTConfig):
@@ -439,6 +481,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
     if plan.estimate is None:  # a user's model: its size is known once built
         plan.estimate = estimate_for(plan, model)
         check_nvme_room(plan)
+        check_memory(plan)
 
     what = f"preset {plan.preset}" if plan.preset else f"model {plan.model_file}"
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
@@ -563,7 +606,7 @@ def _mean_over_ranks(value: float, world_size: int) -> float:
 
 
 def _progress(loss: float, tokens_per_s: float, tiers: dict, step_s: float) -> str:
-    parts = [f"loss {loss:.3f}", f"{tokens_per_s:,.0f} tok/s"]
+    parts = [f"loss {loss:.3f}", f"{tokens_per_s:,.0f} tok/s" if tokens_per_s >= 10 else f"{tokens_per_s:.2g} tok/s"]
     for t in TIERS:
         m = tiers.get(t)
         if m and (m.get("bytes_read") or m.get("bytes_written")) and step_s > 0:
@@ -579,7 +622,7 @@ def _peak_rss_bytes() -> int:
 
 def _print_summary(s: dict) -> None:
     print(f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
-          f"{s['tokens_per_s']:,.0f} tokens/s, {s['train_s']:.0f} s, peak RSS {format_bytes(s['peak_rss_bytes'])}")
+          f"{s['tokens_per_s']:,.{0 if s['tokens_per_s'] >= 10 else 2}f} tokens/s, {s['train_s']:.0f} s, peak RSS {format_bytes(s['peak_rss_bytes'])}")
     print(f"  {'tier':<7} {'peak':>10} {'estimate':>10} {'read':>10} {'written':>10}")
     for t in TIERS:
         m = s["tiers"][t]

@@ -160,3 +160,15 @@ def test_cli_errors(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "lots"])
     assert "cannot read a parameter count from 'lots'" in capsys.readouterr().err
+
+
+def test_parameters_reused_within_max_reuse_distance_stay_gathered():
+    # 100 layers of 1000: a parameter's reuse distance is twice the elements after it in the forward, so
+    # with max_reuse_distance 20000 the last 10000 elements stay gathered, plus the layer being used
+    kw = dict(param_numels=[1000] * 100, offload_param="nvme", max_in_cpu=0, param_persistence_threshold=0,
+              prefetch_bucket_size=0, precision="bf16")
+    assert estimate(**kw, max_reuse_distance=20_000)["tiers"]["device"]["gathered_params"] == (1000 + 10_000) * 2
+    assert estimate(**kw, max_reuse_distance=0)["tiers"]["device"]["gathered_params"] == 1000 * 2
+    # parameters that rest in memory are gathered on demand only: no prefetcher
+    assert estimate(**{**kw, "offload_param": "cpu"}, max_reuse_distance=20_000)["tiers"]["device"][
+        "gathered_params"] == 1000 * 2

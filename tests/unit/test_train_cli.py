@@ -43,9 +43,10 @@ def test_no_arguments_is_the_make_train_job():
     assert plan.nvme_path is None and plan.nvme_is_temporary
     ds = plan.ds_config
     assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["sub_group_size"] == train.DEFAULT_SUB_GROUP_SIZE
     assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "max_in_cpu": 0}
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme"}
-    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": train.DEFAULT_LR, "betas": [0.9, 0.95], "eps": 1e-8,
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": train.PRESET_LR["small"], "betas": [0.9, 0.95], "eps": 1e-8,
                                                            "weight_decay": 0.1}}
     assert ds["bf16"] == {"enabled": True}
     assert ds["gradient_clipping"] == 1.0
@@ -231,3 +232,42 @@ def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
     resumed = _run_json(capsys, "--steps", "4", "--resume", str(tmp_path / "ck" / "step2"))
     assert resumed["losses"][:2] == full["losses"][:2]  # restored, not recomputed
     assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-6)  # same weights, data and lr
+
+
+def test_memory_too_small_is_refused_before_work(no_work, monkeypatch, capsys):
+    import psutil
+
+    vm = namedtuple("vm", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(10**6))
+    err = _fails(capsys, "--preset", "tiny", "--offload-param", "cpu", "--offload-optimizer", "cpu")
+    assert "needs about" in err and "977 KiB is available" in err
+
+
+def test_a_config_file_without_offload_means_none_and_its_paths_are_kept(tmp_path):
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    plan = train.make_plan(_args("--config", str(plain)))
+    assert (plan.offload_param, plan.offload_optimizer) == ("none", "none") and not plan.nvme_is_temporary
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps({"zero_optimization": {
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")}}}))
+    zero = train.make_plan(_args("--config", str(two))).ds_config["zero_optimization"]
+    assert (zero["offload_param"]["nvme_path"], zero["offload_optimizer"]["nvme_path"]) == (str(tmp_path / "a"),
+                                                                                           str(tmp_path / "b"))
+    zero = train.make_plan(_args("--config", str(two), "--nvme-path", str(tmp_path / "c"))).ds_config["zero_optimization"]
+    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"] == str(tmp_path / "c")
+
+
+def test_train_batch_size_must_agree(no_work, capsys):
+    cfg = no_work / "tbs.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}))
+    assert "train_batch_size=32" in _fails(capsys, "--config", str(cfg))
+
+
+def test_each_preset_has_its_own_default_lr():
+    from infinity.models.gpt import PRESETS
+
+    assert set(train.PRESET_LR) == set(PRESETS)
+    assert train.make_plan(_args("--preset", "1.3b")).lr == 2e-4
+    assert train.make_plan(_args("--preset", "1.3b", "--lr", "1e-3")).lr == 1e-3
