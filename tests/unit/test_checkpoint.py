@@ -409,3 +409,34 @@ def test_two_runs_on_one_nvme_path_keep_their_own_files(tmp_path):
     assert not any(nvme.iterdir())
     assert losses_a == ref_gpt[:4]
     assert losses_b == ref_mlp
+
+
+def test_load_into_other_tiers_precision_sub_groups_and_trainability(tmp_path, saved):
+    """Shards are stored per parameter, so the loading run may differ in all of these."""
+    model, save_dir, state = saved
+    engine = _engine(model, tmp_path, param="cpu", optimizer="cpu", precision="bf16", sub_group_size=100_000)
+    try:
+        engine.load_checkpoint(save_dir)
+        _assert_state_equal(engine.full_state_dict(), state)  # fp32 masters as saved
+        x, y = gpt_batches(1, batch=2)[0]
+        engine.backward(engine(x, y))  # compute shards recast to bf16 from the masters: it trains
+        engine.step()
+    finally:
+        engine.close()
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g)) for _ in range(2)]
+    frozen_then = WithBuffers()
+    engine = _engine(frozen_then, tmp_path)
+    _train(engine, data, 1)
+    engine.save_checkpoint(tmp_path / "frozen")
+    before = engine.full_state_dict()
+    engine.close()
+    trainable_now = copy.deepcopy(frozen_then)
+    trainable_now.frozen.requires_grad_(True)
+    engine = _engine(trainable_now, tmp_path)
+    try:
+        engine.load_checkpoint(tmp_path / "frozen")
+        _assert_state_equal(engine.full_state_dict(), before)  # its master comes from its compute shard
+    finally:
+        engine.close()
