@@ -467,7 +467,6 @@ def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
 
 
 def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> int:
-    import torch
     from tqdm import tqdm
 
     import infinity
@@ -488,7 +487,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} bytes; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
-    say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(plan.estimate['totals'][t])}" for t in TIERS))
+    accounted, activations = plan.estimate["accounted"], plan.estimate["tiers"]["device"]["activations"]
+    say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(accounted[t])}" for t in TIERS)
+        + (f"; plus activations {format_bytes(activations)}" if activations else ""))
 
     _init_distributed(plan, cleanup)
     engine = infinity.initialize(model, plan.ds_config)
