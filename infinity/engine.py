@@ -280,6 +280,11 @@ class Engine:
         self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
         self._backward_pending = True
 
+    @property
+    def backward_pending(self) -> bool:
+        """True between ``backward()`` and its ``step()`` (no checkpoint may be taken then)."""
+        return self._backward_pending
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_step % self.config.gradient_accumulation_steps == 0
 
@@ -441,15 +446,24 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.hooks.remove()
+        errors = []
+        for part in (self.hooks.remove, self._finish_overlap, self._write_timeline, self.optimizer.close,
+                     self.compute.close, self.tiers.close):
+            try:
+                part()
+            except Exception as err:  # every part is closed (swap files removed) whatever failed before it
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def _finish_overlap(self) -> None:
         if self.optimizer.overlapping:
             self.optimizer.finish_overlapped_step()
+
+    def _write_timeline(self) -> None:
         path = self.timeline.write()
         if path:
             logger.info("timeline written to %s (open it in Perfetto or chrome://tracing)", path)
-        self.optimizer.close()
-        self.compute.close()
-        self.tiers.close()
 
     def __enter__(self):
         return self

@@ -41,9 +41,16 @@ class _Staging:
     writes: list[IOHandle]
 
     def wait_writes(self) -> None:
-        for handle in self.writes:
-            handle.wait()
-        self.writes.clear()
+        """Wait for every write; the list is emptied even when one failed (its error is raised once)."""
+        writes, self.writes = self.writes, []
+        error = None
+        for handle in writes:
+            try:
+                handle.wait()
+            except OSError as err:
+                error = error or err
+        if error is not None:
+            raise error
 
 
 class OffloadOptimizer:
@@ -258,7 +265,10 @@ class OffloadOptimizer:
 
     def close(self) -> None:
         for staging in self._staging:
-            staging.wait_writes()
+            try:
+                staging.wait_writes()
+            except OSError as err:  # already raised by the step that issued it; closing must go on
+                logger.warning("closing after a failed write: %s", err)
             for tensor in staging.states.values():
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)

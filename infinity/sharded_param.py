@@ -125,8 +125,8 @@ class ShardedParam:
         """The shard changed (optimizer step): a fetched full tensor must be gathered again."""
         if not self.aliased:
             self.stale = True
-            if self.state is ParamState.FETCHED and self.holders == 0:
-                self._free()
+            if self.state is not ParamState.RELEASED and self.holders == 0:
+                self._free()  # a prefetch in flight read the old shard: drop it too
 
     # -- internals ----------------------------------------------------------
     def _allocate(self) -> None:

@@ -40,8 +40,12 @@ def gather_full_state_dict(engine) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters(remove_duplicate=False):
         out[name] = by_id[id(param)]
-    for name, buf in engine.module.named_buffers():
-        out[name] = buf.detach().float().clone() if buf.is_floating_point() else buf.detach().clone()
+    for module_name, module in engine.module.named_modules():
+        for local, buf in module.named_buffers(recurse=False):
+            if buf is None or local in module._non_persistent_buffers_set:
+                continue  # like state_dict(): non-persistent buffers are not part of the state
+            name = f"{module_name}.{local}" if module_name else local
+            out[name] = buf.detach().float().clone() if buf.is_floating_point() else buf.detach().clone()
     plan = getattr(engine, "tiling_plan", None)
     if plan is not None and not plan.is_empty:
         out = plan.untile_state_dict(out)
