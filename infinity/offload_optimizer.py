@@ -173,8 +173,9 @@ class OffloadOptimizer:
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
                 reads[i + 1] = self._read_states(groups[i + 1], staging)
-        for staging in sets:
-            staging.wait_writes()
+        # Write-behind: the last sub-groups' writes finish while the next forward runs. The store orders
+        # operations on one key, so a later read of a state or compute shard sees its write; a staging
+        # set is reused only after its writes are done; flush() waits for all of them.
 
     # -- the step overlapped with backward -------------------------------------
     @property
@@ -263,6 +264,11 @@ class OffloadOptimizer:
     def grads_finite(self) -> bool:
         return bool(torch.isfinite(self.grads).all())
 
+    def flush(self) -> None:
+        """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
+        for staging in self._staging:
+            staging.wait_writes()
+
     def close(self) -> None:
         for staging in self._staging:
             try:
@@ -314,8 +320,6 @@ class _OverlappedStep:
         self._waiting.clear()
         self._ready.put(None)
         self._worker.join()
-        for staging in self._optimizer._staging:
-            staging.wait_writes()
         if self._error is not None:
             raise self._error
         return during_backward
