@@ -291,33 +291,45 @@ class OffloadOptimizer:
 
 
 class _OverlappedStep:
-    """A worker thread that updates sub-groups in the order their gradients become final."""
+    """A worker thread that updates sub-groups in the order their gradients become final.
+
+    With the states on NVMe it also reads ahead: backward finishes sub-groups from the last layer to
+    the first, so while one sub-group is updated, the states of the highest-numbered one still
+    waiting are read into the other buffer set (states do not depend on gradients). A guess that
+    turns out wrong costs nothing but the read; the sub-group then reads on arrival.
+    """
 
     def __init__(self, optimizer: OffloadOptimizer):
         self._optimizer = optimizer
+        self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
         self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
         self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
         self._error: BaseException | None = None
+        self._read_ahead: dict[int, tuple[_Staging, list[IOHandle]]] = {}  # worker only
+        self._free_sets: list[_Staging] = list(optimizer._staging)          # worker only
         self.updated = 0
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._worker.start()
 
     def slot_final(self, slot, group: SubGroup) -> None:
-        waiting = self._waiting.get(group.index)
-        if waiting is None:
-            return
-        waiting.discard(slot.index)
-        if not waiting:
+        with self._lock:
+            waiting = self._waiting.get(group.index)
+            if waiting is None:
+                return
+            waiting.discard(slot.index)
+            if waiting:
+                return
             del self._waiting[group.index]
-            self._ready.put(group)
+        self._ready.put(group)
 
     def finish(self) -> int:
         """Returns how many sub-groups were updated while backward still ran."""
         during_backward = self.updated + self._ready.qsize()
         groups = self._optimizer.layout.sub_groups
-        for index in sorted(self._waiting):
+        with self._lock:
+            left, self._waiting = sorted(self._waiting), {}
+        for index in left:
             self._ready.put(groups[index])
-        self._waiting.clear()
         self._ready.put(None)
         self._worker.join()
         if self._error is not None:
@@ -325,14 +337,56 @@ class _OverlappedStep:
         return during_backward
 
     def _run(self) -> None:
+        nvme = self._optimizer.tier == "nvme"
+        if nvme:
+            self._guarded(self._read_next_ahead)
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
-            try:
-                self._optimizer._update_alone(group, self.updated)
-                self.updated += 1
-            except BaseException as err:  # handed to the main thread by finish()
-                self._error = err
+            self._guarded(lambda: self._update(group) if nvme else self._optimizer._update_alone(group, 0))
+            self.updated += 1
+        for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
+            for handle in reads:
+                self._guarded(handle.wait)
+        self._read_ahead.clear()
+
+    def _guarded(self, action) -> None:
+        try:
+            action()
+        except BaseException as err:  # handed to the main thread by finish()
+            self._error = self._error or err
+
+    def _update(self, group: SubGroup) -> None:
+        optimizer = self._optimizer
+        entry = self._read_ahead.pop(group.index, None)
+        if entry is None:
+            staging = self._take_set()
+            reads = optimizer._read_states(group, staging)
+        else:
+            staging, reads = entry
+        for handle in reads:
+            handle.wait()
+        states = {name: t[:group.numel] for name, t in staging.states.items()}
+        staging.writes.extend(optimizer._update(group, states, staging.compute))
+        staging.writes.extend(optimizer._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
+        self._free_sets.append(staging)
+        self._read_next_ahead()
+
+    def _read_next_ahead(self) -> None:
+        if self._read_ahead or len(self._free_sets) < 2:
+            return  # one guess at a time, and a set kept free for a sub-group that was not guessed
+        with self._lock:
+            candidates = sorted(self._waiting, reverse=True)
+        if not candidates:
+            return
+        group = self._optimizer.layout.sub_groups[candidates[0]]
+        staging = self._take_set()
+        self._read_ahead[group.index] = (staging, self._optimizer._read_states(group, staging))
+
+    def _take_set(self) -> _Staging:
+        staging = self._free_sets.pop(0)
+        staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
+        return staging
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:
