@@ -6,8 +6,9 @@ against all off, against two floors measured in the same run:
 * the I/O floor: the bytes one step moves to and from NVMe divided by the
   bandwidth `infinity bench` measures on the same path (read and write apart).
 
-The overlapped and the sequential engines live side by side and their steps
-alternate, so the machine's noise hits both alike; figures are medians.
+The three engines (no offload, overlapped, sequential) live side by side and
+their steps alternate, so the machine's noise hits all alike; figures are
+medians.
 The last line is JSON with at least step_s, step_no_overlap_s,
 compute_floor_s and io_floor_s.
 
@@ -96,25 +97,24 @@ def main() -> None:
         print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write {write_GBps:.2f} GB/s, "
               f"read {read_GBps:.2f} GB/s")
 
-        floor = build(cfg, engine_config(None, overlap=True, sub_group_size=args.sub_group_size))
-        compute_times = [one_step(floor, batch)[0] for _ in range(args.warmup + args.steps)][args.warmup:]
-        floor.close()
-        del floor
-
-        on = build(cfg, engine_config(nvme, overlap=True, sub_group_size=args.sub_group_size))
-        off = build(cfg, engine_config(nvme, overlap=False, sub_group_size=args.sub_group_size))
-        times = {"on": [], "off": []}
+        engines = {
+            "floor": build(cfg, engine_config(None, overlap=True, sub_group_size=args.sub_group_size)),
+            "on": build(cfg, engine_config(nvme, overlap=True, sub_group_size=args.sub_group_size)),
+            "off": build(cfg, engine_config(nvme, overlap=False, sub_group_size=args.sub_group_size)),
+        }
+        times = {name: [] for name in engines}
         metrics_on = None
         for i in range(args.warmup + args.steps):
-            for name, engine in (("on", on), ("off", off)):
+            for name, engine in engines.items():  # alternate, so the machine's noise hits all three alike
                 elapsed, metrics = one_step(engine, batch)
                 if i >= args.warmup:
                     times[name].append(elapsed)
-                    if name == "on":
-                        metrics_on = metrics
-            print(f"  step {i}: overlap on {times['on'][-1] if i >= args.warmup else elapsed:.2f} s", flush=True)
-        on.close()
-        off.close()
+                    metrics_on = metrics if name == "on" else metrics_on
+            print("  round {}: {}".format(i, ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items() if t))
+                  if i >= args.warmup else f"  round {i}: warm-up", flush=True)
+        for engine in engines.values():
+            engine.close()
+        compute_times = times["floor"]
 
     nvme_tier = metrics_on["tiers"]["nvme"]
     io_floor = nvme_tier["bytes_read"] / (read_GBps * 1e9) + nvme_tier["bytes_written"] / (write_GBps * 1e9)

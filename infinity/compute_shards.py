@@ -72,7 +72,8 @@ class ComputeShards:
             if resident.data_ptr() != values.data_ptr():
                 resident.copy_(values)
             return None
-        return self._store.write(self._key(slot), values)
+        # urgent: the next forward reads it back first thing; the optimizer's state writes can wait
+        return self._store.write(self._key(slot), values, urgent=True)
 
     def sub_group_view(self, group: SubGroup) -> torch.Tensor | None:
         """The resident flat range of a sub-group, when every shard of it rests in the flat buffer."""

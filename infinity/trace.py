@@ -121,8 +121,8 @@ class TracedStore:
         self._timeline.io("nvme read", key, handle)
         return _TracedHandle(handle, self._timeline, f"read {key}")
 
-    def write(self, key, tensor):
-        handle = self._store.write(key, tensor)
+    def write(self, key, tensor, **kwargs):
+        handle = self._store.write(key, tensor, **kwargs)
         self._timeline.io("nvme write", key, handle)
         return _TracedHandle(handle, self._timeline, f"write {key}")
 

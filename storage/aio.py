@@ -144,6 +144,7 @@ class _Request:
     __slots__ = (
         "op", "fd", "path", "segments", "nbytes", "seg", "pos", "issued_all", "inflight",
         "error", "event", "keepalive", "stats", "close_fd", "count_nbytes", "submitted_s", "completed_s",
+        "urgent",
     )  # fmt: skip
 
     def __init__(self, op, fd, path, segments, keepalive, stats, close_fd) -> None:
@@ -164,6 +165,7 @@ class _Request:
         self.count_nbytes = self.nbytes  # what `stats` records on success (the swap store counts payload bytes)
         self.submitted_s = time.perf_counter()  # for timelines: when asked for and when done
         self.completed_s: float | None = None
+        self.urgent = op == READ  # someone is (or soon will be) waiting on it; see _Core.submit
 
 
 class IOHandle:
@@ -323,6 +325,22 @@ class _Core:
         self.active -= 1
         self.cond.notify_all()
 
+    def _enqueue(self, req: _Request) -> None:
+        """Urgent requests (reads, by default) go ahead of queued ones not urgent and not yet started:
+        a read that compute waits for should not queue behind writes that nobody waits for. Order
+        between requests on the same data is the caller's to keep (the swap store waits for a key's
+        pending write before it submits a read of that key)."""
+        queue = self.queue
+        if not req.urgent:
+            queue.append(req)
+            return
+        for i, queued in enumerate(queue):
+            started = queued.seg or queued.pos or queued.inflight
+            if not queued.urgent and not started:
+                queue.insert(i, req)
+                return
+        queue.append(req)
+
     def submit(self, req: _Request) -> None:
         with self.cond:
             if self.closed or self.stopping:
@@ -331,7 +349,7 @@ class _Core:
             if req.issued_all:  # nothing to transfer
                 self.finish(req)
                 return
-            self.queue.append(req)
+            self._enqueue(req)
             self.cond.notify_all()
             if not self.workers:
                 self._start_workers()
@@ -614,12 +632,14 @@ class AsyncIO:
         keepalive: object = None,
         stats: TierStats | None = None,
         count_nbytes: int | None = None,
+        urgent: bool | None = None,
     ) -> _Request:
         """Low level: queue ``segments`` of ``(address, nbytes, file_offset)`` on ``fd``.
 
         The caller guarantees the memory stays valid (``keepalive`` is held until
         completion) and, for an O_DIRECT fd, 4096-alignment. Returns the request,
-        to be wrapped in an :class:`IOHandle`.
+        to be wrapped in an :class:`IOHandle`. ``urgent`` (default: reads are, writes are not) puts the
+        request ahead of queued requests that are not urgent.
         """
         if op not in (READ, WRITE):
             raise ValueError(f"AsyncIO.submit: op must be {READ!r} or {WRITE!r}, got {op!r}")
@@ -627,6 +647,8 @@ class AsyncIO:
                        stats if stats is not None else self.stats, False)  # fmt: skip
         if count_nbytes is not None:
             req.count_nbytes = count_nbytes
+        if urgent is not None:
+            req.urgent = urgent
         self._core.submit(req)
         return req
 

@@ -215,9 +215,10 @@ class SwapStore:
 
     # -- public API ------------------------------------------------------------
 
-    def write(self, key: str, tensor: torch.Tensor) -> IOHandle:
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> IOHandle:
         """Start writing ``tensor``'s bytes under ``key``. Keep ``tensor`` alive and unchanged until ``wait()``.
 
+        ``urgent`` puts it ahead of queued writes that are not (for bytes someone will read soon).
         If the write fails, ``wait()`` raises an ``OSError`` naming the key, file, offset and errno,
         and the key is dropped (its previous contents were overwritten in part).
         """
@@ -267,7 +268,7 @@ class SwapStore:
 
         try:
             req = self.io.submit(WRITE, self._fd, segments, path=self._path, keepalive=(tensor, bounce),
-                                 stats=self.stats, count_nbytes=nbytes)  # fmt: skip
+                                 stats=self.stats, count_nbytes=nbytes, urgent=urgent)  # fmt: skip
         except BaseException:
             with self._lock:
                 if self._extents.get(key) is ext:

@@ -111,9 +111,9 @@ class DelayedStore:
         self._pending: dict[str, list[_SlowHandle]] = {}
         self.stats = real.stats
 
-    def write(self, key, tensor):
+    def write(self, key, tensor, **kwargs):
         snapshot_at_wait = tensor  # the engine must keep the buffer unchanged until wait()
-        handle = _SlowHandle(lambda: self._real.write(key, snapshot_at_wait).wait())
+        handle = _SlowHandle(lambda: self._real.write(key, snapshot_at_wait, **kwargs).wait())
         self._pending.setdefault(key, []).append(handle)
         return handle
 

@@ -192,3 +192,24 @@ def test_close_cancel_drops_blocks_not_yet_issued(direct_dir, backend):
             assert exc.errno == errno.ECANCELED and "cancelled by close()" in str(exc)
             outcomes.append("cancelled")
     assert "cancelled" in outcomes
+
+
+def test_urgent_requests_go_ahead_of_queued_writes_not_started():
+    """Reads (urgent by default) pass queued writes nobody waits for, but never a started request."""
+    from infinity.storage.aio import READ, WRITE, _Core, _Request
+
+    def request(op, urgent=None):
+        req = _Request(op, 0, "f", [(0, 4096, 0)], None, None, False)
+        if urgent is not None:
+            req.urgent = urgent
+        return req
+
+    core = _Core("threads", None, 1 << 20, 4, 1, False, True)
+    started, w1, w2 = request(WRITE), request(WRITE), request(WRITE)
+    started.inflight = 1
+    for req in (started, w1, w2):
+        core._enqueue(req)
+    r1, urgent_write, r2 = request(READ), request(WRITE, urgent=True), request(READ)
+    for req in (r1, urgent_write, r2):
+        core._enqueue(req)
+    assert list(core.queue) == [started, r1, urgent_write, r2, w1, w2]
