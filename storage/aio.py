@@ -144,7 +144,7 @@ class _Request:
     __slots__ = (
         "op", "fd", "path", "segments", "nbytes", "seg", "pos", "issued_all", "inflight",
         "error", "event", "keepalive", "stats", "close_fd", "count_nbytes", "submitted_s", "completed_s",
-        "urgent",
+        "urgent", "held_by", "dependents",
     )  # fmt: skip
 
     def __init__(self, op, fd, path, segments, keepalive, stats, close_fd) -> None:
@@ -166,6 +166,8 @@ class _Request:
         self.submitted_s = time.perf_counter()  # for timelines: when asked for and when done
         self.completed_s: float | None = None
         self.urgent = op == READ  # someone is (or soon will be) waiting on it; see _Core.submit
+        self.held_by = 0  # requests this one must follow that have not finished (see _Core.submit)
+        self.dependents: list[_Request] = []  # requests held until this one finishes
 
 
 class IOHandle:
@@ -323,30 +325,63 @@ class _Core:
         req.completed_s = time.perf_counter()
         req.event.set()
         self.active -= 1
+        self._release_dependents(req)
         self.cond.notify_all()
 
+    def _release_dependents(self, req: _Request) -> None:
+        """Queue the requests that were held until ``req`` finished (or fail them if it failed)."""
+        dependents, req.dependents = req.dependents, []
+        for dep in dependents:
+            if dep.issued_all and dep.event.is_set():
+                continue  # cancelled meanwhile
+            if req.error is not None and dep.error is None:
+                dep.error = io_error(errno.ECANCELED, dep.op, dep.nbytes, dep.segments[0][2] if dep.segments else 0,
+                                     dep.path, f"an earlier {req.op} of the same data failed")  # fmt: skip
+            dep.held_by -= 1
+            if dep.held_by:
+                continue
+            if dep.error is not None or dep.issued_all:
+                dep.issued_all = True
+                self.finish(dep)
+            else:
+                self._enqueue(dep)
+
     def _enqueue(self, req: _Request) -> None:
-        """Urgent requests (reads, by default) go ahead of queued ones not urgent and not yet started:
-        a read that compute waits for should not queue behind writes that nobody waits for. Order
-        between requests on the same data is the caller's to keep (the swap store waits for a key's
-        pending write before it submits a read of that key)."""
+        """Urgent requests (reads, by default) go ahead of queued ones that are not urgent, even one
+        whose first blocks are already issued (blocks are cut from the front, one request's blocks are
+        independent, and it resumes after): a read that compute waits for should not queue behind
+        writes that nobody waits for. Order between requests on the same data is the caller's to keep
+        (the swap store waits for a key's pending write before it submits a read of that key)."""
         queue = self.queue
         if not req.urgent:
             queue.append(req)
             return
         for i, queued in enumerate(queue):
-            started = queued.seg or queued.pos or queued.inflight
-            if not queued.urgent and not started:
+            if not queued.urgent:
                 queue.insert(i, req)
                 return
         queue.append(req)
 
-    def submit(self, req: _Request) -> None:
+    def submit(self, req: _Request, after: Iterable[_Request] = ()) -> None:
+        """Queue ``req``; with ``after``, hold it until those requests have finished (it fails with
+        ``ECANCELED`` if one of them failed), without blocking the caller."""
         with self.cond:
             if self.closed or self.stopping:
                 raise ValueError("AsyncIO: submitting I/O after close()")
             self.active += 1
-            if req.issued_all:  # nothing to transfer
+            blockers = [r for r in after if not r.event.is_set()]
+            failed = next((r for r in after if r.event.is_set() and r.error is not None), None)
+            if failed is not None:
+                req.error = io_error(errno.ECANCELED, req.op, req.nbytes, req.segments[0][2] if req.segments else 0,
+                                     req.path, f"an earlier {failed.op} of the same data failed")  # fmt: skip
+                req.issued_all = True
+            if blockers and failed is None:
+                req.held_by = len(blockers)
+                for blocker in blockers:
+                    blocker.dependents.append(req)
+                self.cond.notify_all()
+                return
+            if req.issued_all:  # nothing to transfer (or failed before it started)
                 self.finish(req)
                 return
             self._enqueue(req)
@@ -362,7 +397,10 @@ class _Core:
                 if req.issued_all:
                     continue
                 req.issued_all = True
-                self.queue.remove(req)
+                if req.held_by:
+                    req.held_by = 0  # no longer waits: its blockers will find it finished
+                else:
+                    self.queue.remove(req)
                 if req.error is None:
                     req.error = io_error(errno.ECANCELED, req.op, req.nbytes, req.segments[0][2], req.path,
                                          "cancelled by close()")  # fmt: skip
@@ -633,13 +671,15 @@ class AsyncIO:
         stats: TierStats | None = None,
         count_nbytes: int | None = None,
         urgent: bool | None = None,
+        after: Iterable[_Request] = (),
     ) -> _Request:
         """Low level: queue ``segments`` of ``(address, nbytes, file_offset)`` on ``fd``.
 
         The caller guarantees the memory stays valid (``keepalive`` is held until
         completion) and, for an O_DIRECT fd, 4096-alignment. Returns the request,
         to be wrapped in an :class:`IOHandle`. ``urgent`` (default: reads are, writes are not) puts the
-        request ahead of queued requests that are not urgent.
+        request ahead of queued requests that are not urgent; ``after`` holds it, without blocking
+        the caller, until those requests have finished.
         """
         if op not in (READ, WRITE):
             raise ValueError(f"AsyncIO.submit: op must be {READ!r} or {WRITE!r}, got {op!r}")
@@ -649,7 +689,7 @@ class AsyncIO:
             req.count_nbytes = count_nbytes
         if urgent is not None:
             req.urgent = urgent
-        self._core.submit(req)
+        self._core.submit(req, after)
         return req
 
     def cancel(self, handle: IOHandle) -> None:

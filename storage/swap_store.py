@@ -284,9 +284,11 @@ class SwapStore:
         complete once ``wait()`` returns or ``done()`` is True; keep it alive until then."""
         self._check_key(key)
         addr, nbytes = self._check_tensor(key, out, "read into")
-        self._wait_key(key, for_write=False)
         with self._lock:
             self._check_open()
+            # A read follows the key's writes in flight: held in the I/O queue until they finish,
+            # without blocking the caller (who may be prefetching many keys in a row).
+            after = [r for h, op in self._inflight.get(key, ()) if op == WRITE for r in h._requests]
             ext = self._extents.get(key)
             if ext is None:
                 raise KeyError(f"swap key {key!r} was never written (or was deleted) in {self.directory}")
@@ -324,7 +326,7 @@ class SwapStore:
 
         try:
             req = self.io.submit(READ, self._fd, segments, path=self._path, keepalive=(out, bounce),
-                                 stats=self.stats, count_nbytes=nbytes)  # fmt: skip
+                                 stats=self.stats, count_nbytes=nbytes, after=after)  # fmt: skip
         except BaseException:
             self._give_tail_buffer(bounce)
             raise

@@ -194,8 +194,8 @@ def test_close_cancel_drops_blocks_not_yet_issued(direct_dir, backend):
     assert "cancelled" in outcomes
 
 
-def test_urgent_requests_go_ahead_of_queued_writes_not_started():
-    """Reads (urgent by default) pass queued writes nobody waits for, but never a started request."""
+def test_urgent_requests_go_ahead_of_queued_writes():
+    """Reads (urgent by default) pass queued writes nobody waits for, even one already started."""
     from infinity.storage.aio import READ, WRITE, _Core, _Request
 
     def request(op, urgent=None):
@@ -212,4 +212,4 @@ def test_urgent_requests_go_ahead_of_queued_writes_not_started():
     r1, urgent_write, r2 = request(READ), request(WRITE, urgent=True), request(READ)
     for req in (r1, urgent_write, r2):
         core._enqueue(req)
-    assert list(core.queue) == [started, r1, urgent_write, r2, w1, w2]
+    assert list(core.queue) == [r1, urgent_write, r2, started, w1, w2]

@@ -368,3 +368,40 @@ def test_storage_imports_only_torch_numpy_stdlib_and_libaio():
                     assert name.startswith("infinity.storage"), f"{path.name} imports {name}"
                 else:
                     assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+
+
+def test_a_read_right_after_an_unwaited_write_sees_the_write(tmp_path):
+    """The read is held in the I/O queue behind the key's writes (the caller is not blocked)."""
+    store = SwapStore(tmp_path)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for round_ in range(5):
+            values = [torch.randn(300_000 + 1000 * i, generator=g) for i in range(6)]
+            writes = [store.write(f"k{i}", v) for i, v in enumerate(values)]
+            outs = [torch.empty_like(v) for v in values]
+            reads = [store.read(f"k{i}", o) for i, o in enumerate(outs)]
+            for h in reads + writes:
+                h.wait()
+            for v, o in zip(values, outs):
+                assert torch.equal(v, o), round_
+    finally:
+        store.close()
+
+
+def test_a_request_held_behind_a_failed_one_fails_too():
+    import errno
+
+    from infinity.storage.aio import READ, WRITE, _Core, _Request, io_error
+
+    core = _Core("threads", None, 1 << 20, 4, 1, False, True)
+    write = _Request(WRITE, 0, "f", [(0, 4096, 0)], None, None, False)
+    read = _Request(READ, 0, "f", [(0, 4096, 0)], None, None, False)
+    with core.cond:
+        core.active += 1  # as if submitted and in flight
+    core.submit(read, after=[write])
+    assert not read.event.is_set() and read not in core.queue
+    with core.cond:
+        write.error = io_error(errno.EIO, WRITE, 4096, 0, "f")
+        write.issued_all = True
+        core.finish(write)
+    assert read.event.is_set() and read.error is not None and read.error.errno == errno.ECANCELED
