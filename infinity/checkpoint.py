@@ -652,7 +652,7 @@ def _check_step_boundary(engine, what: str) -> None:
     if engine.micro_step % accum != 0:
         raise RuntimeError(f"{what}: {engine.micro_step % accum} of {accum} micro-batches of this step are "
                            f"accumulated; call it after engine.step() completes the step (gradients are not saved)")
-    if engine.backward_pending:
+    if engine.step_in_progress:
         raise RuntimeError(f"{what}: backward() ran but step() did not; call engine.step() first")
 
 

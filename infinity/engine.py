@@ -88,7 +88,7 @@ class Engine:
         self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
                                           grad_dtype=grad_dtype, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-                                          timeline=self.timeline)
+                                          buffer_count=zero.offload_optimizer.buffer_count, timeline=self.timeline)
         self._read_pool = self._make_read_pool(param_tier)
         by_name = {name: p for name, p in named}
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
@@ -244,6 +244,8 @@ class Engine:
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
+        if self.overlap_step and torch.is_grad_enabled() and self._next_micro_batch_is_boundary():
+            self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
             with FetchOnUse(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
@@ -265,9 +267,8 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
-        boundary = (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
-        if boundary and self.overlap_step:
-            self.optimizer.begin_overlapped_step()
+        if self.overlap_step and self._next_micro_batch_is_boundary():
+            self._begin_overlapped_step()
             self.reducer.on_slot_final = self.optimizer.slot_grad_final
         try:
             with self.timeline.span("compute", "backward"):
@@ -279,6 +280,18 @@ class Engine:
         self.micro_step += 1
         self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
         self._backward_pending = True
+
+    def _next_micro_batch_is_boundary(self) -> bool:
+        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def _begin_overlapped_step(self) -> None:
+        if not self.optimizer.overlapping:
+            self.optimizer.begin_overlapped_step()
+
+    @property
+    def step_in_progress(self) -> bool:
+        """True from the forward of a boundary micro-batch (or its backward) until ``step()``."""
+        return self._backward_pending or self.optimizer.overlapping
 
     @property
     def backward_pending(self) -> bool:
@@ -342,6 +355,11 @@ class Engine:
     def lr(self, value: float) -> None:
         if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
             raise ValueError(f"lr must be a non-negative number, got {value!r}")
+        if self.optimizer.updates_started and float(value) != self.optimizer.lr:
+            raise RuntimeError(
+                f"engine.lr was set after backward() of the step's last micro-batch, but with "
+                f"overlap_step_with_backward the update already ran during backward with lr={self.optimizer.lr:g}; "
+                f"set the learning rate before that micro-batch's forward (or turn overlap_step_with_backward off)")
         self.optimizer.lr = float(value)
 
     def set_lr(self, value: float) -> None:

@@ -28,9 +28,9 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
   reads: the largest shard plus ``prefetch_bucket_size`` elements in flight,
   within the pool's budget of ``buffer_count x buffer_size`` elements (on a
   CPU-only machine shards land in place: no buffers);
-* with the optimizer on NVMe, host **staging** holds two sets (one without
-  pipelining) of one sub-group's master, both moments (12 B) and new compute
-  shard; with the compute shard on NVMe but the optimizer in memory, one
+* with the optimizer on NVMe, host **staging** holds ``offload_optimizer.buffer_count``
+  sets (at least two; one without pipelining) of one sub-group's master, both
+  moments (12 B) and new compute shard; with the compute shard on NVMe but the optimizer in memory, one
   sub-group of compute bytes of scratch;
 * **activations** (device, only when the model's shape is known): what
   autograd keeps for one micro-batch without activation checkpointing. The
@@ -102,6 +102,7 @@ def estimate(
     buffer_size: float = 1e8,
     max_in_cpu: float = 1e9,
     pipeline: bool = True,
+    optimizer_buffer_count: int = 4,
     gradient_accumulation_steps: int = 1,
     gpu: bool = True,
     activation_nbytes: int = 0,
@@ -183,7 +184,7 @@ def estimate(
         in_flight = math.ceil((largest + ahead) / world_size)
         tiers["host"]["param_io_buffers"] += min(buffer_count * per_buffer, in_flight, flat_numel) * cbytes
     if offload_optimizer == "nvme":
-        sets = 2 if pipeline else 1
+        sets = max(2, int(optimizer_buffer_count)) if pipeline else 1
         tiers["host"]["optimizer_staging"] += sets * largest_sub_group * (12 + cbytes)
     elif offload_param == "nvme" and host_cached < flat_numel:
         tiers["host"]["optimizer_staging"] += largest_sub_group * cbytes

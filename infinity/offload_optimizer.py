@@ -56,7 +56,7 @@ class _Staging:
 class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
                  compute: ComputeShards, *, grad_dtype: torch.dtype = torch.float32,
-                 nvme_path: str | None = None, pipeline: bool = True, timeline=None):
+                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None):
         self.layout = layout
         self.config = config
         self.tier = tier
@@ -82,7 +82,8 @@ class OffloadOptimizer:
         if tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
-            for _ in range(2 if pipeline else 1):
+            # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
+            for _ in range(max(2, buffer_count) if pipeline else 1):
                 states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
                 self._staging.append(_Staging(states, tiers.empty("host", numel, compute.dtype), []))
         else:
@@ -182,6 +183,11 @@ class OffloadOptimizer:
     def overlapping(self) -> bool:
         return self._overlap is not None
 
+    @property
+    def updates_started(self) -> bool:
+        """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
+        return self._overlap is not None and self._overlap.started
+
     def begin_overlapped_step(self) -> None:
         """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final."""
         self.step_count += 1
@@ -212,14 +218,14 @@ class OffloadOptimizer:
         staging.writes.extend(self._update(group, states, staging.compute))
         staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
 
-    def _read_states(self, group: SubGroup, staging: _Staging) -> list[IOHandle]:
+    def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
         handles = []
         for name in STATE_NAMES:
             buffer = staging.states[name][:group.numel]
             if name != "master" and self.step_count == 1:
                 buffer.zero_()  # moments start at zero: nothing on disk yet
                 continue
-            handles.append(self._store.read(f"{name}.{group.index}", buffer))
+            handles.append(self._store.read(f"{name}.{group.index}", buffer, urgent=urgent))
         return handles
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
@@ -308,6 +314,7 @@ class _OverlappedStep:
         self._read_ahead: dict[int, tuple[_Staging, list[IOHandle]]] = {}  # worker only
         self._free_sets: list[_Staging] = list(optimizer._staging)          # worker only
         self.updated = 0
+        self.started = False  # a sub-group's gradients were final: updates with this lr have begun
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._worker.start()
 
@@ -320,6 +327,7 @@ class _OverlappedStep:
             if waiting:
                 return
             del self._waiting[group.index]
+        self.started = True
         self._ready.put(group)
 
     def finish(self) -> int:
@@ -360,6 +368,11 @@ class _OverlappedStep:
         optimizer = self._optimizer
         entry = self._read_ahead.pop(group.index, None)
         if entry is None:
+            if not self._free_sets:  # every set holds a wrong guess: give the oldest back
+                _, (staging, reads) = self._read_ahead.popitem()
+                for handle in reads:
+                    handle.wait()
+                self._free_sets.append(staging)
             staging = self._take_set()
             reads = optimizer._read_states(group, staging)
         else:
@@ -373,15 +386,17 @@ class _OverlappedStep:
         self._read_next_ahead()
 
     def _read_next_ahead(self) -> None:
-        if self._read_ahead or len(self._free_sets) < 2:
-            return  # one guess at a time, and a set kept free for a sub-group that was not guessed
+        """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
+
+        The reads are not urgent: they queue behind the parameter reads that compute waits for."""
         with self._lock:
-            candidates = sorted(self._waiting, reverse=True)
-        if not candidates:
-            return
-        group = self._optimizer.layout.sub_groups[candidates[0]]
-        staging = self._take_set()
-        self._read_ahead[group.index] = (staging, self._optimizer._read_states(group, staging))
+            candidates = [i for i in sorted(self._waiting, reverse=True) if i not in self._read_ahead]
+        for index in candidates:
+            if len(self._free_sets) < 2:
+                return
+            group = self._optimizer.layout.sub_groups[index]
+            staging = self._take_set()
+            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False))
 
     def _take_set(self) -> _Staging:
         staging = self._free_sets.pop(0)

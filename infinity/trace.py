@@ -116,8 +116,8 @@ class TracedStore:
         self._store = store
         self._timeline = timeline
 
-    def read(self, key, out):
-        handle = self._store.read(key, out)
+    def read(self, key, out, **kwargs):
+        handle = self._store.read(key, out, **kwargs)
         self._timeline.io("nvme read", key, handle)
         return _TracedHandle(handle, self._timeline, f"read {key}")
 

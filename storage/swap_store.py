@@ -279,9 +279,10 @@ class SwapStore:
         self._register(key, handle, WRITE)
         return handle
 
-    def read(self, key: str, out: torch.Tensor) -> IOHandle:
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = True) -> IOHandle:
         """Start reading ``key``'s bytes into ``out`` (same number of bytes, any dtype). ``out`` is
-        complete once ``wait()`` returns or ``done()`` is True; keep it alive until then."""
+        complete once ``wait()`` returns or ``done()`` is True; keep it alive until then. ``urgent=False``
+        for a read nobody waits for yet (a read-ahead): it then queues behind urgent requests."""
         self._check_key(key)
         addr, nbytes = self._check_tensor(key, out, "read into")
         with self._lock:
@@ -326,7 +327,7 @@ class SwapStore:
 
         try:
             req = self.io.submit(READ, self._fd, segments, path=self._path, keepalive=(out, bounce),
-                                 stats=self.stats, count_nbytes=nbytes, after=after)  # fmt: skip
+                                 stats=self.stats, count_nbytes=nbytes, after=after, urgent=urgent)  # fmt: skip
         except BaseException:
             self._give_tail_buffer(bounce)
             raise

@@ -449,6 +449,7 @@ def estimate_for(plan: Plan, model) -> dict:
         buffer_size=zero.offload_param.buffer_size,
         max_in_cpu=zero.offload_param.max_in_cpu,
         pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         gpu=torch.cuda.is_available(),
         activation_nbytes=activations,

@@ -117,13 +117,13 @@ class DelayedStore:
         self._pending.setdefault(key, []).append(handle)
         return handle
 
-    def read(self, key, out):
+    def read(self, key, out, **kwargs):
         earlier = list(self._pending.get(key, ()))  # the store orders operations on one key
 
         def action():
             for h in earlier:
                 h.wait()
-            self._real.read(key, out).wait()
+            self._real.read(key, out, **kwargs).wait()
         return _SlowHandle(action)
 
     def __getattr__(self, name):
@@ -172,3 +172,17 @@ def test_trace_has_a_track_per_activity_and_steps_summarize(tmp_path):
     assert len(tids) >= 4
     assert summary["compute_s"] > 0 and summary["io_s"] > 0
     assert 0 <= summary["io_exposed_s"] <= summary["io_s"]
+
+
+def test_lr_set_after_the_overlapped_update_is_an_error(tmp_path):
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=None, accum=1, clip=0.0, lr=1e-3)
+    engine = infinity.initialize(TinyGPT(), config)
+    x, y = gpt_batches(1, batch=2)[0]
+    engine.lr = 2e-3                      # before the forward: fine
+    loss = engine(x, y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="set the learning rate before"):
+        engine.lr = 5e-3
+    engine.step()
+    engine.lr = 5e-3                      # after step(): fine again
+    engine.close()

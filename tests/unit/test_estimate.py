@@ -56,7 +56,11 @@ def test_seven_billion_on_eight_ranks_by_hand():
     assert t["nvme"] == {**t["nvme"], "compute_shard": 2 * shard, "master": 4 * shard, "moments": 8 * shard}
     assert r["totals"]["nvme"] == 14 * shard
     assert t["host"]["gradients"] == 4 * shard  # accumulated over micro-batches: fp32
-    assert t["host"]["optimizer_staging"] == 2 * 10**8 * (12 + 2)  # two sets of master, moments, compute
+    # offload_optimizer.buffer_count (default 4) sets of master, moments and compute shard
+    assert t["host"]["optimizer_staging"] == 4 * 10**8 * (12 + 2)
+    two = estimate(7e9, world_size=8, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0,
+                   sub_group_size=1e8, optimizer_buffer_count=2)
+    assert two["tiers"]["host"]["optimizer_staging"] == 2 * 10**8 * (12 + 2)
     assert t["device"]["master"] == t["device"]["moments"] == t["device"]["gradients"] == 0
 
 
