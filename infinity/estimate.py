@@ -97,7 +97,7 @@ def estimate(
     prefetch_bucket_size: float = 5e7,
     max_reuse_distance: float = 1e9,
     param_persistence_threshold: float = 1e5,
-    sub_group_size: float = 1e9,
+    sub_group_size: float = 1e8,
     buffer_count: int = 5,
     buffer_size: float = 1e8,
     max_in_cpu: float = 1e9,

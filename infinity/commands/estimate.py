@@ -47,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-cpu", type=_count, default=0, metavar="N",
                    help="shard elements kept in host memory with --offload-param nvme (default 0, as "
                         "`infinity train` sets it; the engine's config default is 1e9)")
-    p.add_argument("--sub-group-size", type=_count, default=10**9, metavar="N",
-                   help="optimizer elements stepped at once (default 1e9)")
+    p.add_argument("--sub-group-size", type=_count, default=10**8, metavar="N",
+                   help="optimizer elements stepped at once (default 1e8, the engine's)")
+    p.add_argument("--optimizer-buffer-count", type=int, default=4, metavar="N",
+                   help="host staging sets with the optimizer on NVMe (offload_optimizer.buffer_count, default 4)")
     p.add_argument("--buffer-count", type=int, default=5, metavar="N", help="host buffers for NVMe params (default 5)")
     p.add_argument("--buffer-size", type=_count, default=10**8, metavar="N",
                    help="elements per host buffer for NVMe params (default 1e8)")
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         param_persistence_threshold=args.param_persistence_threshold,
         max_in_cpu=args.max_in_cpu,
         sub_group_size=args.sub_group_size,
+        optimizer_buffer_count=args.optimizer_buffer_count,
         buffer_count=args.buffer_count,
         buffer_size=args.buffer_size,
         gradient_accumulation_steps=args.grad_accum,

@@ -154,8 +154,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if not isinstance(zero, dict):
         raise ValueError(f"config key zero_optimization must be a JSON object, got {zero!r}")
     zero.setdefault("stage", 3)
-    # Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at 2 x 1e8 x 14 bytes whatever the
-    # model, and sub-groups pipeline (the engine's own default, 1e9, makes one group of a small model).
+    # Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at buffer_count x 1e8 x 14 bytes whatever the
+    # model, and sub-groups pipeline (as the engine's own default, 1e8).
     zero.setdefault("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW"})
     if not isinstance(optimizer, dict):
