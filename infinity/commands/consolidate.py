@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.checkpoint import consolidate
+    from infinity.consolidation import consolidate
 
     started = time.perf_counter()
     summary = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)

@@ -60,7 +60,7 @@ def _saved_moments(folder: Path, world_size: int) -> dict[str, torch.Tensor]:
 
 
 def _two_ranks(rank, world_size, save_dir):
-    from infinity import checkpoint
+    from infinity import safetensors_io
     from infinity.checkpoint import CheckpointError
 
     save_dir = Path(save_dir)
@@ -97,7 +97,7 @@ def _two_ranks(rank, world_size, save_dir):
     if rank == 1:
         def full(file, hasher, data):
             raise OSError(errno.ENOSPC, "No space left on device")
-        checkpoint._write_chunk = full
+        safetensors_io._write_chunk = full
     try:
         resumed.save_checkpoint(save_dir, tag="broken")
     except OSError as err:

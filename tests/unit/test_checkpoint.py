@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import infinity
 import infinity.commands.consolidate
 from infinity import checkpoint
+from infinity import consolidation, safetensors_io
 from infinity.checkpoint import CheckpointError
 from helpers import TiedMLP, TinyGPT, engine_config, engine_train, gpt_batches, mlp_batches
 
@@ -217,7 +218,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         saved = engine.full_state_dict()
         _train(engine, batches[2:], 1)
         written = []
-        real = checkpoint._write_chunk
+        real = safetensors_io._write_chunk
 
         def disk_full(file, hasher, data):
             written.append(len(data))
@@ -225,10 +226,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
                 raise OSError(errno.ENOSPC, "No space left on device")
             real(file, hasher, data)
 
-        monkeypatch.setattr(checkpoint, "_write_chunk", disk_full)
+        monkeypatch.setattr(safetensors_io, "_write_chunk", disk_full)
         with pytest.raises(OSError, match=r"No space left on device.*shard-00000-of-00001.safetensors"):
             engine.save_checkpoint(save_dir, tag="bad")
-        monkeypatch.setattr(checkpoint, "_write_chunk", real)
+        monkeypatch.setattr(safetensors_io, "_write_chunk", real)
         assert sorted(p.name for p in save_dir.iterdir()) == ["good", "latest"]  # no partial folder left
         engine.load_checkpoint(save_dir)
         _assert_state_equal(engine.full_state_dict(), saved)
@@ -373,7 +374,8 @@ def test_loading_never_unpickles(saved, tmp_path, monkeypatch):
         _assert_state_equal(engine.full_state_dict(), saved[2])
     finally:
         engine.close()
-    source = Path(checkpoint.__file__).read_text() + Path(infinity.commands.consolidate.__file__).read_text()
+    source = "".join(Path(m.__file__).read_text()
+                     for m in (checkpoint, safetensors_io, consolidation, infinity.commands.consolidate))
     for code in ("import pickle", "pickle.", "torch.load(", "np.load(", "numpy.load(", "allow_pickle", "weights_only"):
         assert code not in source, code
 

@@ -48,18 +48,18 @@ def train_run(workdir: str, log_path: str, steps: int, every: int, slow_write_s:
     import numpy as np
 
     import infinity
-    from infinity import checkpoint
+    from infinity import safetensors_io
 
     torch.set_num_threads(1)
     log = _log(log_path)
     log.write("begin\n")
     if slow_write_s:
-        real = checkpoint._write_chunk
+        real = safetensors_io._write_chunk
 
         def slow(file, hasher, data):
             time.sleep(slow_write_s)
             real(file, hasher, data)
-        checkpoint._write_chunk = slow
+        safetensors_io._write_chunk = slow
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
