@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -40,6 +42,9 @@ _TMPFS_MAGIC = 0x01021994
 _RAMFS_MAGIC = 0x858458F6
 _SWAP_FILE = "swap.0"
 _DIR_PREFIX = "infinity-swap-"
+STALE_AFTER_S = 60.0
+"""A sibling swap directory is a dead run's only if its file is unlocked and it is older than this (a live
+store locks its file the instant it creates it)."""
 
 
 class DirectIOUnsupported(OSError):
@@ -92,6 +97,44 @@ def _cleanup(io: AsyncIO | None, fd_box: list, file_path: str, dir_path: str) ->
         except OSError as exc:  # e.g. someone put a file in our directory
             logger.warning("swap store: could not remove %s: %s; removing the tree", dir_path, exc)
             shutil.rmtree(dir_path, ignore_errors=True)
+
+
+def remove_dead_stores(parent: str | os.PathLike, *, keep: Path | None = None) -> int:
+    """Remove the swap directories under ``parent`` left by runs that died (killed, crashed): those whose
+    swap file no process holds locked and that are older than ``STALE_AFTER_S``. Directories of live runs,
+    of other users, or too young are left alone. Returns how many were removed."""
+    removed, freed = 0, 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX) or (keep is not None and Path(entry.path) == keep):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or now - entry.stat().st_mtime < STALE_AFTER_S:
+                continue
+            swap_file = os.path.join(entry.path, _SWAP_FILE)
+            nbytes = os.stat(swap_file).st_size if os.path.exists(swap_file) else 0
+            if os.path.exists(swap_file):
+                fd = os.open(swap_file, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its owner lives
+                except BlockingIOError:
+                    continue
+                finally:
+                    os.close(fd)
+            shutil.rmtree(entry.path)
+        except OSError as exc:  # another user's, or removed meanwhile by another run
+            logger.debug("swap store: leaving %s: %s", entry.path, exc)
+            continue
+        removed += 1
+        freed += nbytes
+    if removed:
+        logger.warning("swap store: removed %d swap director%s (%.1f MB) left under %s by runs that died",
+                       removed, "y" if removed == 1 else "ies", freed / 1e6, parent)
+    return removed
 
 
 class SwapStore:
@@ -176,6 +219,10 @@ class SwapStore:
             raise
         self._fd = fd_box[0]
         self._fd_box = fd_box
+        # Held for the store's life and dropped by the kernel however the process ends: a later store on the
+        # same parent can then tell a dead run's leftovers from a live run's files.
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        remove_dead_stores(parent, keep=self.directory)
         self._lock = threading.Lock()
         self._extents: dict[str, _Extent] = {}
         self._alloc = ExtentAllocator(ALIGNMENT)

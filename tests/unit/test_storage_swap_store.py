@@ -405,3 +405,42 @@ def test_a_request_held_behind_a_failed_one_fails_too():
         write.issued_all = True
         core.finish(write)
     assert read.event.is_set() and read.error is not None and read.error.errno == errno.ECANCELED
+
+
+def test_a_dead_runs_swap_directory_is_removed_and_a_live_runs_is_not(tmp_path):
+    """A store locks its file for its life; a later store removes unlocked, old siblings only."""
+    import signal
+    import time
+
+    from infinity.storage import swap_store
+
+    child = textwrap.dedent(f"""
+        import sys, time, torch
+        from infinity.storage import SwapStore
+        store = SwapStore({str(tmp_path)!r})
+        store.write("k", torch.ones(1 << 20)).wait()
+        print(store.directory, flush=True)
+        time.sleep(600)
+    """)
+    dead = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        dead_dir, live_dir = Path(dead.stdout.readline().strip()), Path(live.stdout.readline().strip())
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        assert dead_dir.exists()  # kill -9: nothing cleaned up
+        old = time.time() - 2 * swap_store.STALE_AFTER_S
+        for d in (dead_dir, live_dir):
+            os.utime(d, (old, old))
+        young_dead = tmp_path / "infinity-swap-young"
+        young_dead.mkdir()  # being created right now by someone: too young to judge
+        store = SwapStore(tmp_path)
+        store.close()
+        assert not dead_dir.exists()
+        assert (live_dir / swap_store._SWAP_FILE).exists()  # its owner still holds the lock
+        assert young_dead.exists()
+    finally:
+        for proc in (dead, live):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
