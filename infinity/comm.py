@@ -55,18 +55,16 @@ class Collectives:
         self._count("reduce_scatter", full.numel() * full.element_size(), start)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        start = time.perf_counter()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-        self._count("all_reduce", 2 * tensor.numel() * tensor.element_size(), start)
-        return tensor
+        return self._all_reduce(tensor, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
         start = time.perf_counter()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(tensor, op=op, group=self.group)
         self._count("all_reduce", 2 * tensor.numel() * tensor.element_size(), start)
         return tensor
 

@@ -129,7 +129,6 @@ class Engine:
         self._last_counters = self._counters()
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
-        self._fetch_wait_s = 0.0
 
     def _overlap_allowed(self) -> bool:
         """Overlapping the step with backward is exact unless every gradient must be seen before any update."""

@@ -8,7 +8,6 @@ memory holds one module's values at a time, never the whole model's.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 

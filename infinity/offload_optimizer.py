@@ -64,7 +64,6 @@ class OffloadOptimizer:
         self.step_count = 0
         self._tiers = tiers
         self._compute = compute
-        self._pipeline = pipeline
         self._timeline = timeline
         memory_tier = "device" if tier == "device" else "host"
         self._memory_tier = memory_tier
@@ -126,9 +125,7 @@ class OffloadOptimizer:
             self._step_nvme()
             return
         for group in self.layout.sub_groups:
-            states = {name: t[group.start:group.end] for name, t in self._states.items()}
-            for handle in self._update(group, states, self._host_scratch):
-                handle.wait()
+            self._update_in_memory(group)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
         """Adam over one sub-group; the new compute shards go straight to their flat buffer when it is
@@ -203,20 +200,11 @@ class OffloadOptimizer:
         overlap, self._overlap = self._overlap, None
         return overlap.finish()
 
-    def _update_alone(self, group: SubGroup, staging_index: int) -> None:
-        """One sub-group's whole update (read, Adam, write back), as the worker does it."""
-        if self.tier != "nvme":
-            states = {name: t[group.start:group.end] for name, t in self._states.items()}
-            for handle in self._update(group, states, self._host_scratch):
-                handle.wait()
-            return
-        staging = self._staging[staging_index % len(self._staging)]
-        staging.wait_writes()
-        for handle in self._read_states(group, staging):
+    def _update_in_memory(self, group: SubGroup) -> None:
+        """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
+        states = {name: t[group.start:group.end] for name, t in self._states.items()}
+        for handle in self._update(group, states, self._host_scratch):
             handle.wait()
-        states = {name: t[:group.numel] for name, t in staging.states.items()}
-        staging.writes.extend(self._update(group, states, staging.compute))
-        staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
         handles = []
@@ -351,7 +339,7 @@ class _OverlappedStep:
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
-            self._guarded(lambda: self._update(group) if nvme else self._optimizer._update_alone(group, 0))
+            self._guarded(lambda: self._update(group) if nvme else self._optimizer._update_in_memory(group))
             self.updated += 1
         for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
             for handle in reads:

@@ -36,6 +36,7 @@ class Prefetcher:
         self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
         self._numel_before: list[int] = []    # elements requested before each plan position
         self._trace: list[ShardedParam] = []  # this pass's requests so far
+        self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
         self._on_plan = False
         self._issued_upto = 0                 # plan positions below this have had their prefetch considered
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
@@ -47,6 +48,7 @@ class Prefetcher:
     # -- a pass ------------------------------------------------------------------
     def begin_pass(self) -> None:
         self._trace = []
+        self._last_request = {}
         self._on_plan = bool(self.plan)
         self._issued_upto = 0
 
@@ -78,6 +80,7 @@ class Prefetcher:
     def _on_fetch(self, param: ShardedParam) -> None:
         position = len(self._trace)
         self._trace.append(param)
+        self._last_request[id(param)] = position
         if not self._on_plan:
             return
         if position >= len(self.plan) or self.plan[position] is not param:
@@ -90,15 +93,10 @@ class Prefetcher:
         if not self._on_plan or self._max_reuse_distance == 0:
             return False
         position = len(self._trace) - 1
-        if position < 0 or position >= len(self.plan):
+        last = self._last_request.get(id(param))
+        if last is None or position >= len(self.plan):
             return False
-        # the last request of this parameter in the trace so far
-        for i in range(position, -1, -1):
-            if self.plan[i] is param:
-                nxt = self._next_use[i]
-                break
-        else:
-            return False
+        nxt = self._next_use[last]  # on the plan, the trace so far is the plan's prefix
         if nxt >= len(self.plan):
             return False
         distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel

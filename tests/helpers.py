@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import os
 import socket
 import tempfile
