@@ -29,7 +29,7 @@ torchao). Our codes are small floating-point formats relative to the block's
 scale, computed with bit operations instead of a table search:
 
 * ``exp_avg`` (signed): scale = the block's largest ``|m|``; the byte holds the
-  sign (bit 7) and ``|m| / scale`` as 4 exponent and 3 mantissa bits (``s4e3``):
+  sign bit of ``m`` (bit 7) and ``|m| / scale`` as 4 exponent and 3 mantissa bits (``s4e3``):
   relative error at most 1/16, down to 2**-14 of the scale (then evenly spaced
   steps of 2**-17 of the scale).
 * ``exp_avg_sq`` (non-negative): stored as its square root, which is what the
@@ -261,7 +261,8 @@ def _unit(x_abs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def quantize_exp_avg(m: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``s4e3`` codes (uint8) of fp32 ``m`` under its block scales (``block_scales(m)``)."""
     mag = encode_unit(_unit(m.abs(), scales), 3)
-    return (torch.where(m < 0, 128, 0) | mag).to(torch.uint8)
+    sign = (_bits32(m) >> 24) & 128  # the sign bit: -0.0 keeps it
+    return (sign | mag).to(torch.uint8)
 
 
 def dequantize_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

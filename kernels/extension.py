@@ -51,6 +51,9 @@ def compile_flags() -> list[str]:
         "-fopenmp",  # at::parallel_for's OpenMP region is compiled into the caller
         "-ffp-contract=off",  # no FMA contraction: the reference's numerics are exact
         "-fno-math-errno",  # lets sqrtf vectorize in the generic body
+        # lets the compiler compute both sides of a float select without a branch
+        # (csrc/adam_compact.cpp's loops vectorize only then); values are unchanged
+        "-fno-trapping-math",
     ]
     if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         flags.append("-march=native")

@@ -53,6 +53,7 @@ enum class Decay { kNone, kDecoupled, kL2 };
 struct Consts {
   float decay, l2, coeff, beta2, beta2_complement, bc2_sqrt, neg_step, eps;
   bool base_is_avg;
+  uint32_t avg_mask;  // all ones when base_is_avg, else 0
   uint32_t k0, k1;  // the step's keys (compact.step_keys)
 };
 
@@ -94,20 +95,25 @@ inline uint32_t encode_unit(float y) {
   const uint32_t u = f2u(y);
   const uint32_t r = u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u);
   const uint32_t normal = (r >> kDrop) - (112u << MB);
-  // Below 2**-14: the integer nearest y * 2**(14 + MB) (<= 2**MB), rounded by the
-  // 2**23 trick, which is exact and rounds halves to even in the default mode.
+  // Below 2**-14: the integer nearest y * 2**(14 + MB) (<= 2**MB): adding 2**23
+  // rounds it to an integer (halves to even, in the default rounding mode),
+  // which then sits in the low mantissa bits.
   const float t = y * static_cast<float>(1 << (14 + MB));
-  const float rounded = (t + 8388608.0f) - 8388608.0f;
-  const uint32_t sub = static_cast<uint32_t>(static_cast<int32_t>(rounded));
-  return y < 0x1p-14f ? sub : normal;
+  const uint32_t sub = f2u(t + 8388608.0f) - 0x4B000000u;
+  // A bit select, not `?:`, so the compiler computes both and does not branch
+  // (it may not speculate a float op into a branch, under -ftrapping-math).
+  const uint32_t below = 0u - static_cast<uint32_t>(y < 0x1p-14f);
+  return (sub & below) | (normal & ~below);
 }
 
 // compact.decode_unit.
 template <int MB>
 inline float decode_unit(uint32_t c) {
   const float normal = u2f((c + (112u << MB)) << (23 - MB));
-  const float sub = static_cast<float>(static_cast<int32_t>(c)) * (1.0f / static_cast<float>(1 << (14 + MB)));
-  return c < (1u << MB) ? sub : normal;
+  // c < 2**MB as a float (exactly): 2**23 + c, less 2**23.
+  const float sub = (u2f(0x4B000000u | c) - 8388608.0f) * (1.0f / static_cast<float>(1 << (14 + MB)));
+  const uint32_t below = 0u - static_cast<uint32_t>(c < (1u << MB));  // a bit select, as above
+  return u2f((f2u(sub) & below) | (f2u(normal) & ~below));
 }
 
 // A block of gradients widened to fp32 (exact).
@@ -165,7 +171,8 @@ template <Decay D>
 inline float adam_fp32(const Consts& c, float param, float grad, float& avg, float& sq, float& root) {
   if constexpr (D == Decay::kDecoupled) param = param * c.decay;
   if constexpr (D == Decay::kL2) grad = grad + param * c.l2;
-  const float base = c.base_is_avg ? avg : grad;
+  // base_is_avg ? avg : grad, as a bit select (a scalar condition would stop vectorization)
+  const float base = u2f((f2u(avg) & c.avg_mask) | (f2u(grad) & ~c.avg_mask));
   avg = base + c.coeff * (grad - avg);
   sq = sq * c.beta2 + (c.beta2_complement * grad) * grad;
   root = std::sqrt(sq);
@@ -211,8 +218,8 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
   uint32_t m_max = 0, r_max = 0;
   for (int64_t j = 0; j < len; ++j) {
     const uint32_t mc = m[j];
-    const float mag = decode_unit<3>(mc & 127u) ;
-    float avg = ((mc & 128u) ? -mag : mag) * ms;
+    // The sign bit of the code onto the decoded magnitude (= -mag when set).
+    float avg = u2f(f2u(decode_unit<3>(mc & 127u)) | ((mc & 128u) << 24)) * ms;
     const float r_old = decode_unit<4>(v[j]) * vs;
     float sq = r_old * r_old, root;
     const float param = adam_fp32<D>(c, bf16_to_f(p[j]), gbuf[j], avg, sq, root);
@@ -222,10 +229,10 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
     mbuf[j] = avg;
     rbuf[j] = root;
     const float am = std::fabs(avg), ar = std::fabs(root);
-    const uint32_t bm = (am != am) ? 0u : f2u(am);
-    const uint32_t br = (ar != ar) ? 0u : f2u(ar);
-    m_max = bm > m_max ? bm : m_max;
-    r_max = br > r_max ? br : r_max;
+    const uint32_t bm = f2u(am) & (0u - static_cast<uint32_t>(am == am));
+    const uint32_t br = f2u(ar) & (0u - static_cast<uint32_t>(ar == ar));
+    m_max = std::max(m_max, bm);
+    r_max = std::max(r_max, br);
   }
   const float m_new = u2f(m_max), r_new = u2f(r_max);
   constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -236,11 +243,13 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
     float ym = std::fabs(avg) * m_inv;
     ym = ym < 1.0f ? ym : 1.0f;
     const uint32_t mag = encode_unit<3>(ym);
-    m[j] = static_cast<uint8_t>((avg < 0.0f ? 128u : 0u) | mag);
+    m[j] = static_cast<uint8_t>(((f2u(avg) >> 24) & 128u) | mag);  // the sign bit
     float yr = root * r_inv;
     yr = yr < 1.0f ? yr : 1.0f;
     uint32_t code = encode_unit<4>(yr);
-    code = (code == 0u && root > 0.0f) ? 1u : code;
+    // root > 0 (not NaN) on its bits; an integer test keeps the loop in one lane width
+    const uint32_t positive = static_cast<uint32_t>(f2u(root) - 1u < 0x7F800000u);
+    code = code | ((code == 0u) & positive);
     v[j] = static_cast<uint8_t>(code);
   }
   *m_scale = m_new;
@@ -403,6 +412,7 @@ void adam_step_compact(const at::Tensor& master, const at::Tensor& grad, const a
   Consts c;
   const float w = static_cast<float>(lerp_weight);
   c.base_is_avg = std::fabs(w) < 0.5f;
+  c.avg_mask = c.base_is_avg ? 0xFFFFFFFFu : 0u;
   c.decay = static_cast<float>(decay);
   c.l2 = static_cast<float>(l2);
   c.coeff = c.base_is_avg ? w : w - 1.0f;
