@@ -2,13 +2,13 @@
 
 We say *state dtype* for how one parameter's optimizer state is stored:
 
-==========  ===========  =================  =================  ========================  ==============
-state dtype  master       exp_avg            exp_avg_sq         per block of 256          bytes/element
-==========  ===========  =================  =================  ========================  ==============
-``fp32``     fp32         fp32               fp32               -                         12
-``bf16``     bf16 (SR)    bf16 (SR)          bf16 (SR)          -                         6
-``int8``     bf16 (SR)    uint8 code ``s4e3``  uint8 code ``u4e4`` 2 fp32 scales (8 bytes)   4.03125
-==========  ===========  =================  =================  ========================  ==============
+===========  ==========  ============  ==============  ==========================  =============
+state dtype  master      exp_avg       exp_avg_sq      per block of 256 elements   bytes/element
+===========  ==========  ============  ==============  ==========================  =============
+``fp32``     fp32        fp32          fp32            -                           12
+``bf16``     bf16 (SR)   bf16 (SR)     bf16 (SR)       -                           6
+``int8``     bf16 (SR)   uint8 code    uint8 code      2 fp32 scales (8 bytes)     4.03125
+===========  ==========  ============  ==============  ==========================  =============
 
 *SR* is stochastic rounding: an fp32 value is rounded to bf16 up or down with
 probabilities given by its distance to each, so updates smaller than half a
@@ -29,20 +29,26 @@ torchao). Our codes are small floating-point formats relative to the block's
 scale, computed with bit operations instead of a table search:
 
 * ``exp_avg`` (signed): scale = the block's largest ``|m|``; the byte holds the
-  sign bit of ``m`` (bit 7) and ``|m| / scale`` as 4 exponent and 3 mantissa bits (``s4e3``):
-  relative error at most 1/16, down to 2**-14 of the scale (then evenly spaced
-  steps of 2**-17 of the scale).
+  sign bit of ``m`` (bit 7) and ``|m| / scale`` as a float with 3 exponent and 4
+  mantissa bits (``EXP_AVG_CODE``): relative error at most 1/32 down to 2**-6 of
+  the scale, then evenly spaced steps of 2**-10 of the scale.
 * ``exp_avg_sq`` (non-negative): stored as its square root, which is what the
   step divides by; scale = the block's largest ``sqrt(v)``; the byte holds
-  ``sqrt(v) / scale`` as 4 exponent and 4 mantissa bits (``u4e4``): relative
-  error in ``sqrt(v)`` at most 1/32, down to 2**-14 of the scale, i.e. 2**-28 of
-  the block's largest ``v``. A non-zero ``sqrt(v)`` never becomes code 0, so a
-  small ``v`` never turns into a division by ``eps`` alone (the 8-bit
-  literature's zero-point problem); it is rounded up to 2**-18 of the scale.
+  ``sqrt(v) / scale`` with 2 exponent and 6 mantissa bits (``EXP_AVG_SQ_CODE``):
+  relative error in ``sqrt(v)`` at most 1/128 down to 1/4 of the scale, then
+  evenly spaced steps of 2**-8 of the scale (``v`` down to 2**-16 of the block's
+  largest). A non-zero ``sqrt(v)`` never becomes code 0, so a small ``v`` never
+  turns into a division by ``eps`` alone (the 8-bit literature's zero-point
+  problem); it is rounded up to 2**-8 of the scale, which shrinks that step.
 
-Codes are rounded to nearest (even); blockwise scales keep a moment that decays
-as a whole exact (its largest element is the scale), so nearest rounding does
-not stall them as it would bf16.
+Why these splits: a moment changes by a small fraction per step (``v`` by
+``1 - beta2`` = 0.1 %), less than half a code step, so with nearest rounding an
+element's code moves only when its value relative to the block's largest has
+drifted by half a step. The error that leaves in ``v`` grows with the code's
+step; with 6 mantissa bits on ``sqrt(v)`` it was half that of 4 exponent and 4
+mantissa bits, and stochastic rounding of the codes did no better (it trades the
+lag for noise). The block's scale itself is exact every step, so a moment that
+decays or grows as a whole is tracked exactly.
 """
 
 from __future__ import annotations
@@ -219,24 +225,41 @@ def _round_half_even(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x)  # torch.round rounds halves to even
 
 
-def encode_unit(y: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
-    """Codes (int64) of ``y`` in [0, 1] in a 4-exponent-bit float with ``mantissa_bits`` bits.
+# The two codes: (exponent bits, mantissa bits).
+EXP_AVG_CODE = (3, 4)
+"""``exp_avg``: sign bit + 3 exponent + 4 mantissa bits of ``|m| / scale``."""
+EXP_AVG_SQ_CODE = (2, 6)
+"""``exp_avg_sq``: 2 exponent + 6 mantissa bits of ``sqrt(v) / scale``."""
 
-    Code ``(E << mb) | M`` means ``2**(E - 15) * (1 + M / 2**mb)`` for E >= 1 and
-    ``M * 2**(-14 - mb)`` for E = 0; 1.0 is the largest code used. Rounded to nearest even.
+
+def _code_consts(exp_bits: int, mantissa_bits: int) -> tuple[int, int]:
+    """(fp32 exponent field of the code's exponent 0, the smallest normal exponent)."""
+    min_exp = -(2**exp_bits - 2)
+    return 127 - (2**exp_bits - 1), min_exp
+
+
+def encode_unit(y: torch.Tensor, exp_bits: int, mantissa_bits: int) -> torch.Tensor:
+    """Codes (int64) of ``y`` in [0, 1] as a small unsigned float, rounded to nearest even.
+
+    Code ``(e << mb) | f`` (``mb`` = mantissa_bits) means ``2**(e - 2**exp_bits + 1) *
+    (1 + f / 2**mb)`` for e >= 1 and ``f * 2**(min_exp - mb)`` for e = 0, where
+    ``min_exp = 2 - 2**exp_bits``; 1.0 (code ``(2**exp_bits - 1) << mb``) is the
+    largest code used.
     """
+    field, min_exp = _code_consts(exp_bits, mantissa_bits)
     drop = 23 - mantissa_bits
     u = _bits32(y)
     r = u + ((1 << (drop - 1)) - 1) + ((u >> drop) & 1)
-    normal = (r >> drop) - (112 << mantissa_bits)
-    subnormal = _round_half_even(y * 2.0 ** (14 + mantissa_bits)).to(torch.int64)
-    return torch.where(y < 2.0**-14, subnormal, normal)
+    normal = (r >> drop) - (field << mantissa_bits)
+    subnormal = _round_half_even(y * 2.0 ** (mantissa_bits - min_exp)).to(torch.int64)
+    return torch.where(y < 2.0**min_exp, subnormal, normal)
 
 
-def decode_unit(code: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+def decode_unit(code: torch.Tensor, exp_bits: int, mantissa_bits: int) -> torch.Tensor:
     """fp32 values of ``encode_unit``'s codes (int64)."""
-    normal = _from_bits32((code + (112 << mantissa_bits)) << (23 - mantissa_bits))
-    subnormal = code.to(torch.float32) * 2.0 ** (-14 - mantissa_bits)
+    field, min_exp = _code_consts(exp_bits, mantissa_bits)
+    normal = _from_bits32((code + (field << mantissa_bits)) << (23 - mantissa_bits))
+    subnormal = code.to(torch.float32) * 2.0 ** (min_exp - mantissa_bits)
     return torch.where(code < 1 << mantissa_bits, subnormal, normal)
 
 
@@ -259,32 +282,32 @@ def _unit(x_abs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_exp_avg(m: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``s4e3`` codes (uint8) of fp32 ``m`` under its block scales (``block_scales(m)``)."""
-    mag = encode_unit(_unit(m.abs(), scales), 3)
+    """Codes (uint8) of fp32 ``m`` under its block scales (``block_scales(m)``), nearest even."""
+    mag = encode_unit(_unit(m.abs(), scales), *EXP_AVG_CODE)
     sign = (_bits32(m) >> 24) & 128  # the sign bit: -0.0 keeps it
     return (sign | mag).to(torch.uint8)
 
 
 def dequantize_exp_avg(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int64)
-    mag = decode_unit(c & 127, 3)
+    mag = decode_unit(c & 127, *EXP_AVG_CODE)
     mag = torch.where(c >= 128, -mag, mag)
     return mag * scales.repeat_interleave(BLOCK_NUMEL)[: c.numel()]
 
 
 def quantize_exp_avg_sq(root: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``u4e4`` codes (uint8) of ``root = sqrt(v)`` under its block scales (``block_scales(root)``).
+    """Codes (uint8) of ``root = sqrt(v)`` under its block scales (``block_scales(root)``).
 
-    A positive root that would round to code 0 gets code 1.
+    Nearest even; a positive root that would get code 0 gets code 1.
     """
-    code = encode_unit(_unit(root, scales), 4)
+    code = encode_unit(_unit(root, scales), *EXP_AVG_SQ_CODE)
     code = torch.where((code == 0) & (root > 0), 1, code)
     return code.to(torch.uint8)
 
 
 def dequantize_exp_avg_sq(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``exp_avg_sq`` (fp32) from ``u4e4`` codes: the root decoded and scaled, then squared."""
-    root = decode_unit(codes.to(torch.int64), 4) * scales.repeat_interleave(BLOCK_NUMEL)[: codes.numel()]
+    """``exp_avg_sq`` (fp32) from its codes: the root decoded and scaled, then squared."""
+    root = decode_unit(codes.to(torch.int64), *EXP_AVG_SQ_CODE) * scales.repeat_interleave(BLOCK_NUMEL)[: codes.numel()]
     return root * root
 
 

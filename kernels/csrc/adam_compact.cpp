@@ -88,33 +88,41 @@ inline uint16_t bf16_sr(float x, uint32_t r16) {
 
 inline float bf16_to_f(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
 
-// compact.encode_unit: y in [0, 1] as 4 exponent bits and MB mantissa bits, nearest even.
-template <int MB>
-inline uint32_t encode_unit(float y) {
-  constexpr int kDrop = 23 - MB;
-  const uint32_t u = f2u(y);
-  const uint32_t r = u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u);
-  const uint32_t normal = (r >> kDrop) - (112u << MB);
-  // Below 2**-14: the integer nearest y * 2**(14 + MB) (<= 2**MB): adding 2**23
-  // rounds it to an integer (halves to even, in the default rounding mode),
-  // which then sits in the low mantissa bits.
-  const float t = y * static_cast<float>(1 << (14 + MB));
-  const uint32_t sub = f2u(t + 8388608.0f) - 0x4B000000u;
-  // A bit select, not `?:`, so the compiler computes both and does not branch
-  // (it may not speculate a float op into a branch, under -ftrapping-math).
-  const uint32_t below = 0u - static_cast<uint32_t>(y < 0x1p-14f);
-  return (sub & below) | (normal & ~below);
-}
+// compact.encode_unit: y in [0, 1] as E exponent and MB mantissa bits, nearest even.
+// The code's exponent 0 is the fp32 exponent field kField; below 2**kMinExp, codes
+// are evenly spaced (subnormal).
+template <int E, int MB>
+struct Code {
+  static constexpr uint32_t kField = 127u - ((1u << E) - 1u);
+  static constexpr int kMinExp = 2 - (1 << E);
+  static constexpr float kSubScale = static_cast<float>(1 << (MB - kMinExp));  // 2**(MB - kMinExp)
+  static constexpr float kMinNormal = 1.0f / static_cast<float>(1 << -kMinExp);
 
-// compact.decode_unit.
-template <int MB>
-inline float decode_unit(uint32_t c) {
-  const float normal = u2f((c + (112u << MB)) << (23 - MB));
-  // c < 2**MB as a float (exactly): 2**23 + c, less 2**23.
-  const float sub = (u2f(0x4B000000u | c) - 8388608.0f) * (1.0f / static_cast<float>(1 << (14 + MB)));
-  const uint32_t below = 0u - static_cast<uint32_t>(c < (1u << MB));  // a bit select, as above
-  return u2f((f2u(sub) & below) | (f2u(normal) & ~below));
-}
+  static uint32_t encode(float y) {
+    constexpr int kDrop = 23 - MB;
+    const uint32_t u = f2u(y);
+    const uint32_t r = u + ((1u << (kDrop - 1)) - 1u) + ((u >> kDrop) & 1u);
+    const uint32_t normal = (r >> kDrop) - (kField << MB);
+    // Below 2**kMinExp: the integer nearest y * kSubScale (<= 2**MB): adding 2**23
+    // rounds it to an integer (halves to even, in the default rounding mode),
+    // which then sits in the low mantissa bits.
+    const uint32_t sub = f2u(y * kSubScale + 8388608.0f) - 0x4B000000u;
+    // A bit select, not `?:`, so the compiler computes both and does not branch.
+    const uint32_t below = 0u - static_cast<uint32_t>(y < kMinNormal);
+    return (sub & below) | (normal & ~below);
+  }
+
+  static float decode(uint32_t c) {
+    const float normal = u2f((c + (kField << MB)) << (23 - MB));
+    // c < 2**MB as a float (exactly): 2**23 + c, less 2**23.
+    const float sub = (u2f(0x4B000000u | c) - 8388608.0f) * (1.0f / kSubScale);
+    const uint32_t below = 0u - static_cast<uint32_t>(c < (1u << MB));  // a bit select, as above
+    return u2f((f2u(sub) & below) | (f2u(normal) & ~below));
+  }
+};
+
+using AvgCode = Code<3, 4>;    // compact.EXP_AVG_CODE, after the sign bit
+using SqrtCode = Code<2, 6>;   // compact.EXP_AVG_SQ_CODE
 
 // A block of gradients widened to fp32 (exact).
 inline void widen(const float* __restrict__ g, float* __restrict__ out, int64_t len) {
@@ -219,8 +227,8 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
   for (int64_t j = 0; j < len; ++j) {
     const uint32_t mc = m[j];
     // The sign bit of the code onto the decoded magnitude (= -mag when set).
-    float avg = u2f(f2u(decode_unit<3>(mc & 127u)) | ((mc & 128u) << 24)) * ms;
-    const float r_old = decode_unit<4>(v[j]) * vs;
+    float avg = u2f(f2u(AvgCode::decode(mc & 127u)) | ((mc & 128u) << 24)) * ms;
+    const float r_old = SqrtCode::decode(v[j]) * vs;
     float sq = r_old * r_old, root;
     const float param = adam_fp32<D>(c, bf16_to_f(p[j]), gbuf[j], avg, sq, root);
     const uint32_t h1 = mix32(lo + static_cast<uint32_t>(j));
@@ -242,11 +250,11 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
     const float avg = mbuf[j], root = rbuf[j];
     float ym = std::fabs(avg) * m_inv;
     ym = ym < 1.0f ? ym : 1.0f;
-    const uint32_t mag = encode_unit<3>(ym);
+    const uint32_t mag = AvgCode::encode(ym);
     m[j] = static_cast<uint8_t>(((f2u(avg) >> 24) & 128u) | mag);  // the sign bit
     float yr = root * r_inv;
     yr = yr < 1.0f ? yr : 1.0f;
-    uint32_t code = encode_unit<4>(yr);
+    uint32_t code = SqrtCode::encode(yr);
     // root > 0 (not NaN) on its bits; an integer test keeps the loop in one lane width
     const uint32_t positive = static_cast<uint32_t>(f2u(root) - 1u < 0x7F800000u);
     code = code | ((code == 0u) & positive);
