@@ -160,8 +160,8 @@ def adam_step_compact(
     ``state_dtype`` (forms in ``compact.py``; ``compact.state_layout`` gives the tensors):
 
     * ``"fp32"``: ``adam_step`` itself; ``seed`` is checked but unused, no scales.
-    * ``"bf16"``: ``master``, ``exp_avg``, ``exp_avg_sq`` bf16; each stored back with
-      stochastic rounding.
+    * ``"bf16"``: ``master``, ``exp_avg``, ``exp_avg_sq`` bf16; master and ``exp_avg_sq``
+      stored back with stochastic rounding, ``exp_avg`` rounded to nearest.
     * ``"int8"``: ``master`` bf16 (stochastic rounding); ``exp_avg`` and ``exp_avg_sq``
       uint8 codes; ``exp_avg_scale`` and ``exp_avg_sq_scale`` fp32, one per block of
       ``compact.BLOCK_NUMEL`` elements (``compact.num_blocks(numel)`` of them).

@@ -6,16 +6,17 @@ We say *state dtype* for how one parameter's optimizer state is stored:
 state dtype  master      exp_avg       exp_avg_sq      per block of 256 elements   bytes/element
 ===========  ==========  ============  ==============  ==========================  =============
 ``fp32``     fp32        fp32          fp32            -                           12
-``bf16``     bf16 (SR)   bf16 (SR)     bf16 (SR)       -                           6
+``bf16``     bf16 (SR)   bf16          bf16 (SR)       -                           6
 ``int8``     bf16 (SR)   uint8 code    uint8 code      2 fp32 scales (8 bytes)     4.03125
 ===========  ==========  ============  ==============  ==========================  =============
 
 *SR* is stochastic rounding: an fp32 value is rounded to bf16 up or down with
 probabilities given by its distance to each, so updates smaller than half a
-bf16 ulp still move the value on average. Both moments are rounded that way in
-``bf16`` too, not just the master: with ``beta2 = 0.999`` a step changes
+bf16 ulp still move the value on average. In ``bf16`` the second moment is
+rounded that way too, not just the master: with ``beta2 = 0.999`` a step changes
 ``exp_avg_sq`` by 0.1 %, below half a bf16 ulp (0.2 %), so round-to-nearest
-would leave it stuck and it would never decay.
+would leave it stuck and it would never decay. The first moment moves by
+``1 - beta1`` = 10 % of ``g - m`` per step and is rounded to nearest.
 
 The random bits are a counter-based hash of ``(seed, step, element index)``
 (``random_bits``), so the C++ kernel and the torch reference draw the same bits
@@ -177,17 +178,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(keys: tuple[int, int], index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit hashes ``(h1, h2)`` of int64 element indices under a step's keys.
+def random_bits(keys: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
+    """32 random bits (int64 tensor) per int64 element index under a step's keys.
 
-    ``h1 = mix32(lo32(i) + k0)``, ``h2 = mix32(h1 ^ (hi32(i) + k1))``, all mod 2**32.
-    The master's rounding takes ``h2 >> 16``; in ``bf16``, ``exp_avg`` takes
-    ``h1 >> 16`` and ``exp_avg_sq`` ``h2 & 0xFFFF``.
+    ``h = mix32(((lo32(i) + k0) mod 2**32) ^ mix32(hi32(i) + k1))``: one hash per
+    element (the second depends only on the index's high half, so the kernel
+    computes it once per block). The master's rounding takes ``h >> 16``, and in
+    ``bf16`` the second moment's takes ``h & 0xFFFF``.
     """
     k0, k1 = keys
-    h1 = _mix32(((index & _MASK32) + k0) & _MASK32)
-    h2 = _mix32(h1 ^ (((index >> 32) + k1) & _MASK32))
-    return h1, h2
+    high = _mix32(((index >> 32) + k1) & _MASK32)
+    return _mix32((((index & _MASK32) + k0) & _MASK32) ^ high)
 
 
 def _bits32(x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ are stored back:
     v  = v * beta2 + ((1 - beta2) * g) * g
     r  = sqrt(v)                                                 (correctly rounded)
     p  = p + (-step_size * m) / (r / sqrt(bias_correction2) + eps)
-    master = SR_bf16(p, h2 >> 16); param_out = master in its dtype
-    bf16: exp_avg = SR_bf16(m, h1 >> 16), exp_avg_sq = SR_bf16(v, h2 & 0xFFFF)
+    h = random_bits(seed, step, index)
+    master = SR_bf16(p, h >> 16); param_out = master in its dtype
+    bf16: exp_avg = RNE_bf16(m), exp_avg_sq = SR_bf16(v, h & 0xFFFF)
     int8: each block's scales from the new m and r, then codes of m and r
 
 so the parameter moves by the step computed from the unrounded new moments;
@@ -82,8 +83,8 @@ def adam_update_compact(
         denom = root / c.bias_correction2_sqrt + c.eps
         p = p + (m * c.neg_step_size) / denom
 
-        h1, h2 = compact.random_bits(keys, torch.arange(lo, hi, dtype=torch.int64))
-        new_master = compact.bf16_stochastic_round(p, h2 >> 16)
+        h = compact.random_bits(keys, torch.arange(lo, hi, dtype=torch.int64))
+        new_master = compact.bf16_stochastic_round(p, h >> 16)
         p_flat[lo:hi].copy_(new_master)
         if out_flat is not None:
             out_flat[lo:hi].copy_(new_master)
@@ -94,5 +95,5 @@ def adam_update_compact(
             exp_avg_scale[blo:bhi].copy_(m_scale)
             exp_avg_sq_scale[blo:bhi].copy_(r_scale)
         else:
-            m_flat[lo:hi].copy_(compact.bf16_stochastic_round(m, h1 >> 16))
-            v_flat[lo:hi].copy_(compact.bf16_stochastic_round(v, h2 & 0xFFFF))
+            m_flat[lo:hi].copy_(m)  # round to nearest even
+            v_flat[lo:hi].copy_(compact.bf16_stochastic_round(v, h & 0xFFFF))
