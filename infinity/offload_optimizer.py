@@ -237,7 +237,12 @@ class OffloadOptimizer:
         """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done."""
         groups = self.layout.sub_groups
         sets = self._staging
-        reads: dict[int, list[IOHandle]] = {0: self._read_states(groups[0], sets[0])} if groups else {}
+        reads: dict[int, list[IOHandle]] = {}
+        if groups:
+            # The last step's write-behind may still be reading this set (the set of its last sub-groups):
+            # the first read must not land in it before those writes are done.
+            sets[0].wait_writes()
+            reads[0] = self._read_states(groups[0], sets[0])
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
