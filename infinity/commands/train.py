@@ -496,6 +496,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
     _init_distributed(plan, cleanup)
     engine = infinity.initialize(model, plan.ds_config)
     cleanup.callbacks.append(engine.close)
+    say(f"  {engine.placement.describe()}")
 
     start_step = 0
     losses: list[float] = []
@@ -509,6 +510,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
 
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
     totals = {t: {"peak_nbytes": 0, "bytes_read": 0, "bytes_written": 0} for t in TIERS}
+    copies = {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}  # what a GPU run moves over PCIe
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
                dynamic_ncols=True, leave=False)
@@ -536,6 +538,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
             totals[t]["peak_nbytes"] = max(totals[t]["peak_nbytes"], int(m.get("peak_nbytes", 0)))
             totals[t]["bytes_read"] += int(m.get("bytes_read", 0))
             totals[t]["bytes_written"] += int(m.get("bytes_written", 0))
+        for direction, nbytes in metrics.get("copies", {}).items():
+            copies[direction] += int(nbytes)
         progress = _progress(step_loss, tokens_per_step / dt, tiers, metrics.get("step_s") or dt)
         bar.set_postfix_str(progress, refresh=False)
         bar.update(1)
@@ -565,6 +569,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
         "train_s": train_s,
         "peak_rss_bytes": peak_rss,
         "tiers": totals,
+        "copies": copies,
         "estimate": plan.estimate["accounted"],
         "precision": plan.precision,
         "offload_param": plan.offload_param,
