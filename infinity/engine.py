@@ -23,7 +23,7 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
-from infinity.placement import Placement, distinct_device_requested, grad_accumulator_fits_device
+from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
@@ -69,9 +69,8 @@ class Engine:
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
-        distinct = self.device.type == "cuda" or distinct_device_requested()
         self.placement = Placement.decide(
-            config, self.device, distinct=distinct,
+            config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
         logger.info("%s", self.placement.describe())
         self.copies = Copies(self.placement)
