@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from infinity.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
+
 logger = logging.getLogger(__name__)
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -204,6 +206,8 @@ class InfinityConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     tiling: TilingConfig = field(default_factory=TilingConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    scheduler: DeepSpeedScheduler | None = None
+    """A DeepSpeed ``scheduler`` block: the engine sets the learning rate of every step from it."""
     not_applicable: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but mean nothing here (logged once at initialize)."""
 
@@ -267,7 +271,6 @@ _TOP_LEVEL_NOT_APPLICABLE = {
     "eigenvalue", "progressive_layer_drop", "quantize_training", "monitor_config", "disable_allgather",
     "dataloader_drop_last", "weight_quantization", "hybrid_engine", "compile", "amp",
     "seq_parallel_communication_data_type", "graph_harvesting", "use_data_before_expert_parallelism",
-    "scheduler",
 }
 _ZERO_NOT_APPLICABLE = {
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
@@ -349,6 +352,8 @@ class _DeepSpeedTranslator:
             kwargs["aio"] = AioConfig(**self._fields("aio", raw.pop("aio"), _AIO_HONOURED, set(), {"use_gds": False}))
         if "tiling" in raw:
             kwargs["tiling"] = TilingConfig(**self._fields("tiling", raw.pop("tiling"), {"max_tile_numel": "max_tile_numel"}))
+        if "scheduler" in raw:
+            kwargs["scheduler"] = scheduler_from_deepspeed(raw.pop("scheduler"))
         if "trace" in raw:
             kwargs["trace"] = TraceConfig(**self._fields("trace", raw.pop("trace"), {"path": "path"}))
         if raw:
