@@ -7,6 +7,7 @@ under 3 (a few minutes on 2 CPU cores). Examples::
 
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
+    infinity train --preset tiny --eval-every 20 --sample-every 50 --prompt "def " --run-dir runs/tiny
     torchrun --nproc_per_node 2 -m infinity.cli train --preset 10m
 
 A DeepSpeed-style ``--config`` JSON is read first; flags given explicitly
@@ -32,6 +33,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from infinity.commands import train_monitor
+from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -70,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the model's, at most 256)")
     run_.add_argument("--lr", type=float,
                       help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model)")
-    run_.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
+    run_.add_argument("--min-lr", type=float, help="final learning rate of the decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     eng = p.add_argument_group("engine")
@@ -85,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
     out.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR (or from DIR/TAG)")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
+    train_monitor.add_arguments(p)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -112,6 +116,7 @@ class Plan:
     rank: int
     world_size: int
     local_world_size: int
+    monitor: MonitorPlan | None = None
     estimate: dict | None = None
 
 
@@ -231,6 +236,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.trace:
         ds["trace"] = {"path": args.trace}
 
+    monitor = train_monitor.monitor_plan(args, ds, steps=steps)
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
@@ -252,7 +258,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
-                model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size)
+                model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
+                monitor=monitor)
     for path in nvme_paths:
         check_writable(path)
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
@@ -331,10 +338,7 @@ def check_disk_room(path: str, needed_nbytes: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
-    from infinity.data import ByteCorpus
-
-    corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
-                        rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
+    corpus, validation = _corpora(args, plan)
     if (args.save_dir or args.resume) and not _engine_has_checkpoints():
         raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
     if plan.preset is not None:  # a preset's size is known without building it
@@ -348,9 +352,31 @@ def run(args: argparse.Namespace) -> int:
         if plan.nvme_is_temporary:
             plan.nvme_path = cleanup.temporary_folder()
         plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
-        return _train(args, plan, corpus, cleanup)
+        return _train(args, plan, corpus, validation, cleanup)
     finally:
         cleanup.run()
+
+
+def _corpora(args: argparse.Namespace, plan: Plan):
+    """The training corpus, and the validation batches when --eval-every asks for them."""
+    from infinity.data import ByteCorpus
+
+    monitor = plan.monitor
+    if not monitor.eval_every:
+        corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                            rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
+        return corpus, None
+    from infinity.evaluation import Validation, carve_held_out
+
+    held = carve_held_out(args.data, max_bytes=args.max_bytes, seq_len=plan.seq_len, val_path=monitor.val_data,
+                          val_fraction=monitor.val_fraction)
+    corpus = ByteCorpus(data=held.train, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                        rank=plan.rank, world_size=plan.world_size)
+    corpus.description = held.train_description
+    validation = Validation(held.val, batches=monitor.eval_batches, seq_len=plan.seq_len, micro_batch=plan.micro_batch,
+                            seed=args.seed, rank=plan.rank, world_size=plan.world_size)
+    validation.description = held.val_description
+    return corpus, validation
 
 
 def _engine_has_checkpoints() -> bool:
@@ -467,7 +493,7 @@ def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
         cleanup.callbacks.append(dist.destroy_process_group)
 
 
-def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> int:
+def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _Cleanup) -> int:
     from tqdm import tqdm
 
     import infinity
@@ -485,6 +511,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
 
     what = f"preset {plan.preset}" if plan.preset else f"model {plan.model_file}"
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
+    if validation is not None:
+        say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
+            f"every {plan.monitor.eval_every} steps")
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} bytes; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
@@ -507,49 +536,55 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
         say(f"  resumed from {args.resume} at step {start_step}")
 
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
-    totals = {t: {"peak_nbytes": 0, "bytes_read": 0, "bytes_written": 0} for t in TIERS}
+    monitor = train_monitor.RunMonitor(plan.monitor, total_steps=plan.steps, tokens_per_step=tokens_per_step,
+                                       seq_len=plan.seq_len, validation=validation, is_main=is_main,
+                                       resume_after=start_step if args.resume else None, say=say)
+    cleanup.callbacks.append(monitor.close)
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
                dynamic_ncols=True, leave=False)
+    if is_main:  # samples print above the progress bar
+        monitor.say = lambda text: bar.write(text, file=sys.stdout)
     train_s = 0.0
     for step in range(start_step, plan.steps):
         t0 = time.perf_counter()
-        engine.lr = lr_at(step, peak_lr=plan.lr, warmup_steps=plan.warmup, total_steps=plan.steps, min_lr=plan.min_lr)
+        if plan.monitor.lr_schedule != "deepspeed":  # (else the engine sets it from the config's scheduler block)
+            engine.lr = lr_at(step, peak_lr=plan.lr, warmup_steps=plan.warmup, total_steps=plan.steps,
+                              min_lr=plan.min_lr, schedule=plan.monitor.lr_schedule,
+                              decay_fraction=plan.monitor.decay_fraction)
         step_loss = 0.0
-        for _ in range(plan.grad_accum):
+        for micro in range(plan.grad_accum):
             input_ids, targets = corpus.next_batch()
             loss = engine(input_ids, targets)
+            # Every rank learns of a non-finite loss on any rank before backward, so all stop together.
+            micro_loss = _mean_over_ranks(float(loss.detach()), plan.world_size)
+            if not math.isfinite(micro_loss):
+                del loss
+                bar.close()
+                monitor.log_nonfinite(step + 1, micro_loss)
+                return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss, say)
             engine.backward(loss)
             engine.step()
-            step_loss += float(loss.detach()) / plan.grad_accum
-        step_loss = _mean_over_ranks(step_loss, plan.world_size)
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"loss is {step_loss} at step {step}; lower --lr or use bf16/fp32")
+            step_loss += micro_loss / plan.grad_accum
         dt = time.perf_counter() - t0
         train_s += dt
         losses.append(step_loss)
-        metrics = engine.step_metrics()
-        tiers = metrics.get("tiers", {})
-        for t in TIERS:
-            m = tiers.get(t, {})
-            totals[t]["peak_nbytes"] = max(totals[t]["peak_nbytes"], int(m.get("peak_nbytes", 0)))
-            totals[t]["bytes_read"] += int(m.get("bytes_read", 0))
-            totals[t]["bytes_written"] += int(m.get("bytes_written", 0))
-        progress = _progress(step_loss, tokens_per_step / dt, tiers, metrics.get("step_s") or dt)
+        progress = monitor.after_step(engine, step + 1, step_loss, dt)
         bar.set_postfix_str(progress, refresh=False)
         bar.update(1)
         if is_main and ((step + 1) % report_every == 0 or step == start_step):
-            bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.lr:.2e}  {progress}", file=sys.stdout)
+            bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
+                      file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
             _save(engine, args.save_dir, step + 1, corpus, losses)
     bar.close()
     if args.save_dir:
         _save(engine, args.save_dir, plan.steps, corpus, losses)
     engine.close()
+    monitor.close()
 
     steps_run = plan.steps - start_step
     tokens_per_s = steps_run * tokens_per_step / train_s if train_s > 0 else 0.0
-    peak_rss = _peak_rss_bytes()
     summary = {
         "preset": plan.preset,
         "model": plan.model_file,
@@ -560,20 +595,44 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
         "losses": losses,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
+        "val_losses": monitor.val_losses,
+        "val_loss": monitor.val_losses[-1][1] if monitor.val_losses else None,
         "tokens_per_s": tokens_per_s,
         "train_s": train_s,
-        "peak_rss_bytes": peak_rss,
-        "tiers": totals,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "tiers": monitor.totals,
         "estimate": plan.estimate["accounted"],
         "precision": plan.precision,
         "offload_param": plan.offload_param,
         "offload_optimizer": plan.offload_optimizer,
+        "lr_schedule": plan.monitor.lr_schedule,
+        "metrics_file": str(monitor.log.path) if monitor.log else None,
     }
     if is_main:
-        _print_summary(summary)
+        print_summary(summary)
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
+
+
+def _stop_on_nonfinite(args, plan: Plan, engine, corpus, losses: list[float], step: int, micro: int, value: float,
+                       say) -> int:
+    """A non-finite loss: nothing of it reaches the weights; save the last good step when --save-dir is set."""
+    where = f"step {step + 1}" + (f", micro-batch {micro + 1} of {plan.grad_accum}" if plan.grad_accum > 1 else "")
+    message = f"infinity train: stopped: the loss is {value} at {where}; no update was made from it. "
+    if not args.save_dir:
+        message += "(Give --save-dir to keep a checkpoint when this happens.) "
+    elif micro > 0:
+        message += (f"No checkpoint: {micro} micro-batch(es) of this step were already accumulated; the last "
+                    f"checkpoint written stays the latest. ")
+    else:
+        _save(engine, args.save_dir, step, corpus, losses)
+        message += f"The weights after step {step} are saved in {Path(args.save_dir) / f'step{step}'}. "
+    message += "Lower --lr, raise --warmup, or train in fp32 (--precision fp32)."
+    if plan.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    engine.close()
+    return 1
 
 
 def _call_checkpoint(fn, *a, **k):
@@ -605,28 +664,3 @@ def _mean_over_ranks(value: float, world_size: int) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / world_size
-
-
-def _progress(loss: float, tokens_per_s: float, tiers: dict, step_s: float) -> str:
-    parts = [f"loss {loss:.3f}", f"{tokens_per_s:,.0f} tok/s" if tokens_per_s >= 10 else f"{tokens_per_s:.2g} tok/s"]
-    for t in TIERS:
-        m = tiers.get(t)
-        if m and (m.get("bytes_read") or m.get("bytes_written")) and step_s > 0:
-            parts.append(f"{t} r/w {m['bytes_read'] / step_s / 1e9:.2f}/{m['bytes_written'] / step_s / 1e9:.2f} GB/s")
-    return ", ".join(parts)
-
-
-def _peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux, bytes on macOS
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _print_summary(s: dict) -> None:
-    print(f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
-          f"{s['tokens_per_s']:,.{0 if s['tokens_per_s'] >= 10 else 2}f} tokens/s, {s['train_s']:.0f} s, peak RSS {format_bytes(s['peak_rss_bytes'])}")
-    print(f"  {'tier':<7} {'peak':>10} {'estimate':>10} {'read':>10} {'written':>10}")
-    for t in TIERS:
-        m = s["tiers"][t]
-        print(f"  {t:<7} {format_bytes(m['peak_nbytes']):>10} {format_bytes(s['estimate'][t]):>10} "
-              f"{format_bytes(m['bytes_read']):>10} {format_bytes(m['bytes_written']):>10}")
