@@ -16,6 +16,12 @@ def _args(*argv):
     return build_parser(argv).parse_args(argv)
 
 
+@pytest.fixture(autouse=True)
+def _in_a_fresh_folder(tmp_path_factory, monkeypatch):
+    """Runs write their metrics under ./runs: keep them out of the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture
 def no_work(monkeypatch, tmp_path):
     """Fail the test if training would start: no model built, no swap folder made."""
