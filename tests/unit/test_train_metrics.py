@@ -219,3 +219,20 @@ def test_warmup_flags_with_a_config_scheduler_are_refused(capsys, tmp_path):
     cfg.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}))
     assert main(["train", *TINY, "--config", str(cfg), "--warmup", "4"]) == 2
     assert "scheduler block" in capsys.readouterr().err
+
+
+def test_lr_schedule_flag_replaces_a_config_scheduler_block(tmp_path):
+    from infinity.cli import build_parser
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3}}}))
+
+    def plan(*argv):
+        argv = ["train", "--preset", "tiny", "--steps", "9", "--config", str(cfg), *argv]
+        return train.make_plan(build_parser(argv).parse_args(argv))
+
+    kept = plan()
+    assert kept.monitor.lr_schedule == "deepspeed"
+    assert kept.ds_config["scheduler"]["params"] == {"warmup_num_steps": 3, "total_num_steps": 9}
+    replaced = plan("--lr-schedule", "linear")
+    assert replaced.monitor.lr_schedule == "linear" and "scheduler" not in replaced.ds_config
