@@ -488,10 +488,15 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
                 del loss
                 bar.close()
                 monitor.log_nonfinite(step + 1, micro_loss)
-                return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss, say)
+                return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss)
             engine.backward(loss)
             engine.step()
             step_loss += micro_loss / plan.grad_accum
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(grad_norm):  # (the same on every rank: it is all-reduced)
+            bar.close()
+            monitor.log_nonfinite(step + 1, step_loss)
+            return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
         dt = time.perf_counter() - t0
         train_s += dt
         losses.append(step_loss)
@@ -542,21 +547,30 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
 
 
 def _stop_on_nonfinite(args, plan: Plan, engine, corpus, losses: list[float], step: int, micro: int, value: float,
-                       say) -> int:
-    """A non-finite loss: nothing of it reaches the weights; save the last good step when --save-dir is set."""
+                       applied: bool = False) -> int:
+    """Stop on a non-finite loss or gradient norm, saying so on stderr; exit status 1.
+
+    A loss is caught before its backward (``applied`` False), so nothing of it reached the weights and they
+    are saved as the checkpoint of the last good step when --save-dir is set (unless earlier micro-batches of
+    the step were accumulated: a checkpoint is taken only at a step boundary). A gradient norm is seen after
+    the step's update ran (``applied``): those weights are not worth saving.
+    """
     where = f"step {step + 1}" + (f", micro-batch {micro + 1} of {plan.grad_accum}" if plan.grad_accum > 1 else "")
-    message = f"infinity train: stopped: the loss is {value} at {where}; no update was made from it. "
-    if not args.save_dir:
-        message += "(Give --save-dir to keep a checkpoint when this happens.) "
+    what = "gradient norm" if applied else "loss"
+    message = f"infinity train: stopped: the {what} is {value} at {where}"
+    if applied:
+        message += " (the loss was finite); that step's update is not saved, the last checkpoint written stays the latest."
+    elif not args.save_dir:
+        message += "; no update was made from it (give --save-dir to keep a checkpoint when this happens)."
     elif micro > 0:
-        message += (f"No checkpoint: {micro} micro-batch(es) of this step were already accumulated; the last "
-                    f"checkpoint written stays the latest. ")
+        message += (f"; no update was made from it, but {micro} micro-batch(es) of the step were accumulated, so no "
+                    f"checkpoint: the last one written stays the latest.")
     else:
         _save(engine, args.save_dir, step, corpus, losses)
-        message += f"The weights after step {step} are saved in {Path(args.save_dir) / f'step{step}'}. "
-    message += "Lower --lr, raise --warmup, or train in fp32 (--precision fp32)."
+        message += (f"; no update was made from it. The weights after step {step} are saved in "
+                    f"{Path(args.save_dir) / f'step{step}'}.")
     if plan.rank == 0:
-        print(message, file=sys.stderr, flush=True)
+        print(f"{message} Lower --lr, raise --warmup, or train in fp32 (--precision fp32).", file=sys.stderr, flush=True)
     engine.close()
     return 1
 

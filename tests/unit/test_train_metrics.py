@@ -236,3 +236,29 @@ def test_lr_schedule_flag_replaces_a_config_scheduler_block(tmp_path):
     assert kept.ds_config["scheduler"]["params"] == {"warmup_num_steps": 3, "total_num_steps": 9}
     replaced = plan("--lr-schedule", "linear")
     assert replaced.monitor.lr_schedule == "linear" and "scheduler" not in replaced.ds_config
+
+
+INF_GRAD_MODEL = NAN_MODEL.replace("return out * float(\"nan\")", "return InfGrad.apply(out)").replace(
+    "class NanAfter(GPT):", '''class InfGrad(torch.autograd.Function):
+    # a finite loss whose gradient overflows
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+class NanAfter(GPT):''')
+
+
+def test_a_non_finite_gradient_norm_stops_the_run_without_saving_that_step(capsys, tmp_path):
+    f = tmp_path / "inf_model.py"
+    f.write_text(INF_GRAD_MODEL)
+    assert main(["train", "--model", str(f), "--steps", "6", "--seq-len", "32", "--micro-batch", "2", "--max-bytes",
+                 "100000", "--offload-param", "cpu", "--offload-optimizer", "cpu", "--run-dir", str(tmp_path / "run"),
+                 "--save-dir", str(tmp_path / "ck"), "--save-every", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped: the gradient norm is" in err and "at step 3" in err
+    assert (tmp_path / "ck" / "step2").is_dir() and not (tmp_path / "ck" / "step3").exists()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.csv")] == [1, 2, 3]
