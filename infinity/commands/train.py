@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.commands import train_monitor
-from infinity.commands.train_checks import check_disk_room, check_memory, check_nvme_room, check_writable, read_config_file
+from infinity.commands.train_checkpoints import (call_checkpoint, checkpoint_dir_and_tag, engine_has_checkpoints, save,
+                                                 stop_on_nonfinite)
+from infinity.commands.train_checks import check_memory, check_nvme_room, check_writable, read_config_file
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
 
@@ -276,7 +278,7 @@ def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
     corpus, validation = _corpora(args, plan)
-    if (args.save_dir or args.resume) and not _engine_has_checkpoints():
+    if (args.save_dir or args.resume) and not engine_has_checkpoints():
         raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
     if plan.preset is not None:  # a preset's size is known without building it
         from infinity.models.gpt import get_preset
@@ -314,15 +316,6 @@ def _corpora(args: argparse.Namespace, plan: Plan):
                             seed=args.seed, rank=plan.rank, world_size=plan.world_size)
     validation.description = held.val_description
     return corpus, validation
-
-
-def _engine_has_checkpoints() -> bool:
-    import importlib.util
-
-    from infinity.engine import Engine
-
-    return (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")
-            and importlib.util.find_spec("infinity.checkpoint") is not None)
 
 
 class _Cleanup:
@@ -454,7 +447,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
     start_step = 0
     losses: list[float] = []
     if args.resume:
-        client = _call_checkpoint(engine.load_checkpoint, *_checkpoint_dir_and_tag(args.resume)) or {}
+        client = call_checkpoint(engine.load_checkpoint, *checkpoint_dir_and_tag(args.resume)) or {}
         start_step = int(client.get("step", 0))
         losses = list(client.get("losses", []))
         if "corpus" in client:
@@ -488,7 +481,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
                 del loss
                 bar.close()
                 monitor.log_nonfinite(step + 1, micro_loss)
-                return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss)
+                return stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss)
             engine.backward(loss)
             engine.step()
             step_loss += micro_loss / plan.grad_accum
@@ -496,7 +489,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
         if grad_norm is not None and not math.isfinite(grad_norm):  # (the same on every rank: it is all-reduced)
             bar.close()
             monitor.log_nonfinite(step + 1, step_loss)
-            return _stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
+            return stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
         dt = time.perf_counter() - t0
         train_s += dt
         losses.append(step_loss)
@@ -507,10 +500,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
             bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
                       file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
-            _save(engine, args.save_dir, step + 1, corpus, losses)
+            save(engine, args.save_dir, step + 1, corpus, losses)
     bar.close()
     if args.save_dir:
-        _save(engine, args.save_dir, plan.steps, corpus, losses)
+        save(engine, args.save_dir, plan.steps, corpus, losses)
     engine.close()
     monitor.close()
 
@@ -544,55 +537,6 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
-
-
-def _stop_on_nonfinite(args, plan: Plan, engine, corpus, losses: list[float], step: int, micro: int, value: float,
-                       applied: bool = False) -> int:
-    """Stop on a non-finite loss or gradient norm, saying so on stderr; exit status 1.
-
-    A loss is caught before its backward (``applied`` False), so nothing of it reached the weights and they
-    are saved as the checkpoint of the last good step when --save-dir is set (unless earlier micro-batches of
-    the step were accumulated: a checkpoint is taken only at a step boundary). A gradient norm is seen after
-    the step's update ran (``applied``): those weights are not worth saving.
-    """
-    where = f"step {step + 1}" + (f", micro-batch {micro + 1} of {plan.grad_accum}" if plan.grad_accum > 1 else "")
-    what = "gradient norm" if applied else "loss"
-    message = f"infinity train: stopped: the {what} is {value} at {where}"
-    if applied:
-        message += " (the loss was finite); that step's update is not saved, the last checkpoint written stays the latest."
-    elif not args.save_dir:
-        message += "; no update was made from it (give --save-dir to keep a checkpoint when this happens)."
-    elif micro > 0:
-        message += (f"; no update was made from it, but {micro} micro-batch(es) of the step were accumulated, so no "
-                    f"checkpoint: the last one written stays the latest.")
-    else:
-        _save(engine, args.save_dir, step, corpus, losses)
-        message += (f"; no update was made from it. The weights after step {step} are saved in "
-                    f"{Path(args.save_dir) / f'step{step}'}.")
-    if plan.rank == 0:
-        print(f"{message} Lower --lr, raise --warmup, or train in fp32 (--precision fp32).", file=sys.stderr, flush=True)
-    engine.close()
-    return 1
-
-
-def _call_checkpoint(fn, *a, **k):
-    try:
-        return fn(*a, **k)
-    except NotImplementedError as err:
-        raise ValueError(f"checkpoints are not supported by this build of the engine: {err}") from None
-
-
-def _checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
-    """``--resume DIR`` takes DIR's latest checkpoint; ``--resume DIR/TAG`` that one."""
-    p = Path(path)
-    if not (p / "latest").exists() and (p.parent / "latest").exists():
-        return str(p.parent), p.name
-    return str(p), None
-
-
-def _save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
-    _call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}",
-                     client_state={"step": step, "corpus": corpus.state_dict(), "losses": losses})
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:
