@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from infinity.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
+
 logger = logging.getLogger(__name__)
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -220,6 +222,8 @@ class InfinityConfig:
     device: str = "auto"
     """The compute device (our key ``device``): ``auto`` takes the current CUDA device when there is one (and
     the collectives can use it: not gloo with several ranks), else the CPU; or ``cpu``, ``cuda``, ``cuda:N``."""
+    scheduler: DeepSpeedScheduler | None = None
+    """A DeepSpeed ``scheduler`` block: the engine sets the learning rate of every step from it."""
     not_applicable: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but mean nothing here (logged once at initialize)."""
 
@@ -286,7 +290,6 @@ _TOP_LEVEL_NOT_APPLICABLE = {
     "eigenvalue", "progressive_layer_drop", "quantize_training", "monitor_config", "disable_allgather",
     "dataloader_drop_last", "weight_quantization", "hybrid_engine", "compile", "amp",
     "seq_parallel_communication_data_type", "graph_harvesting", "use_data_before_expert_parallelism",
-    "scheduler",
 }
 _ZERO_NOT_APPLICABLE = {
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
@@ -371,6 +374,8 @@ class _DeepSpeedTranslator:
             kwargs["tiling"] = TilingConfig(**self._fields("tiling", raw.pop("tiling"), {"max_tile_numel": "max_tile_numel"}))
         if "device" in raw:
             kwargs["device"] = raw.pop("device")
+        if "scheduler" in raw:
+            kwargs["scheduler"] = scheduler_from_deepspeed(raw.pop("scheduler"))
         if "trace" in raw:
             kwargs["trace"] = TraceConfig(**self._fields("trace", raw.pop("trace"), {"path": "path"}))
         if raw:

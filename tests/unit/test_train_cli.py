@@ -16,6 +16,12 @@ def _args(*argv):
     return build_parser(argv).parse_args(argv)
 
 
+@pytest.fixture(autouse=True)
+def _in_a_fresh_folder(tmp_path_factory, monkeypatch):
+    """Runs write their metrics under ./runs: keep them out of the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture
 def no_work(monkeypatch, tmp_path):
     """Fail the test if training would start: no model built, no swap folder made."""
@@ -226,7 +232,7 @@ def test_a_users_model_file_trains(capsys, tmp_path):
 
 
 def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
-    if not train._engine_has_checkpoints():
+    if not train.engine_has_checkpoints():
         pytest.skip("the engine has no checkpoints yet")
     full = _run_json(capsys, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--save-every", "2")
     resumed = _run_json(capsys, "--steps", "4", "--resume", str(tmp_path / "ck" / "step2"))
