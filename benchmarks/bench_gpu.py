@@ -75,7 +75,8 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 def engine_config(tier: str, accum: int, nvme_path: str) -> dict:
     offload = {"device": tier}
     param = dict(offload, **({"nvme_path": nvme_path, "max_in_cpu": 0} if tier == "nvme" else {}))
-    optimizer = dict(offload, **({"nvme_path": nvme_path} if tier == "nvme" else {}))
+    # "nvme" means NVMe here: nothing kept in host memory within the budget
+    optimizer = dict(offload, **({"nvme_path": nvme_path, "max_in_cpu": 0} if tier == "nvme" else {}))
     return {
         "gradient_accumulation_steps": accum,
         "bf16": {"enabled": True},

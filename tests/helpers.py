@@ -124,6 +124,7 @@ def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: i
         offload_param["max_in_cpu"] = 0  # really on NVMe, not cached in host memory
     if optimizer == "nvme":
         offload_optimizer["nvme_path"] = nvme_path
+        offload_optimizer["max_in_cpu"] = 0  # every sub-group on NVMe, not kept in host memory within the budget
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accum,
