@@ -15,17 +15,22 @@ import torch
 from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
-from infinity.grad_reducer import GradReducer
+from infinity.copies import Copies
+from infinity.grad_reducer import RING_SLICES, GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.host_budget import (STATE_BYTES, WorkingSet, check_budget, resolve_host_budget, staged_sub_group_numel,
+                                  transient_reserve_nbytes)
+from infinity.placement import GradRoute, Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
-from infinity.tiers import TIER_OF_OFFLOAD, Tiers
+from infinity.storage.stats import format_nbytes
+from infinity.tiers import Tiers
 from infinity.trace import Timeline
 
 logger = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ class Engine:
         self.config = config
         keep_large_blocks_mapped()
         self.comm = Collectives(process_group)
-        self.device = _compute_device()
+        self.device = _compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
         self._check_batch_size()
         if config.not_applicable:
@@ -64,33 +69,126 @@ class Engine:
         if not named:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
         zero = config.zero
-        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
+        self.host_budget_nbytes = resolve_host_budget(zero.host_memory_budget)
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=self._sub_group_size(named))
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
-        self.tiers = Tiers(config, self.device, self.timeline)
+        self.placement = Placement.decide(
+            config, self.device, distinct=device_memory_is_distinct(self.device),
+            grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
+        logger.info("%s", self.placement.describe())
+        check_budget(self.host_budget_nbytes, self._minimum_working_set())
+        self.copies = Copies(self.placement)
+        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget_nbytes)
         self._closed = False
         try:
             self._build(model, named, meta_data)
         except BaseException:
+            self.copies.close()
             self.tiers.close()
             raise
 
+    # -- the host-memory budget ------------------------------------------------
+    def _configured_staging_sets(self) -> int:
+        zero = self.config.zero
+        pipelined = zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write
+        return max(2, zero.offload_optimizer.buffer_count) if pipelined else 1
+
+    def _staging_sets(self) -> int:
+        """``offload_optimizer.buffer_count`` staging sets, fewer (down to two) where the budget is tight."""
+        sets = self._configured_staging_sets()
+        if self.config.zero.offload_optimizer.device != "nvme":
+            return sets
+        while sets > 2 and self._minimum_working_set(staging_sets=sets).nbytes > self.host_budget_nbytes:
+            sets -= 1
+        if sets < self._configured_staging_sets():
+            logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
+                        self._configured_staging_sets(), sets, format_nbytes(self.host_budget_nbytes))
+        return sets
+
+    def _sub_group_size(self, named: list) -> int:
+        """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
+        zero = self.config.zero
+        if zero.offload_optimizer.device != "nvme":
+            return zero.sub_group_size
+        world = self.comm.world_size
+        largest_shard = max((math.ceil(p.numel() / world) for _, p in named), default=0)
+        per_numel = STATE_BYTES + torch.empty((), dtype=self.dtype).element_size()
+        sets = self._configured_staging_sets()
+        size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
+                                      budget_nbytes=self.host_budget_nbytes, sets=sets, bytes_per_numel=per_numel)
+        if size < zero.sub_group_size:
+            logger.info("sub_group_size %d -> %d: %d NVMe staging sets of that size fit the host-memory budget "
+                        "of %s (staging more buys no bandwidth)", zero.sub_group_size, size, sets,
+                        format_nbytes(self.host_budget_nbytes))
+        return size
+
+    def _minimum_working_set(self, *, staging_sets: int = 2) -> WorkingSet:
+        """What host memory must hold whatever the budget: checked before anything is allocated."""
+        layout, placement = self.layout, self.placement
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
+        grad_bytes = itemsize if placement.grads_lossless else 4
+        grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
+        shards = layout.total_numel * itemsize if placement.compute_shard.tier in charged else 0
+        states = layout.trainable_numel * STATE_BYTES if placement.master.tier in charged else 0
+        staging = 0
+        if placement.master.tier == "nvme":
+            staging = staging_sets * layout.largest_sub_group_numel * (STATE_BYTES + itemsize)
+        gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
+        reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
+        return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
+                           (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
+                           ("streaming buffers", reserve)))
+
+    def _reserve_nbytes(self, read_pool: HostBufferPool | None) -> int:
+        """Host memory kept free for buffers made later or for a moment: what the planner never hands to
+        resting states (gathered parameters where the device is the host, scratch, read buffers, streaming)."""
+        parts = dict(self._minimum_working_set().parts)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        scratch = self.layout.largest_sub_group_numel * itemsize
+        pool = read_pool.budget_nbytes if read_pool is not None else 0
+        ring = RING_SLICES * self.layout.largest_shard_numel * itemsize if self.placement.grad_route is GradRoute.HOST_RING else 0
+        return parts["gathered parameters"] + parts["streaming buffers"] + scratch + pool + ring
+
+    def _param_cache_numel(self, reserve_nbytes: int, staging_sets: int) -> int:
+        """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory
+        first (each byte kept saves 3 bytes of I/O a step, against 2 for optimizer states), after what the
+        gradients, the optimizer and the reserve will need."""
+        configured = self.config.zero.offload_param.max_in_cpu
+        room = self.tiers.host_memory.room_nbytes()
+        if self.placement.compute_shard.tier != "nvme" or room is None:
+            return configured
+        parts = dict(self._minimum_working_set(staging_sets=staging_sets).parts)
+        later = sum(n for name, n in parts.items() if name in ("gradient slices", "optimizer states")
+                    or name.endswith("staging sets"))
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        fits = max(0, room - later - reserve_nbytes) // itemsize
+        if fits < configured:
+            logger.info("offload_param.max_in_cpu %d -> %d: what the host-memory budget leaves", configured, fits)
+        return min(configured, fits)
+
     # -- construction ------------------------------------------------------
     def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
-        config, zero, layout = self.config, self.config.zero, self.layout
-        param_tier = TIER_OF_OFFLOAD[zero.offload_param.device]
-        optimizer_tier = TIER_OF_OFFLOAD[zero.offload_optimizer.device]
-        self.compute = ComputeShards(layout, self.dtype, param_tier, self.tiers,
-                                     nvme_path=zero.offload_param.nvme_path, max_in_cpu=zero.offload_param.max_in_cpu)
-        # fp16 gradients are unscaled in place, which needs fp32's range.
-        lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16"
-        grad_dtype = self.dtype if lossless else torch.float32
-        self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
-                                          grad_dtype=grad_dtype, nvme_path=zero.offload_optimizer.nvme_path,
-                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-                                          buffer_count=zero.offload_optimizer.buffer_count, timeline=self.timeline)
-        self._read_pool = self._make_read_pool(param_tier)
+        config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
+        self._read_pool = self._make_read_pool()
+        reserve = self._reserve_nbytes(self._read_pool)
+        staging_sets = self._staging_sets()
+        self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
+                                     nvme_path=zero.offload_param.nvme_path,
+                                     max_in_cpu=self._param_cache_numel(reserve, staging_sets))
         by_name = {name: p for name, p in named}
+        grad_dtype = self.dtype if placement.grads_lossless else torch.float32
+        self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
+                                   {id(by_name[s.name]): s.index for s in layout.slots},
+                                   grad_dtype=grad_dtype, compute_dtype=self.dtype)
+        self.overlap_step = self._overlap_allowed()
+        self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
+                                          self.copies, nvme_path=zero.offload_optimizer.nvme_path,
+                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+                                          buffer_count=staging_sets, timeline=self.timeline,
+                                          reserve_nbytes=reserve, backward_order=self.overlap_step,
+                                          max_in_cpu=zero.offload_optimizer.max_in_cpu)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.params: list[ShardedParam] = []
@@ -98,7 +196,7 @@ class Engine:
         for slot in layout.slots:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
-                                   read_pool=self._read_pool,
+                                   copies=self.copies, read_pool=self._read_pool,
                                    persistent=slot.numel <= zero.param_persistence_threshold)
             self.params.append(sharded)
         for sharded in self.params:
@@ -108,20 +206,18 @@ class Engine:
             self._by_param[id(sharded.param)] = sharded
         self._cast_buffers(model)
         self.prefetcher = None
-        if any(p.needs_swap_in for p in self.params) and (zero.prefetch_bucket_size or zero.max_reuse_distance):
+        if (any(p.needs_swap_in or p.needs_copy_up for p in self.params)
+                and (zero.prefetch_bucket_size or zero.max_reuse_distance)):
             self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
                                          max_live_numel=zero.max_live_parameters,
                                          max_reuse_distance=zero.max_reuse_distance,
-                                         device_stats=self.tiers.stats["device"])
+                                         device_stats=self.tiers.stats["device"], reserve_nbytes=reserve)
         self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
-        self.reducer = GradReducer(layout, self.optimizer.grads, self.comm,
-                                   {id(by_name[s.name]): s.index for s in layout.slots})
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.overlap_step = self._overlap_allowed()
         self.micro_step = 0
         self.global_step = 0
         self._backward_pending = False
@@ -129,6 +225,8 @@ class Engine:
         self._last_counters = self._counters()
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
+        self._global_grad_norm: float | None = None
+        self._apply_lr_schedule()
 
     def _overlap_allowed(self) -> bool:
         """Overlapping the step with backward is exact unless every gradient must be seen before any update."""
@@ -144,9 +242,9 @@ class Engine:
             return False
         return True
 
-    def _make_read_pool(self, param_tier: str) -> HostBufferPool | None:
-        """Host buffers for NVMe reads of shards bound for a GPU (on the CPU they land in place)."""
-        if param_tier != "nvme" or self.device.type == "cpu":
+    def _make_read_pool(self) -> HostBufferPool | None:
+        """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
+        if self.placement.compute_shard.tier != "nvme" or not self.placement.distinct:
             return None
         p = self.config.zero.offload_param
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -156,7 +254,8 @@ class Engine:
             logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
                            buffer_size, largest, largest)
             buffer_size = largest
-        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.tiers.pin, stats=self.tiers.stats["host"])
+        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
+                              stats=self.tiers.stats["host"])
 
     def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
         """Shard every parameter's initial values into its tiers, one module at a time.
@@ -266,7 +365,9 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
-        if self.overlap_step and self._next_micro_batch_is_boundary():
+        boundary = self._next_micro_batch_is_boundary()
+        self.reducer.begin_micro_batch(boundary=boundary)
+        if self.overlap_step and boundary:
             self._begin_overlapped_step()
             self.reducer.on_slot_final = self.optimizer.slot_grad_final
         try:
@@ -308,6 +409,7 @@ class Engine:
         self._backward_pending = False
         if not self.is_gradient_accumulation_boundary():
             return
+        self._global_grad_norm = None
         if self.optimizer.overlapping:
             start = time.perf_counter()
             self._metrics["sub_groups_during_backward"] = self.optimizer.finish_overlapped_step()
@@ -324,11 +426,12 @@ class Engine:
             skipped = not self.loss_scaler.update(overflow=bool(finite.item()))
             coef = 1.0 / self.loss_scaler.applied_scale
         if not skipped:
+            norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
+            self._global_grad_norm = norm
+            self._metrics["grad_norm"] = norm
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
                 clip = self.config.gradient_clipping / (norm + 1e-6)
                 coef *= min(clip, 1.0)
-                self._metrics["grad_norm"] = norm
             start = time.perf_counter()
             self.optimizer.step(coef)
             self._metrics["optimizer_s"] = time.perf_counter() - start
@@ -341,9 +444,14 @@ class Engine:
 
     def _finish_step(self, skipped: bool) -> None:
         self.reducer.zero()
-        self.optimizer.grads.zero_()
         self.global_step += 1
         self._close_step_metrics(skipped)
+        self._apply_lr_schedule()
+
+    def _apply_lr_schedule(self) -> None:
+        """With a DeepSpeed ``scheduler`` block, the learning rate of the next step (set before its forward)."""
+        if self.config.scheduler is not None:
+            self.optimizer.lr = self.config.scheduler.lr_at(self.global_step, self.config.optimizer.lr)
 
     # -- what users read and set ---------------------------------------------
     @property
@@ -379,6 +487,12 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
+        engine names it; None before the first step, after a skipped fp16 step, and when the step ran
+        overlapped with backward (no norm is taken then)."""
+        return self._global_grad_norm
+
     def step_metrics(self) -> dict:
         """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
         return dict(self._metrics)
@@ -399,11 +513,13 @@ class Engine:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
-        return load_checkpoint(self, load_dir, tag=tag)
+        client_state = load_checkpoint(self, load_dir, tag=tag)
+        self._apply_lr_schedule()
+        return client_state
 
     # -- metrics -----------------------------------------------------------------
     def _counters(self) -> dict:
-        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes)}
+        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes), "copies": self.copies.snapshot()}
 
     def _close_step_metrics(self, skipped: bool) -> None:
         now = self._counters()
@@ -418,9 +534,11 @@ class Engine:
                 "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
             }
         collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
+        # host<->device traffic: what a GPU run moves over PCIe (zero where device memory is host memory)
+        copies = {name: n - last["copies"][name] for name, n in now["copies"].items()}
         elapsed = time.perf_counter() - self._step_started
         self._metrics["timeline"] = self.timeline.close_step()
-        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives,
+        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
                              compute_s=self._compute_s, step_s=elapsed,
                              fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
                              lr=self.lr, loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
@@ -464,8 +582,8 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self._finish_overlap, self._write_timeline, self.optimizer.close,
-                     self.compute.close, self.tiers.close):
+        for part in (self.hooks.remove, self._finish_overlap, self.copies.close, self._write_timeline,
+                     self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it
@@ -495,10 +613,23 @@ class Engine:
             pass
 
 
-def _compute_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _compute_device(setting: str, comm: Collectives) -> torch.device:
+    """The config's ``device``; ``auto``: the current GPU when there is one and the collectives can use it."""
+    if setting != "auto":
+        device = torch.device(setting)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"config key device is {setting!r} but CUDA is not available here")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if comm.world_size > 1 and comm.backend == "gloo":
+        logger.info("%d ranks over gloo: computing on the CPU (gloo's all-gather and reduce-scatter take CPU "
+                    "tensors); initialize the process group with NCCL to compute on the GPU", comm.world_size)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _cast_floating(tree, dtype: torch.dtype, device: torch.device):

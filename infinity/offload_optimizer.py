@@ -1,11 +1,20 @@
-"""The optimizer over this rank's shards: fp32 master, Adam moments and
-gradient slices in the optimizer's tier, updated one sub-group at a time by the
-fused CPU kernel, which also writes the new compute shards in the same pass.
+"""The optimizer over this rank's shards: fp32 master and Adam moments in the
+optimizer's tier, updated one sub-group at a time where they rest — by the
+fused CPU kernel for host and NVMe states, by the device's Adam for device
+states — which also writes the new compute shards in the same pass. The
+gradient slices belong to the :class:`~infinity.grad_reducer.GradReducer`;
+the optimizer waits for a sub-group's slices to land before updating it.
 
-With the states on NVMe the sub-groups are pipelined through two sets of host
-buffers: sub-group i+1 is read while sub-group i is updated, and sub-group i is
-written while i+1 is updated. A buffer set is reused only after its writes
-have completed.
+New compute shards are written in place when they rest in the memory the
+optimizer runs in; otherwise they go through a scratch buffer (pinned host
+memory, or device memory) and cross through :class:`~infinity.copies.Copies`,
+or are written to NVMe.
+
+With the states on NVMe, the sub-groups that fit the host-memory budget rest in
+host memory instead (those the step reads first, first) and only the others
+are swapped: they are pipelined through sets of host buffers, sub-group i+1
+read while sub-group i is updated, and sub-group i written while i+1 is
+updated. A buffer set is reused only after its writes have completed.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import torch
 from infinity import kernels
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
+from infinity.copies import CopyDone, Copies
+from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
+from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
@@ -54,41 +66,93 @@ class _Staging:
 
 
 class OffloadOptimizer:
-    def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
-                 compute: ComputeShards, *, grad_dtype: torch.dtype = torch.float32,
-                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None):
+    def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
+                 compute: ComputeShards, grads: GradReducer, copies: Copies, *,
+                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
+                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None):
         self.layout = layout
         self.config = config
-        self.tier = tier
+        self.tier = placement.master.tier
         self.lr = config.lr
         self.step_count = 0
         self._tiers = tiers
         self._compute = compute
+        self._grads = grads
+        self._copies = copies
         self._timeline = timeline
-        memory_tier = "device" if tier == "device" else "host"
+        self._on_device = placement.optimizer_on_device
+        self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
+        self._write_in_place = placement.compute_shard_in_optimizer_memory
+        # new compute shards that cross between memories are staged in host buffers pinned like the gradients
+        self._scratch_pinned = placement.grads.pinned and not self._write_in_place
+        memory_tier = "device" if self.tier == "device" else "host"
         self._memory_tier = memory_tier
-        # Gradient slices rest in memory next to the optimizer (host when offloaded); fp32 when they
-        # accumulate over micro-batches, else the compute precision they were reduced in (lossless).
-        self.grads = tiers.empty(memory_tier, layout.trainable_numel, grad_dtype)
-        self.grads.zero_()
-        self._states: dict[str, torch.Tensor] = {}
+        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state
+        self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
         self._host_scratch: torch.Tensor | None = None
+        self._device_scratch: torch.Tensor | None = None
+        self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
         self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self._overlap: _OverlappedStep | None = None
-        if tier == "nvme":
+        if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
             for _ in range(max(2, buffer_count) if pipeline else 1):
                 states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
-                self._staging.append(_Staging(states, tiers.empty("host", numel, compute.dtype), []))
+                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
+                self._staging.append(_Staging(states, compute_staging, []))
+            room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
+            self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
+            for group in layout.sub_groups:
+                self._memory_offset[group.index] = group.start
             for name in STATE_NAMES:
                 self._states[name] = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
                 self._states[name].zero_()
+        self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
+        """Sub-groups whose states rest on NVMe (the others are in memory)."""
+
+    def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
+        """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
+        (with no budget, none do: ``device: nvme`` then means NVMe).
+
+        Every sub-group kept saves its 24 bytes an element of I/O per step; among those that fit, the ones the
+        step reads first are kept (no I/O can hide their reads): the last sub-groups when the step runs during
+        backward (which finishes them first), else the first ones."""
+        order = sorted(self.layout.sub_groups, key=lambda g: -g.index if backward_order else g.index)
+        kept, total = [], 0
+        for group in order:
+            fits = (total + group.numel) * len(STATE_NAMES) * 4 <= room_nbytes
+            if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
+                kept.append(group)
+                total += group.numel
+        if not kept:
+            return
+        for group in sorted(kept, key=lambda g: g.index):
+            self._memory_offset[group.index] = sum(g.numel for g in kept if g.index < group.index)
+        for name in STATE_NAMES:
+            self._states[name] = self._tiers.empty("host", total, torch.float32)
+            self._states[name].zero_()
+        logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
+                    "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
+                    sum(g.numel for g in self.layout.sub_groups))
+
+    def in_memory(self, group: SubGroup) -> bool:
+        return group.index in self._memory_offset
+
+    @property
+    def resident_numel(self) -> int:
+        """Elements whose states rest in memory (all of them unless the tier is NVMe)."""
+        return sum(g.numel for g in self.layout.sub_groups if self.in_memory(g))
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient slices this optimizer reads (owned by the reducer)."""
+        return self._grads.slices
 
     # -- initialization ----------------------------------------------------
     def init_master(self, values_by_slot: dict[int, torch.Tensor]) -> None:
@@ -100,7 +164,7 @@ class OffloadOptimizer:
         for group in self.layout.sub_groups:
             if group.index in self._written_groups or not all(s.index in values_by_slot for s in group.slots):
                 continue
-            if self.tier == "nvme":
+            if not self.in_memory(group):
                 staging = self._staging[0]
                 staging.wait_writes()
                 master = staging.states["master"][:group.numel]
@@ -110,7 +174,7 @@ class OffloadOptimizer:
                 self._store.write(f"master.{group.index}", master).wait()
             else:
                 for slot in group.slots:
-                    self._states["master"][slot.offset:slot.end].copy_(values_by_slot[slot.index])
+                    self._write_memory_state("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -120,30 +184,68 @@ class OffloadOptimizer:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
         if grad_coef != 1.0:
-            self.grads.mul_(grad_coef)
+            self._grads.wait_all().mul_(grad_coef)
         if self.tier == "nvme":
             self._step_nvme()
-            return
-        for group in self.layout.sub_groups:
-            self._update_in_memory(group)
+        else:
+            for group in self.layout.sub_groups:
+                self._update_in_memory(group)
+        self.finish_compute_copies()
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
-        """Adam over one sub-group; the new compute shards go straight to their flat buffer when it is
-        resident, else through ``scratch`` to their tier. Returns the writes still in flight."""
+        """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
+        to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
+        tier. Returns the NVMe writes still in flight."""
         cfg = self.config
-        direct = self._compute.sub_group_view(group)
-        if direct is None and scratch is None:
-            # compute shards on NVMe, optimizer states in memory: one scratch buffer, made on first use
-            scratch = self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel,
-                                                             self._compute.dtype)
-        out = direct if direct is not None else scratch[:group.numel]
+        grads = self._grads.wait_sub_group(group)
+        out = self._compute_out(group, scratch)
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
-            kernels.adam_step(states["master"], self.grads[group.start:group.end], states["exp_avg"],
-                              states["exp_avg_sq"], step=self.step_count, lr=self.lr, beta1=cfg.betas[0],
-                              beta2=cfg.betas[1], eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                              bias_correction=cfg.bias_correction, param_out=out)
-        if direct is not None:
+            self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], step=self.step_count,
+                       lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                       param_out=out)
+        return self._deliver_compute(group, out)
+
+    def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
+        """Where the kernel writes the sub-group's new compute shards."""
+        if self._write_in_place:
+            return self._compute.sub_group_view(group)
+        numel = self.layout.largest_sub_group_numel
+        if self._on_device:
+            if self._device_scratch is None:
+                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
+            out = self._device_scratch
+        else:
+            if scratch is None:
+                if self._host_scratch is None:  # states in memory: one scratch buffer, made on first use
+                    self._host_scratch = self._tiers.empty("host", numel, self._compute.dtype,
+                                                           pinned=self._scratch_pinned)
+                scratch = self._host_scratch
+            out = scratch
+        self._wait_scratch_free(out)
+        return out[:group.numel]
+
+    def _wait_scratch_free(self, scratch: torch.Tensor) -> None:
+        done = self._scratch_copy.pop(scratch.data_ptr(), None)
+        if done is None:
+            return
+        if self._on_device:
+            self._copies.compute_waits(done)  # the kernel overwrites device scratch the copy stream still reads
+        else:
+            self._copies.host_waits(done)  # the CPU kernel overwrites host scratch the copy stream still reads
+
+    def _deliver_compute(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
+        """Take the new compute shards from ``out`` to their tier."""
+        if self._write_in_place:
             return []
+        if self._compute.tier != "nvme":
+            # across memories: a copy on the copy stream; the scratch is reused only once it has landed
+            flat = self._compute.sub_group_view(group)
+            cross = self._copies.to_host if self._on_device else self._copies.to_device
+            self._scratch_copy[out.data_ptr()] = cross(out, flat)
+            return []
+        if self._on_device:
+            out = self._down_for_nvme(group, out)
         writes = []
         for slot in group.slots:
             start = slot.offset - group.start
@@ -152,11 +254,41 @@ class OffloadOptimizer:
                 writes.append(handle)
         return writes
 
+    def _down_for_nvme(self, group: SubGroup, out_device: torch.Tensor) -> torch.Tensor:
+        """Device states, NVMe compute shards: the new shards come down to host scratch before their writes."""
+        if self._host_scratch is None:
+            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
+                                                   pinned=self._scratch_pinned)
+        host = self._host_scratch[:group.numel]
+        self._copies.host_waits(self._copies.to_host(out_device, host))  # the NVMe writes read it next
+        return host
+
+    def finish_compute_copies(self) -> None:
+        """End of a step: the next forward's gathers wait for the new compute shards' copies up, and host reads
+        (the next step's copies up, checkpoints) for their copies down."""
+        if not self._scratch_copy:
+            return
+        last = self._copies.last()
+        self._scratch_copy.clear()
+        if self._on_device:
+            self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
+        else:
+            self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
+
     def _step_nvme(self) -> None:
-        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done."""
-        groups = self.layout.sub_groups
+        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done. The
+        sub-groups resting in host memory are updated while the first read is in flight."""
+        groups = self.swapped_groups
         sets = self._staging
-        reads: dict[int, list[IOHandle]] = {0: self._read_states(groups[0], sets[0])} if groups else {}
+        reads: dict[int, list[IOHandle]] = {}
+        if groups:
+            # The last step's write-behind may still be reading this set (the set of its last sub-groups):
+            # the first read must not land in it before those writes are done.
+            sets[0].wait_writes()
+            reads[0] = self._read_states(groups[0], sets[0])
+        for group in self.layout.sub_groups:
+            if self.in_memory(group):
+                self._update_in_memory(group)
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -198,12 +330,15 @@ class OffloadOptimizer:
         """Update the sub-groups still waiting (parameters that got no gradient) and wait for all updates;
         returns how many sub-groups were ready before backward ended."""
         overlap, self._overlap = self._overlap, None
-        return overlap.finish()
+        during_backward = overlap.finish()
+        self.finish_compute_copies()
+        return during_backward
 
     def _update_in_memory(self, group: SubGroup) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        states = {name: t[group.start:group.end] for name, t in self._states.items()}
-        for handle in self._update(group, states, self._host_scratch):
+        start = self._memory_offset[group.index]
+        states = {name: t[start:start + group.numel] for name, t in self._states.items()}
+        for handle in self._update(group, states, None):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -224,8 +359,8 @@ class OffloadOptimizer:
         """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (fp32, group.numel)."""
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
-        if self.tier != "nvme":
-            out.copy_(self._states[name][group.start:group.end])
+        if self.in_memory(group):
+            self._read_memory_state(name, group, out)
         elif name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
         else:
@@ -238,10 +373,27 @@ class OffloadOptimizer:
         if values.numel() != group.numel or values.dtype != torch.float32:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
-        if self.tier != "nvme":
-            self._states[name][group.start:group.end].copy_(values)
+        if self.in_memory(group):
+            self._write_memory_state(name, group, values)
         else:
             self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
+
+    def _read_memory_state(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
+        start = self._memory_offset[group.index]
+        source = self._states[name][start:start + out_host.numel()]
+        if self._on_device:
+            self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
+        else:
+            out_host.copy_(source)
+
+    def _write_memory_state(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
+        """Write host values into a sub-group's state in memory, ``at`` elements into the sub-group."""
+        start = self._memory_offset[group.index] + at
+        target = self._states[name][start:start + values_host.numel()]
+        if self._on_device:
+            self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
+        else:
+            target.copy_(values_host)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
@@ -252,11 +404,12 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        return float(self.grads.double().pow(2).sum()) if self.grads.numel() < 1 << 24 else float(
-            sum(chunk.double().pow(2).sum() for chunk in self.grads.split(1 << 24)))
+        grads = self._grads.wait_all()
+        return float(grads.double().pow(2).sum()) if grads.numel() < 1 << 24 else float(
+            sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
 
     def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self.grads).all())
+        return bool(torch.isfinite(self._grads.wait_all()).all())
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
@@ -274,14 +427,14 @@ class OffloadOptimizer:
             self._tiers.free("host", staging.compute)
         self._staging.clear()
         for tensor in self._states.values():
-            self._tiers.free(self._memory_tier, tensor)
+            self._tiers.free("host" if self.tier == "nvme" else self._memory_tier, tensor)
         self._states.clear()
-        if self.grads is not None:
-            self._tiers.free(self._memory_tier, self.grads)
-            self.grads = None
         if self._host_scratch is not None:
             self._tiers.free("host", self._host_scratch)
             self._host_scratch = None
+        if self._device_scratch is not None:
+            self._tiers.free("device", self._device_scratch)
+            self._device_scratch = None
 
 
 class _OverlappedStep:
@@ -333,13 +486,13 @@ class _OverlappedStep:
         return during_backward
 
     def _run(self) -> None:
-        nvme = self._optimizer.tier == "nvme"
-        if nvme:
-            self._guarded(self._read_next_ahead)
+        optimizer = self._optimizer
+        self._guarded(self._read_next_ahead)
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
-            self._guarded(lambda: self._update(group) if nvme else self._optimizer._update_in_memory(group))
+            self._guarded(lambda: optimizer._update_in_memory(group) if optimizer.in_memory(group)
+                          else self._update(group))
             self.updated += 1
         for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
             for handle in reads:
@@ -377,8 +530,10 @@ class _OverlappedStep:
         """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
 
         The reads are not urgent: they queue behind the parameter reads that compute waits for."""
+        groups = self._optimizer.layout.sub_groups
         with self._lock:
-            candidates = [i for i in sorted(self._waiting, reverse=True) if i not in self._read_ahead]
+            candidates = [i for i in sorted(self._waiting, reverse=True)
+                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
         for index in candidates:
             if len(self._free_sets) < 2:
                 return

@@ -9,6 +9,8 @@ low-precision parameter copy written in the same pass.
               weight_decay, adamw=True, bias_correction=True, param_out=None)
     adam_step_reference(...)   same signature; always the torch implementation
     backend()                  "cpp" or "torch": what adam_step uses
+    adam_step_on_device(...)   same signature, states in device memory: adam_step
+                               on the CPU, torch's fused AdamW on a GPU
 
     adam_step_compact(master, grad, exp_avg, exp_avg_sq, *, state_dtype, step, lr, ...,
                       seed, exp_avg_scale=None, exp_avg_sq_scale=None, param_out=None)
@@ -27,9 +29,10 @@ agree bit for bit. This package imports only torch and the standard library.
 from . import compact
 from .adam import BACKEND_ENV, adam_step, adam_step_compact, adam_step_compact_reference, adam_step_reference, backend
 from .compact import BLOCK_NUMEL, STATE_DTYPES, empty_state, state_bytes_per_element, state_layout, state_nbytes
+from .device_adam import adam_step_on_device
 
 __all__ = [
     "BACKEND_ENV", "BLOCK_NUMEL", "STATE_DTYPES", "adam_step", "adam_step_compact", "adam_step_compact_reference",
-    "adam_step_reference", "backend", "compact", "empty_state", "state_bytes_per_element", "state_layout",
-    "state_nbytes",
+    "adam_step_on_device", "adam_step_reference", "backend", "compact", "empty_state", "state_bytes_per_element",
+    "state_layout", "state_nbytes",
 ]  # fmt: skip
