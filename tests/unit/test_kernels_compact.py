@@ -409,6 +409,18 @@ def test_nan_and_inf_grads_make_the_parameter_nan_as_in_torch(step_fn, state_dty
     assert master[:10].isfinite().all() and master[13:].isfinite().all() if state_dtype == "bf16" else True
 
 
+def test_cache_key_covers_the_compact_source(monkeypatch, tmp_path):
+    assert "adam_compact.cpp" in extension._SOURCES
+    assert "-fno-trapping-math" in extension.compile_flags()  # the compact loops vectorize only with it
+    key = extension.cache_key()
+    csrc = tmp_path / "csrc"
+    shutil.copytree(extension._CSRC, csrc)
+    monkeypatch.setattr(extension, "_CSRC", csrc)
+    assert extension.cache_key() == key
+    (csrc / "adam_compact.cpp").write_text((csrc / "adam_compact.cpp").read_text() + "\n// changed\n")
+    assert extension.cache_key() != key
+
+
 def test_touch_compact_leaves_states_unchanged(cpp_ready):
     for sd in COMPACT:
         state = compact.from_fp32(sd, *fp32_state(5000))
