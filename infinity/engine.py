@@ -16,20 +16,18 @@ from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.copies import Copies
-from infinity.grad_reducer import RING_SLICES, GradReducer
+from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
-from infinity.host_budget import (STATE_BYTES, WorkingSet, check_budget, resolve_host_budget, staged_sub_group_numel,
-                                  transient_reserve_nbytes)
-from infinity.placement import GradRoute, Placement, device_memory_is_distinct, grad_accumulator_fits_device
+from infinity.host_budget import HostMemoryPlan, resolve_host_budget
+from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
-from infinity.storage.stats import format_nbytes
 from infinity.tiers import Tiers
 from infinity.trace import Timeline
 
@@ -69,17 +67,18 @@ class Engine:
         if not named:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
         zero = config.zero
-        self.host_budget_nbytes = resolve_host_budget(zero.host_memory_budget)
-        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=self._sub_group_size(named))
+        self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
+        sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
         self.placement = Placement.decide(
             config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
         logger.info("%s", self.placement.describe())
-        check_budget(self.host_budget_nbytes, self._minimum_working_set())
+        self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
         self.copies = Copies(self.placement)
-        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget_nbytes)
+        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
         self._closed = False
         try:
             self._build(model, named, meta_data)
@@ -88,95 +87,15 @@ class Engine:
             self.tiers.close()
             raise
 
-    # -- the host-memory budget ------------------------------------------------
-    def _configured_staging_sets(self) -> int:
-        zero = self.config.zero
-        pipelined = zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write
-        return max(2, zero.offload_optimizer.buffer_count) if pipelined else 1
-
-    def _staging_sets(self) -> int:
-        """``offload_optimizer.buffer_count`` staging sets, fewer (down to two) where the budget is tight."""
-        sets = self._configured_staging_sets()
-        if self.config.zero.offload_optimizer.device != "nvme":
-            return sets
-        while sets > 2 and self._minimum_working_set(staging_sets=sets).nbytes > self.host_budget_nbytes:
-            sets -= 1
-        if sets < self._configured_staging_sets():
-            logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
-                        self._configured_staging_sets(), sets, format_nbytes(self.host_budget_nbytes))
-        return sets
-
-    def _sub_group_size(self, named: list) -> int:
-        """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
-        zero = self.config.zero
-        if zero.offload_optimizer.device != "nvme":
-            return zero.sub_group_size
-        world = self.comm.world_size
-        largest_shard = max((math.ceil(p.numel() / world) for _, p in named), default=0)
-        per_numel = STATE_BYTES + torch.empty((), dtype=self.dtype).element_size()
-        sets = self._configured_staging_sets()
-        size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
-                                      budget_nbytes=self.host_budget_nbytes, sets=sets, bytes_per_numel=per_numel)
-        if size < zero.sub_group_size:
-            logger.info("sub_group_size %d -> %d: %d NVMe staging sets of that size fit the host-memory budget "
-                        "of %s (staging more buys no bandwidth)", zero.sub_group_size, size, sets,
-                        format_nbytes(self.host_budget_nbytes))
-        return size
-
-    def _minimum_working_set(self, *, staging_sets: int = 2) -> WorkingSet:
-        """What host memory must hold whatever the budget: checked before anything is allocated."""
-        layout, placement = self.layout, self.placement
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
-        grad_bytes = itemsize if placement.grads_lossless else 4
-        grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
-        shards = layout.total_numel * itemsize if placement.compute_shard.tier in charged else 0
-        states = layout.trainable_numel * STATE_BYTES if placement.master.tier in charged else 0
-        staging = 0
-        if placement.master.tier == "nvme":
-            staging = staging_sets * layout.largest_sub_group_numel * (STATE_BYTES + itemsize)
-        gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
-        reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
-        return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
-                           (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
-                           ("streaming buffers", reserve)))
-
-    def _reserve_nbytes(self, read_pool: HostBufferPool | None) -> int:
-        """Host memory kept free for buffers made later or for a moment: what the planner never hands to
-        resting states (gathered parameters where the device is the host, scratch, read buffers, streaming)."""
-        parts = dict(self._minimum_working_set().parts)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        scratch = self.layout.largest_sub_group_numel * itemsize
-        pool = read_pool.budget_nbytes if read_pool is not None else 0
-        ring = RING_SLICES * self.layout.largest_shard_numel * itemsize if self.placement.grad_route is GradRoute.HOST_RING else 0
-        return parts["gathered parameters"] + parts["streaming buffers"] + scratch + pool + ring
-
-    def _param_cache_numel(self, reserve_nbytes: int, staging_sets: int) -> int:
-        """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory
-        first (each byte kept saves 3 bytes of I/O a step, against 2 for optimizer states), after what the
-        gradients, the optimizer and the reserve will need."""
-        configured = self.config.zero.offload_param.max_in_cpu
-        room = self.tiers.host_memory.room_nbytes()
-        if self.placement.compute_shard.tier != "nvme" or room is None:
-            return configured
-        parts = dict(self._minimum_working_set(staging_sets=staging_sets).parts)
-        later = sum(n for name, n in parts.items() if name in ("gradient slices", "optimizer states")
-                    or name.endswith("staging sets"))
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        fits = max(0, room - later - reserve_nbytes) // itemsize
-        if fits < configured:
-            logger.info("offload_param.max_in_cpu %d -> %d: what the host-memory budget leaves", configured, fits)
-        return min(configured, fits)
-
     # -- construction ------------------------------------------------------
     def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
         config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
         self._read_pool = self._make_read_pool()
-        reserve = self._reserve_nbytes(self._read_pool)
-        staging_sets = self._staging_sets()
+        budget = self.host_budget
+        reserve = budget.reserve_nbytes(self._read_pool.budget_nbytes if self._read_pool is not None else 0)
         self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
                                      nvme_path=zero.offload_param.nvme_path,
-                                     max_in_cpu=self._param_cache_numel(reserve, staging_sets))
+                                     max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve))
         by_name = {name: p for name, p in named}
         grad_dtype = self.dtype if placement.grads_lossless else torch.float32
         self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
@@ -186,7 +105,7 @@ class Engine:
         self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
                                           self.copies, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-                                          buffer_count=staging_sets, timeline=self.timeline,
+                                          buffer_count=budget.staging_sets, timeline=self.timeline,
                                           reserve_nbytes=reserve, backward_order=self.overlap_step,
                                           max_in_cpu=zero.offload_optimizer.max_in_cpu)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.

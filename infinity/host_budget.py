@@ -25,6 +25,8 @@ import os
 import re
 from dataclasses import dataclass
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.8
@@ -125,6 +127,97 @@ def resident_prefix_numel(shard_numels: list[int], room_nbytes: int, itemsize: i
             break
         total += numel
     return total
+
+
+class HostMemoryPlan:
+    """How one engine uses its budget, decided before anything is allocated: the sub-group size and the
+    staging sets, the minimum working set (refused when it does not fit), the reserve kept for buffers made
+    later, and the compute shards kept in host memory. Optimizer sub-groups take what is left (the optimizer
+    measures it once its staging is allocated)."""
+
+    def __init__(self, config, budget_nbytes: int, compute_dtype: torch.dtype):
+        self.config = config
+        self.budget_nbytes = budget_nbytes
+        self.itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        self.layout = self.placement = None
+        self.staging_sets = self._configured_staging_sets()
+
+    def sub_group_size(self, named_params: list, world_size: int) -> int:
+        """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
+        zero = self.config.zero
+        if zero.offload_optimizer.device != "nvme":
+            return zero.sub_group_size
+        largest_shard = max((math.ceil(p.numel() / world_size) for _, p in named_params), default=0)
+        size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
+                                      budget_nbytes=self.budget_nbytes, sets=self.staging_sets,
+                                      bytes_per_numel=STATE_BYTES + self.itemsize)
+        if size < zero.sub_group_size:
+            logger.info("sub_group_size %d -> %d: %d NVMe staging sets of that size fit the host-memory budget "
+                        "of %s (staging more buys no bandwidth)", zero.sub_group_size, size, self.staging_sets,
+                        _format(self.budget_nbytes))
+        return size
+
+    def settle(self, layout, placement) -> None:
+        """With the layout and the placement known: refuse a budget below the minimum working set, and take
+        fewer staging sets (down to two) where the budget is tight."""
+        self.layout, self.placement = layout, placement
+        check_budget(self.budget_nbytes, self.minimum_working_set())
+        configured = self.staging_sets
+        if placement.master.tier == "nvme":
+            while self.staging_sets > 2 and self.minimum_working_set(self.staging_sets).nbytes > self.budget_nbytes:
+                self.staging_sets -= 1
+        if self.staging_sets < configured:
+            logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
+                        configured, self.staging_sets, _format(self.budget_nbytes))
+
+    def minimum_working_set(self, staging_sets: int = 2) -> WorkingSet:
+        """What host memory must hold whatever the budget."""
+        layout, placement, itemsize = self.layout, self.placement, self.itemsize
+        charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
+        grad_bytes = itemsize if placement.grads_lossless else 4
+        grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
+        shards = layout.total_numel * itemsize if placement.compute_shard.tier in charged else 0
+        states = layout.trainable_numel * STATE_BYTES if placement.master.tier in charged else 0
+        staging = 0
+        if placement.master.tier == "nvme":
+            staging = staging_sets * layout.largest_sub_group_numel * (STATE_BYTES + itemsize)
+        gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
+        reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
+        return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
+                           (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
+                           ("streaming buffers", reserve)))
+
+    def reserve_nbytes(self, read_pool_nbytes: int = 0) -> int:
+        """Host memory kept free for buffers made later or for a moment: what the planner never hands to
+        resting states (gathered parameters where the device is the host, scratch, read buffers, the gradient
+        ring, streaming)."""
+        from infinity.grad_reducer import RING_SLICES
+        from infinity.placement import GradRoute
+        parts = dict(self.minimum_working_set().parts)
+        scratch = self.layout.largest_sub_group_numel * self.itemsize
+        ring = 0
+        if self.placement.grad_route is GradRoute.HOST_RING:
+            ring = RING_SLICES * self.layout.largest_shard_numel * self.itemsize
+        return parts["gathered parameters"] + parts["streaming buffers"] + scratch + read_pool_nbytes + ring
+
+    def param_cache_numel(self, room_nbytes: int | None, reserve_nbytes: int) -> int:
+        """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory
+        first (each byte kept saves 3 bytes of I/O a step, against 2 for optimizer states), after what the
+        gradients, the optimizer and the reserve will need."""
+        configured = self.config.zero.offload_param.max_in_cpu
+        if self.placement.compute_shard.tier != "nvme" or room_nbytes is None:
+            return configured
+        parts = dict(self.minimum_working_set(self.staging_sets).parts)
+        later = sum(n for name, n in parts.items() if name in ("gradient slices", "optimizer states")
+                    or name.endswith("staging sets"))
+        fits = max(0, room_nbytes - later - reserve_nbytes) // self.itemsize
+        if fits < configured:
+            logger.info("offload_param.max_in_cpu %d -> %d: what the host-memory budget leaves", configured, fits)
+        return min(configured, fits)
+
+    def _configured_staging_sets(self) -> int:
+        optimizer = self.config.zero.offload_optimizer
+        return max(2, optimizer.buffer_count) if optimizer.pipeline_read or optimizer.pipeline_write else 1
 
 
 def _number(key: str, raw, text: str) -> float:

@@ -162,6 +162,28 @@ def engine_train(model: nn.Module, config: dict, batches, *, steps: int, accum: 
     return losses, state, metrics
 
 
+def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None):
+    """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
+    placement. ``setup(engine)`` runs before the first step (to make copies late, say)."""
+    import infinity
+
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    if setup is not None:
+        setup(engine)
+    losses, metrics, it = [], [], iter(batches)
+    try:
+        for _ in range(steps):
+            for _ in range(accum):
+                loss = engine(*next(it))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            metrics.append(engine.step_metrics())
+        return losses, engine.full_state_dict(), metrics, engine.placement
+    finally:
+        engine.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
