@@ -148,7 +148,7 @@ def hf_config_of(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and callable(getattr(config, "to_dict", None)) and hasattr(config, "model_type"):
-            out = config.to_dict()
+            out = json.loads(config.to_json_string(use_diff=False))  # JSON as transformers writes it (str keys)
             out["dtype"] = _HF_DTYPE_NAMES[dtype]
             if "torch_dtype" in out:
                 out["torch_dtype"] = _HF_DTYPE_NAMES[dtype]
@@ -229,3 +229,48 @@ class _SlotGatherer:
 
     def close(self) -> None:
         self._masters = None
+
+
+def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None, verify: bool = True,
+                   config_dir=None, max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
+    """``infinity consolidate --hf``: a sharded checkpoint written in the Hugging Face layout.
+
+    ``config.json`` comes from ``config_dir`` (the model folder the run started
+    from) or, when the run recorded it (``infinity train --hf-model`` does), from
+    the checkpoint's ``client_state["hf_config"]``. Names lose the wrapper's
+    prefix (``inner.``) as ``engine.save_pretrained`` does.
+    """
+    from infinity.checkpoint import Checkpoint, resolve_checkpoint
+    from infinity.consolidation import _consolidated_outputs
+    from infinity.models.gpt import _HFCausalLM
+
+    out_dtype = save_dtype(dtype)
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        config = None
+        if config_dir is not None:
+            path = Path(config_dir) / "config.json" if Path(config_dir).is_dir() else Path(config_dir)
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise FileNotFoundError(f"--hf-config: {path} does not exist") from None
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"--hf-config: {path} is not JSON: {err}") from None
+        else:
+            config = (ckpt.meta.get("client_state") or {}).get("hf_config")
+        if config is None:
+            raise ValueError(f"checkpoint {ckpt.path} does not record its Hugging Face config: pass --hf-config DIR "
+                             f"(the model folder the run started from)")
+        config = dict(config, dtype=_HF_DTYPE_NAMES[out_dtype])
+        if verify:
+            ckpt.verify()
+        outputs = _consolidated_outputs(ckpt, out_dtype)
+        prefix = _HFCausalLM.weights_prefix
+        strip = all(name.startswith(prefix) for o in outputs for name in o.names)
+        tensors = [HFTensor(o.names[0][len(prefix):] if strip else o.names[0], tuple(o.shape), o.dtype, o.fill)
+                   for o in outputs]
+        summary = write_hf_folder(out_dir, tensors, config=config, max_shard_nbytes=max_shard_nbytes)
+    finally:
+        ckpt.close()
+    return dict(summary, checkpoint=str(ckpt.path), global_step=ckpt.meta["global_step"], world_size=ckpt.world_size,
+                dtype=dtype)

@@ -650,8 +650,15 @@ def _checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
 
 
 def _save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
-    _call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}",
-                     client_state={"step": step, "corpus": corpus.state_dict(), "losses": losses})
+    import torch
+
+    from infinity.hf_export import hf_config_of
+
+    client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
+    hf_config = hf_config_of(engine.module, torch.float32)
+    if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
+        client_state["hf_config"] = hf_config
+    _call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}", client_state=client_state)
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:

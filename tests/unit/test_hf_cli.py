@@ -92,9 +92,10 @@ def test_train_hf_model_with_its_tokenizer_and_save_pretrained(tmp_path, capsys)
     config.write_text(json.dumps(HF_DS_CONFIG))
     rc = main(["train", "--hf-model", str(model_dir), "--data", str(data), "--steps", "3", "--micro-batch", "2",
                "--seq-len", "32", "--precision", "fp32", "--config", str(config), "--save-pretrained", str(out),
-               "--json"])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed
+               "--save-dir", str(tmp_path / "ckpt"), "--json"])
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert rc == 0, captured.err
     summary = json.loads(printed.strip().splitlines()[-1])
     assert summary["model"] == str(model_dir) and len(summary["losses"]) == 3
     assert "3,000 tokens (" in printed and "x 32 tokens;" in printed and "Hugging Face layout" in printed
@@ -103,6 +104,12 @@ def test_train_hf_model_with_its_tokenizer_and_save_pretrained(tmp_path, capsys)
     changed = [n for n, v in reloaded.state_dict().items() if not torch.equal(v, before.state_dict()[n])]
     assert changed  # trained, and the result is what transformers loads
     assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [5, 6]
+
+    # the run's checkpoint, consolidated in the Hugging Face layout, is the same model
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "from-ckpt"), "--hf"]) == 0
+    consolidated = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "from-ckpt")
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(consolidated.state_dict()[name], value), name
 
 
 def test_bytes_refused_when_the_vocabulary_cannot_take_them(tmp_path, capsys):
