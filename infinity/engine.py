@@ -55,11 +55,8 @@ class Engine:
         self._initializer = Initializer(model, param_init)
         self._weights = None
         if weights is not None:
-            from infinity.pretrained_weights import PretrainedWeights
-            self._weights = weights if isinstance(weights, PretrainedWeights) else PretrainedWeights.open(weights)
-            if config.tiling.max_tile_numel is not None:
-                raise ValueError("weights= cannot be combined with tiling.max_tile_numel yet (tiles rename parameters)")
-            self._weights.check_model(model)
+            from infinity.pretrained_weights import open_for_model
+            self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
         self.comm = Collectives(process_group)
@@ -88,6 +85,8 @@ class Engine:
             self._build(model, named, meta_data)
         except BaseException:
             self.tiers.close()
+            if self._weights is not None:
+                self._weights.close()
             raise
 
     # -- construction ------------------------------------------------------
@@ -186,12 +185,13 @@ class Engine:
         pending_master: dict[int, torch.Tensor] = {}
         sharded_by_id = {id(s.param): s for s in self.params}
         done: set[int] = set()
-        seed = self._common_seed(self._weights is None and any(t.is_meta for t in original_data.values()))
+        initializing_meta = self._weights is None and any(t.is_meta for t in original_data.values())
+        seed = self._common_seed(initializing_meta)
         rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
         with rng:
             if seed is not None:
                 torch.manual_seed(seed)
-            if self._weights is None:
+            if initializing_meta:
                 self._initializer.prepare()
             for module_name, module in model.named_modules():
                 direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]

@@ -36,6 +36,19 @@ class WeightsError(CheckpointError):
     """Pretrained weights that do not fit the model: the message names the tensor and the file."""
 
 
+def open_for_model(weights, model: torch.nn.Module, *, tiled: bool = False) -> "PretrainedWeights":
+    """``weights`` (a path or an open :class:`PretrainedWeights`) matched against ``model``; closed on a misfit."""
+    if tiled:
+        raise ValueError("weights= cannot be combined with tiling.max_tile_numel yet (tiles rename parameters)")
+    opened = weights if isinstance(weights, PretrainedWeights) else PretrainedWeights.open(weights)
+    try:
+        opened.check_model(model)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
 class PretrainedWeights:
     """The tensors of a model folder (or one ``.safetensors`` file), opened for slice reads."""
 

@@ -112,3 +112,16 @@ def test_uninitialized_parameter_is_named():
         engine_state(meta)
     with pytest.raises(ValueError, match="param_init must be a callable"):
         engine_state(nn.Linear(2, 2), param_init=3)
+
+
+def test_a_real_model_is_not_reinitialized_and_draws_nothing():
+    cfg = transformers.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(2)
+    real = transformers.LlamaForCausalLM(cfg)
+    expected = {k: v.clone() for k, v in real.state_dict().items()}
+    after = torch.get_rng_state()
+    state = engine_state(real)
+    assert torch.equal(torch.get_rng_state(), after)
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
