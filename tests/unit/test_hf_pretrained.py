@@ -182,7 +182,8 @@ def _one_file_copy(gpt2_dir, tmp_path, edit):
 def test_weights_that_do_not_fit_are_named(gpt2_dir, tmp_path, edit, message):
     folder = _one_file_copy(gpt2_dir, tmp_path, edit)
     with pytest.raises(WeightsError, match=message):
-        infinity.from_pretrained(folder, config(tmp_path, offload="cpu"))
+        infinity.from_pretrained(folder, config(tmp_path, offload="nvme"))
+    assert os.listdir(tmp_path / "swap") == []  # refused before any state was written
 
 
 def test_missing_and_corrupt_files_are_named(llama_dir, tmp_path):
