@@ -58,6 +58,7 @@ class Initializer:
         self.mode = "param_init" if param_init is not None else ("_init_weights" if self._owner else "reset_parameters")
         self._reset_state: dict[int, torch.Tensor] = {}
         self._init_state: dict[int, torch.Tensor] = {}
+        self._overwritten: set[int] = set()
         self._prepared = False
 
     def prepare(self) -> None:
@@ -88,7 +89,9 @@ class Initializer:
                     initialized.add(id(sub))
                     if _direct_params(sub) or _direct_buffers(sub):
                         self._init_state[id(sub)] = torch.get_rng_state()
-                        self._run(sub, sub_name, lambda m=sub, o=owner: o._init_weights(m), keep=False)
+                        after = self._run(sub, sub_name, lambda m=sub, o=owner: o._init_weights(m), keep=True)
+                        if all(not torch.isnan(v).any() for v in after.values()):
+                            self._overwritten.add(id(sub))  # its reset_parameters values never survive
 
         build("", self.model)
         self._prepared = True
@@ -161,7 +164,7 @@ class Initializer:
             raise RuntimeError("internal error: Initializer.prepare() was not called")
         saved = torch.get_rng_state()
         try:
-            if id(module) in self._reset_state:
+            if id(module) in self._reset_state and id(module) not in self._overwritten:
                 torch.set_rng_state(self._reset_state[id(module)])
                 module.reset_parameters()
             if id(module) in self._init_state:
