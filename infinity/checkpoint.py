@@ -64,6 +64,7 @@ from typing import Any, Callable
 
 import torch
 
+from infinity.placement import Memory
 from infinity.safetensors_io import (  # noqa: F401  (CheckpointError is part of this module's interface)
     _DTYPE_NAMES,
     CheckpointError,
@@ -514,19 +515,16 @@ def _write_shard_file(engine, path: Path) -> tuple[bytes, int]:
             shards = [host_empty(shard_numel, compute.dtype) for _ in range(2)] if shard_numel else []
             for slot in layout.slots:
                 resident = compute.resident(slot)
-                if resident is not None and resident.device.type == "cpu":
+                if resident is not None and compute.memory is Memory.HOST:
                     submit(writer.write, f"param/{slot.name}", resident)
                     continue
                 i, n = n % 2, n + 1
                 take(i)
                 values = shards[i][:slot.shard_numel]
-                if resident is not None:
-                    values.copy_(resident)
-                else:
-                    compute.read(slot, values).wait()
+                compute.read_to_host(slot, values)
                 in_buffer[i] = submit(writer.write, f"param/{slot.name}", values)
             for name, buf in buffers:
-                submit(writer.write, f"buffer/{name}", buf)
+                submit(writer.write, f"buffer/{name}", buf.detach().cpu())
             for name, tensor in rng_tensors.items():
                 submit(writer.write, name, tensor)
             for future in futures:

@@ -30,6 +30,7 @@ class Collectives:
         self.group = group
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        self.backend = dist.get_backend(group) if self.distributed else None
         self.nbytes: dict[str, int] = defaultdict(int)
         self.seconds = 0.0
         self.on_collective = None  # optional callback(name, start_s, end_s) for the trace

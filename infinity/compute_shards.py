@@ -4,6 +4,10 @@ they rest: device memory, host memory, or NVMe with an optional host cache
 
 Resident shards are views of one flat buffer laid out by :class:`ShardLayout`,
 so the optimizer writes a whole sub-group's new compute shards in one pass.
+That buffer lives in device memory (tier ``device``) or host memory (tier
+``host``, or the host cache of tier ``nvme``); :meth:`write` and
+:meth:`read_to_host` take and give host values whatever the memory, crossing
+through :class:`~infinity.copies.Copies`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import logging
 
 import torch
 
+from infinity.copies import Copies
 from infinity.layout import ParamSlot, ShardLayout, SubGroup
+from infinity.placement import Memory, StatePlace
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
@@ -20,18 +26,22 @@ logger = logging.getLogger(__name__)
 
 
 class ComputeShards:
-    def __init__(self, layout: ShardLayout, dtype: torch.dtype, tier: str, tiers: Tiers, *,
+    def __init__(self, layout: ShardLayout, dtype: torch.dtype, place: StatePlace, tiers: Tiers, copies: Copies, *,
                  nvme_path: str | None = None, max_in_cpu: int = 0):
         self.layout = layout
         self.dtype = dtype
-        self.tier = tier
+        self.tier = place.tier
+        self.place = place
+        self.memory = place.memory
+        """Where the resident flat buffer lives (host for the ``nvme`` tier's cache)."""
         self._tiers = tiers
-        self._store = tiers.swap_store(nvme_path) if tier == "nvme" else None
+        self._copies = copies
+        self._store = tiers.swap_store(nvme_path) if self.tier == "nvme" else None
         self._resident: dict[int, torch.Tensor] = {}
         self._flat: torch.Tensor | None = None
-        self._flat_tier = tier
-        if tier in ("device", "host"):
-            self._flat = tiers.empty(tier, layout.total_numel, dtype)
+        self._flat_tier = self.tier
+        if self.tier in ("device", "host"):
+            self._flat = tiers.empty(self.tier, layout.total_numel, dtype, pinned=place.pinned)
             for slot in layout.slots:
                 self._resident[slot.index] = self._flat[slot.offset:slot.end]
         else:
@@ -49,7 +59,7 @@ class ComputeShards:
             return
         self._flat_tier = "host"
         end = cached[-1].offset + cached[-1].shard_numel
-        self._flat = self._tiers.empty("host", end, self.dtype)
+        self._flat = self._tiers.empty("host", end, self.dtype, pinned=self.place.pinned)
         for slot in cached:
             self._resident[slot.index] = self._flat[slot.offset:slot.end]
         logger.info("offload_param.max_in_cpu: %d of %d shards (%d elements) stay in host memory",
@@ -60,16 +70,34 @@ class ComputeShards:
         """The shard itself when it rests in memory, else None (it is on NVMe)."""
         return self._resident.get(slot.index)
 
+    def resident_in_device_memory(self, slot: ParamSlot) -> bool:
+        return self.memory is Memory.DEVICE and slot.index in self._resident
+
     def read(self, slot: ParamSlot, out: torch.Tensor) -> IOHandle:
         """Swap in a shard that rests on NVMe."""
         return self._store.read(self._key(slot), out)
 
+    def read_to_host(self, slot: ParamSlot, out_host: torch.Tensor) -> None:
+        """Copy a shard's values into a host tensor, from whichever tier it rests in (blocking)."""
+        resident = self._resident.get(slot.index)
+        if resident is None:
+            self.read(slot, out_host).wait()
+        elif self.memory is Memory.DEVICE:
+            self._copies.host_waits(self._copies.to_host(resident, out_host))  # the caller reads it next
+        else:
+            out_host.copy_(resident)
+
     # -- writing ----------------------------------------------------------------
     def write(self, slot: ParamSlot, values: torch.Tensor) -> IOHandle | None:
-        """Replace a shard's values; returns a handle to wait on when the write goes to NVMe."""
+        """Replace a shard's values with host ``values``; returns a handle to wait on when the write goes to NVMe."""
         resident = self._resident.get(slot.index)
         if resident is not None:
-            if resident.data_ptr() != values.data_ptr():
+            if resident.data_ptr() == values.data_ptr():
+                return None
+            if self.memory is Memory.DEVICE:
+                # the caller may reuse `values` as soon as this returns (initialize, checkpoint load)
+                self._copies.host_waits(self._copies.to_device(values, resident))
+            else:
                 resident.copy_(values)
             return None
         # urgent: the next forward reads it back first thing; the optimizer's state writes can wait

@@ -67,11 +67,14 @@ class OffloadParamConfig:
     """Elements per host buffer; grown (and logged) if smaller than the largest parameter shard."""
     max_in_cpu: int = 1_000_000_000
     """Shard elements that may stay in host memory when ``device`` is ``nvme``."""
-    pin_memory: bool = False
-    """Pin host buffers (only meaningful with a GPU)."""
+    pin_memory: bool | None = None
+    """Page-lock the host buffers that cross to the GPU (resting compute shards, NVMe read buffers), so their
+    copies are asynchronous. None (the default): pin where there is a GPU. False is honoured (pageable, copies
+    synchronous); True without a GPU is said once in the log."""
 
     def __post_init__(self):
         _require_choice("offload_param.device", self.device, OFFLOAD_DEVICES)
+        _require_optional_bool("offload_param.pin_memory", self.pin_memory)
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_param.device is 'nvme' but offload_param.nvme_path is not set")
         _require_positive("offload_param.buffer_count", self.buffer_count)
@@ -87,7 +90,14 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = None
     buffer_count: int = 4
     """Host buffers for swapping optimizer state; at least 2 (double buffering)."""
-    pin_memory: bool = False
+    pin_memory: bool | None = None
+    """Page-lock the host buffers that cross to the GPU (gradient slices, new compute shards); as for
+    ``offload_param.pin_memory``. Master and moments never cross and are never pinned."""
+    grad_accumulation: Literal["device_if_fits", "device", "host"] = "device_if_fits"
+    """Where gradient slices accumulate over micro-batches when the optimizer is off the device: ``device``
+    (fp32, one copy down per step), ``host`` (each micro-batch's slice copied down and added by a worker off
+    the backward hook), ``device_if_fits`` (the default): on the device when the fp32 accumulator takes at
+    most a quarter of the device memory free at initialize."""
     pipeline_read: bool = True
     """Read sub-group i+1 while sub-group i is updated."""
     pipeline_write: bool = True
@@ -98,6 +108,9 @@ class OffloadOptimizerConfig:
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
         _require_positive("offload_optimizer.buffer_count", self.buffer_count)
+        _require_optional_bool("offload_optimizer.pin_memory", self.pin_memory)
+        _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
+                        ("device_if_fits", "device", "host"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,6 +217,9 @@ class InfinityConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     tiling: TilingConfig = field(default_factory=TilingConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    device: str = "auto"
+    """The compute device (our key ``device``): ``auto`` takes the current CUDA device when there is one (and
+    the collectives can use it: not gloo with several ranks), else the CPU; or ``cpu``, ``cuda``, ``cuda:N``."""
     not_applicable: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but mean nothing here (logged once at initialize)."""
 
@@ -213,6 +229,9 @@ class InfinityConfig:
         _require_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.micro_batch_size is not None:
             _require_positive("train_micro_batch_size_per_gpu", self.micro_batch_size)
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
+                                                    or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"config key device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     @classmethod
     def load(cls, config: "InfinityConfig | dict | str | os.PathLike | None") -> "InfinityConfig":
@@ -299,7 +318,8 @@ _ZERO_ONLY_VALUE = {
     "legacy_stage1": False, "cpu_offload": False, "cpu_offload_params": False, "zeropp_loco_param": None,
 }
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
-_OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write"}
+_OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                           "grad_accumulation"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
@@ -354,6 +374,8 @@ class _DeepSpeedTranslator:
             kwargs["aio"] = AioConfig(**self._fields("aio", raw.pop("aio"), _AIO_HONOURED, set(), {"use_gds": False}))
         if "tiling" in raw:
             kwargs["tiling"] = TilingConfig(**self._fields("tiling", raw.pop("tiling"), {"max_tile_numel": "max_tile_numel"}))
+        if "device" in raw:
+            kwargs["device"] = raw.pop("device")
         if "trace" in raw:
             kwargs["trace"] = TraceConfig(**self._fields("trace", raw.pop("trace"), {"path": "path"}))
         if raw:
@@ -526,6 +548,11 @@ def _require_positive(key: str, value) -> None:
 def _require_non_negative(key: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"config key {key} must be a non-negative number, got {value!r}")
+
+
+def _require_optional_bool(key: str, value) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"config key {key} must be true or false, got {value!r}")
 
 
 def _require_choice(key: str, value, choices) -> None:

@@ -15,6 +15,7 @@ import torch
 from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
+from infinity.copies import Copies
 from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
@@ -22,10 +23,11 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.placement import Placement, distinct_device_requested, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
-from infinity.tiers import TIER_OF_OFFLOAD, Tiers
+from infinity.tiers import Tiers
 from infinity.trace import Timeline
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class Engine:
         self.config = config
         keep_large_blocks_mapped()
         self.comm = Collectives(process_group)
-        self.device = _compute_device()
+        self.device = _compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
         self._check_batch_size()
         if config.not_applicable:
@@ -79,11 +81,18 @@ class Engine:
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
-        self.tiers = Tiers(config, self.device, self.timeline)
+        distinct = self.device.type == "cuda" or distinct_device_requested()
+        self.placement = Placement.decide(
+            config, self.device, distinct=distinct,
+            grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
+        logger.info("%s", self.placement.describe())
+        self.copies = Copies(self.placement)
+        self.tiers = Tiers(config, self.placement, self.timeline)
         self._closed = False
         try:
             self._build(model, named, meta_data)
         except BaseException:
+            self.copies.close()
             self.tiers.close()
             if self._weights is not None:
                 self._weights.close()
@@ -91,20 +100,19 @@ class Engine:
 
     # -- construction ------------------------------------------------------
     def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
-        config, zero, layout = self.config, self.config.zero, self.layout
-        param_tier = TIER_OF_OFFLOAD[zero.offload_param.device]
-        optimizer_tier = TIER_OF_OFFLOAD[zero.offload_optimizer.device]
-        self.compute = ComputeShards(layout, self.dtype, param_tier, self.tiers,
+        config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
+        self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
                                      nvme_path=zero.offload_param.nvme_path, max_in_cpu=zero.offload_param.max_in_cpu)
-        # fp16 gradients are unscaled in place, which needs fp32's range.
-        lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16"
-        grad_dtype = self.dtype if lossless else torch.float32
-        self.optimizer = OffloadOptimizer(layout, config.optimizer, optimizer_tier, self.tiers, self.compute,
-                                          grad_dtype=grad_dtype, nvme_path=zero.offload_optimizer.nvme_path,
+        by_name = {name: p for name, p in named}
+        grad_dtype = self.dtype if placement.grads_lossless else torch.float32
+        self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
+                                   {id(by_name[s.name]): s.index for s in layout.slots},
+                                   grad_dtype=grad_dtype, compute_dtype=self.dtype)
+        self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
+                                          self.copies, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
                                           buffer_count=zero.offload_optimizer.buffer_count, timeline=self.timeline)
-        self._read_pool = self._make_read_pool(param_tier)
-        by_name = {name: p for name, p in named}
+        self._read_pool = self._make_read_pool()
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.params: list[ShardedParam] = []
@@ -112,7 +120,7 @@ class Engine:
         for slot in layout.slots:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
-                                   read_pool=self._read_pool,
+                                   copies=self.copies, read_pool=self._read_pool,
                                    persistent=slot.numel <= zero.param_persistence_threshold)
             self.params.append(sharded)
         for sharded in self.params:
@@ -126,7 +134,8 @@ class Engine:
         self._initializer.materialize_buffers()
         self._cast_buffers(model)
         self.prefetcher = None
-        if any(p.needs_swap_in for p in self.params) and (zero.prefetch_bucket_size or zero.max_reuse_distance):
+        if (any(p.needs_swap_in or p.needs_copy_up for p in self.params)
+                and (zero.prefetch_bucket_size or zero.max_reuse_distance)):
             self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
                                          max_live_numel=zero.max_live_parameters,
                                          max_reuse_distance=zero.max_reuse_distance,
@@ -134,8 +143,6 @@ class Engine:
         self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
-        self.reducer = GradReducer(layout, self.optimizer.grads, self.comm,
-                                   {id(by_name[s.name]): s.index for s in layout.slots})
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
@@ -162,9 +169,9 @@ class Engine:
             return False
         return True
 
-    def _make_read_pool(self, param_tier: str) -> HostBufferPool | None:
-        """Host buffers for NVMe reads of shards bound for a GPU (on the CPU they land in place)."""
-        if param_tier != "nvme" or self.device.type == "cpu":
+    def _make_read_pool(self) -> HostBufferPool | None:
+        """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
+        if self.placement.compute_shard.tier != "nvme" or not self.placement.distinct:
             return None
         p = self.config.zero.offload_param
         elsize = torch.empty((), dtype=self.dtype).element_size()
@@ -174,7 +181,8 @@ class Engine:
             logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
                            buffer_size, largest, largest)
             buffer_size = largest
-        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.tiers.pin, stats=self.tiers.stats["host"])
+        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
+                              stats=self.tiers.stats["host"])
 
     def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
         """Shard every parameter's initial values into its tiers, one module at a time.
@@ -293,7 +301,9 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
-        if self.overlap_step and self._next_micro_batch_is_boundary():
+        boundary = self._next_micro_batch_is_boundary()
+        self.reducer.begin_micro_batch(boundary=boundary)
+        if self.overlap_step and boundary:
             self._begin_overlapped_step()
             self.reducer.on_slot_final = self.optimizer.slot_grad_final
         try:
@@ -368,7 +378,6 @@ class Engine:
 
     def _finish_step(self, skipped: bool) -> None:
         self.reducer.zero()
-        self.optimizer.grads.zero_()
         self.global_step += 1
         self._close_step_metrics(skipped)
 
@@ -437,7 +446,7 @@ class Engine:
 
     # -- metrics -----------------------------------------------------------------
     def _counters(self) -> dict:
-        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes)}
+        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes), "copies": self.copies.snapshot()}
 
     def _close_step_metrics(self, skipped: bool) -> None:
         now = self._counters()
@@ -452,9 +461,11 @@ class Engine:
                 "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
             }
         collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
+        # host<->device traffic: what a GPU run moves over PCIe (zero where device memory is host memory)
+        copies = {name: n - last["copies"][name] for name, n in now["copies"].items()}
         elapsed = time.perf_counter() - self._step_started
         self._metrics["timeline"] = self.timeline.close_step()
-        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives,
+        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
                              compute_s=self._compute_s, step_s=elapsed,
                              fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
                              lr=self.lr, loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
@@ -498,8 +509,8 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self._finish_overlap, self._write_timeline, self.optimizer.close,
-                     self.compute.close, self.tiers.close):
+        for part in (self.hooks.remove, self._finish_overlap, self.copies.close, self._write_timeline,
+                     self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it
@@ -529,10 +540,23 @@ class Engine:
             pass
 
 
-def _compute_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _compute_device(setting: str, comm: Collectives) -> torch.device:
+    """The config's ``device``; ``auto``: the current GPU when there is one and the collectives can use it."""
+    if setting != "auto":
+        device = torch.device(setting)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"config key device is {setting!r} but CUDA is not available here")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if comm.world_size > 1 and comm.backend == "gloo":
+        logger.info("%d ranks over gloo: computing on the CPU (gloo's all-gather and reduce-scatter take CPU "
+                    "tensors); initialize the process group with NCCL to compute on the GPU", comm.world_size)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _cast_floating(tree, dtype: torch.dtype, device: torch.device):

@@ -24,6 +24,13 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
   last ``max_reuse_distance / 2`` elements of the forward), within
   ``max_live_parameters``. With one rank and the compute shard on the device,
   the shard *is* the full tensor: nothing is gathered;
+* with a GPU (``gpu``: device memory apart from host memory) the compute
+  shards in host memory cross up at every fetch, so the prefetcher keeps them
+  gathered as it does NVMe ones; the optimizer's gradients accumulate over
+  micro-batches in an fp32 **device** buffer (the engine's default where it
+  fits) and are fp32 for an optimizer on the device (torch's fused AdamW);
+  new compute shards that cross between memories go through one sub-group of
+  **scratch** in the optimizer's memory (and a host one for NVMe);
 * with params on NVMe and a GPU, host **I/O buffers** (compute bytes) stage the
   reads: the largest shard plus ``prefetch_bucket_size`` elements in flight,
   within the pool's budget of ``buffer_count x buffer_size`` elements (on a
@@ -163,10 +170,13 @@ def estimate(
     tiers[optim_tier]["moments"] += flat_numel * 8
     # gradients stay in compute precision when nothing accumulates in them (one micro-batch a step, no fp16
     # unscaling); else fp32
-    grad_bytes = cbytes if gradient_accumulation_steps == 1 and precision != "fp16" else 4
-    tiers[optim_memory]["gradients"] += flat_numel * grad_bytes
+    lossless = gradient_accumulation_steps == 1 and precision != "fp16" and not (gpu and offload_optimizer == "none")
+    tiers[optim_memory]["gradients"] += flat_numel * (cbytes if lossless else 4)
+    if gpu and offload_optimizer != "none" and gradient_accumulation_steps > 1:
+        tiers["device"]["gradients"] += flat_numel * 4  # the fp32 accumulator; one copy down per step
     swapped_in = offload_param == "nvme" and host_cached < flat_numel  # fetches start with an NVMe read
-    prefetching = swapped_in and (prefetch_bucket_size > 0 or max_reuse_distance > 0)
+    crosses_up = swapped_in or (gpu and offload_param != "none")       # fetches start with a read or a copy
+    prefetching = crosses_up and (prefetch_bucket_size > 0 or max_reuse_distance > 0)
     if not (world_size == 1 and offload_param == "none"):
         padded_largest = math.ceil(largest / world_size) * world_size
         rest = max(0, num_params - persistent_numel)
@@ -188,6 +198,10 @@ def estimate(
         tiers["host"]["optimizer_staging"] += sets * largest_sub_group * (12 + cbytes)
     elif offload_param == "nvme" and host_cached < flat_numel:
         tiers["host"]["optimizer_staging"] += largest_sub_group * cbytes
+    elif gpu and offload_param == "none" and offload_optimizer == "cpu":
+        tiers["host"]["optimizer_staging"] += largest_sub_group * cbytes  # new compute shards, pinned, on their way up
+    if gpu and offload_optimizer == "none" and offload_param != "none":
+        tiers["device"]["optimizer_staging"] += largest_sub_group * cbytes  # new compute shards on their way down
     tiers["device"]["activations"] += int(activation_nbytes)
 
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
@@ -213,6 +227,7 @@ def estimate(
             "gpu": gpu,
         },
         "shard_numel": shard_numel,
+        "largest_sub_group_numel": largest_sub_group,
         "tiers": tiers,
         "totals": totals,
         "accounted": accounted,

@@ -1,6 +1,14 @@
-"""The optimizer over this rank's shards: fp32 master, Adam moments and
-gradient slices in the optimizer's tier, updated one sub-group at a time by the
-fused CPU kernel, which also writes the new compute shards in the same pass.
+"""The optimizer over this rank's shards: fp32 master and Adam moments in the
+optimizer's tier, updated one sub-group at a time where they rest — by the
+fused CPU kernel for host and NVMe states, by the device's Adam for device
+states — which also writes the new compute shards in the same pass. The
+gradient slices belong to the :class:`~infinity.grad_reducer.GradReducer`;
+the optimizer waits for a sub-group's slices to land before updating it.
+
+New compute shards are written in place when they rest in the memory the
+optimizer runs in; otherwise they go through a scratch buffer (pinned host
+memory, or device memory) and cross through :class:`~infinity.copies.Copies`,
+or are written to NVMe.
 
 With the states on NVMe the sub-groups are pipelined through two sets of host
 buffers: sub-group i+1 is read while sub-group i is updated, and sub-group i is
@@ -22,7 +30,10 @@ import torch
 from infinity import kernels
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
+from infinity.copies import CopyDone, Copies
+from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
+from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
@@ -54,41 +65,52 @@ class _Staging:
 
 
 class OffloadOptimizer:
-    def __init__(self, layout: ShardLayout, config: OptimizerConfig, tier: str, tiers: Tiers,
-                 compute: ComputeShards, *, grad_dtype: torch.dtype = torch.float32,
+    def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
+                 compute: ComputeShards, grads: GradReducer, copies: Copies, *,
                  nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None):
         self.layout = layout
         self.config = config
-        self.tier = tier
+        self.tier = placement.master.tier
         self.lr = config.lr
         self.step_count = 0
         self._tiers = tiers
         self._compute = compute
+        self._grads = grads
+        self._copies = copies
         self._timeline = timeline
-        memory_tier = "device" if tier == "device" else "host"
+        self._on_device = placement.optimizer_on_device
+        self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
+        self._write_in_place = placement.compute_shard_in_optimizer_memory
+        # new compute shards that cross between memories are staged in host buffers pinned like the gradients
+        self._scratch_pinned = placement.grads.pinned and not self._write_in_place
+        memory_tier = "device" if self.tier == "device" else "host"
         self._memory_tier = memory_tier
-        # Gradient slices rest in memory next to the optimizer (host when offloaded); fp32 when they
-        # accumulate over micro-batches, else the compute precision they were reduced in (lossless).
-        self.grads = tiers.empty(memory_tier, layout.trainable_numel, grad_dtype)
-        self.grads.zero_()
         self._states: dict[str, torch.Tensor] = {}
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
         self._host_scratch: torch.Tensor | None = None
+        self._device_scratch: torch.Tensor | None = None
+        self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
         self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self._overlap: _OverlappedStep | None = None
-        if tier == "nvme":
+        if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
             for _ in range(max(2, buffer_count) if pipeline else 1):
                 states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
-                self._staging.append(_Staging(states, tiers.empty("host", numel, compute.dtype), []))
+                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
+                self._staging.append(_Staging(states, compute_staging, []))
         else:
             for name in STATE_NAMES:
                 self._states[name] = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
                 self._states[name].zero_()
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient slices this optimizer reads (owned by the reducer)."""
+        return self._grads.slices
 
     # -- initialization ----------------------------------------------------
     def init_master(self, values_by_slot: dict[int, torch.Tensor]) -> None:
@@ -110,7 +132,7 @@ class OffloadOptimizer:
                 self._store.write(f"master.{group.index}", master).wait()
             else:
                 for slot in group.slots:
-                    self._states["master"][slot.offset:slot.end].copy_(values_by_slot[slot.index])
+                    self._write_memory_state("master", slot.offset, values_by_slot[slot.index])
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -120,30 +142,68 @@ class OffloadOptimizer:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
         if grad_coef != 1.0:
-            self.grads.mul_(grad_coef)
+            self._grads.wait_all().mul_(grad_coef)
         if self.tier == "nvme":
             self._step_nvme()
-            return
-        for group in self.layout.sub_groups:
-            self._update_in_memory(group)
+        else:
+            for group in self.layout.sub_groups:
+                self._update_in_memory(group)
+        self.finish_compute_copies()
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
-        """Adam over one sub-group; the new compute shards go straight to their flat buffer when it is
-        resident, else through ``scratch`` to their tier. Returns the writes still in flight."""
+        """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
+        to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
+        tier. Returns the NVMe writes still in flight."""
         cfg = self.config
-        direct = self._compute.sub_group_view(group)
-        if direct is None and scratch is None:
-            # compute shards on NVMe, optimizer states in memory: one scratch buffer, made on first use
-            scratch = self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel,
-                                                             self._compute.dtype)
-        out = direct if direct is not None else scratch[:group.numel]
+        grads = self._grads.wait_sub_group(group)
+        out = self._compute_out(group, scratch)
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
-            kernels.adam_step(states["master"], self.grads[group.start:group.end], states["exp_avg"],
-                              states["exp_avg_sq"], step=self.step_count, lr=self.lr, beta1=cfg.betas[0],
-                              beta2=cfg.betas[1], eps=cfg.eps, weight_decay=cfg.weight_decay, adamw=cfg.adamw,
-                              bias_correction=cfg.bias_correction, param_out=out)
-        if direct is not None:
+            self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], step=self.step_count,
+                       lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                       param_out=out)
+        return self._deliver_compute(group, out)
+
+    def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
+        """Where the kernel writes the sub-group's new compute shards."""
+        if self._write_in_place:
+            return self._compute.sub_group_view(group)
+        numel = self.layout.largest_sub_group_numel
+        if self._on_device:
+            if self._device_scratch is None:
+                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
+            out = self._device_scratch
+        else:
+            if scratch is None:
+                if self._host_scratch is None:  # states in memory: one scratch buffer, made on first use
+                    self._host_scratch = self._tiers.empty("host", numel, self._compute.dtype,
+                                                           pinned=self._scratch_pinned)
+                scratch = self._host_scratch
+            out = scratch
+        self._wait_scratch_free(out)
+        return out[:group.numel]
+
+    def _wait_scratch_free(self, scratch: torch.Tensor) -> None:
+        done = self._scratch_copy.pop(scratch.data_ptr(), None)
+        if done is None:
+            return
+        if self._on_device:
+            self._copies.compute_waits(done)  # the kernel overwrites device scratch the copy stream still reads
+        else:
+            self._copies.host_waits(done)  # the CPU kernel overwrites host scratch the copy stream still reads
+
+    def _deliver_compute(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
+        """Take the new compute shards from ``out`` to their tier."""
+        if self._write_in_place:
             return []
+        if self._compute.tier != "nvme":
+            # across memories: a copy on the copy stream; the scratch is reused only once it has landed
+            flat = self._compute.sub_group_view(group)
+            cross = self._copies.to_host if self._on_device else self._copies.to_device
+            self._scratch_copy[out.data_ptr()] = cross(out, flat)
+            return []
+        if self._on_device:
+            out = self._down_for_nvme(group, out)
         writes = []
         for slot in group.slots:
             start = slot.offset - group.start
@@ -152,11 +212,37 @@ class OffloadOptimizer:
                 writes.append(handle)
         return writes
 
+    def _down_for_nvme(self, group: SubGroup, out_device: torch.Tensor) -> torch.Tensor:
+        """Device states, NVMe compute shards: the new shards come down to host scratch before their writes."""
+        if self._host_scratch is None:
+            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
+                                                   pinned=self._scratch_pinned)
+        host = self._host_scratch[:group.numel]
+        self._copies.host_waits(self._copies.to_host(out_device, host))  # the NVMe writes read it next
+        return host
+
+    def finish_compute_copies(self) -> None:
+        """End of a step: the next forward's gathers wait for the new compute shards' copies up, and host reads
+        (the next step's copies up, checkpoints) for their copies down."""
+        if not self._scratch_copy:
+            return
+        last = self._copies.last()
+        self._scratch_copy.clear()
+        if self._on_device:
+            self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
+        else:
+            self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
+
     def _step_nvme(self) -> None:
         """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done."""
         groups = self.layout.sub_groups
         sets = self._staging
-        reads: dict[int, list[IOHandle]] = {0: self._read_states(groups[0], sets[0])} if groups else {}
+        reads: dict[int, list[IOHandle]] = {}
+        if groups:
+            # The last step's write-behind may still be reading this set (the set of its last sub-groups):
+            # the first read must not land in it before those writes are done.
+            sets[0].wait_writes()
+            reads[0] = self._read_states(groups[0], sets[0])
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -198,12 +284,14 @@ class OffloadOptimizer:
         """Update the sub-groups still waiting (parameters that got no gradient) and wait for all updates;
         returns how many sub-groups were ready before backward ended."""
         overlap, self._overlap = self._overlap, None
-        return overlap.finish()
+        during_backward = overlap.finish()
+        self.finish_compute_copies()
+        return during_backward
 
     def _update_in_memory(self, group: SubGroup) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
         states = {name: t[group.start:group.end] for name, t in self._states.items()}
-        for handle in self._update(group, states, self._host_scratch):
+        for handle in self._update(group, states, None):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -225,7 +313,7 @@ class OffloadOptimizer:
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
         if self.tier != "nvme":
-            out.copy_(self._states[name][group.start:group.end])
+            self._read_memory_state(name, group.start, out)
         elif name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
         else:
@@ -239,9 +327,23 @@ class OffloadOptimizer:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
         if self.tier != "nvme":
-            self._states[name][group.start:group.end].copy_(values)
+            self._write_memory_state(name, group.start, values)
         else:
             self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
+
+    def _read_memory_state(self, name: str, start: int, out_host: torch.Tensor) -> None:
+        source = self._states[name][start:start + out_host.numel()]
+        if self._on_device:
+            self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
+        else:
+            out_host.copy_(source)
+
+    def _write_memory_state(self, name: str, start: int, values_host: torch.Tensor) -> None:
+        target = self._states[name][start:start + values_host.numel()]
+        if self._on_device:
+            self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
+        else:
+            target.copy_(values_host)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
@@ -252,11 +354,12 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        return float(self.grads.double().pow(2).sum()) if self.grads.numel() < 1 << 24 else float(
-            sum(chunk.double().pow(2).sum() for chunk in self.grads.split(1 << 24)))
+        grads = self._grads.wait_all()
+        return float(grads.double().pow(2).sum()) if grads.numel() < 1 << 24 else float(
+            sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
 
     def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self.grads).all())
+        return bool(torch.isfinite(self._grads.wait_all()).all())
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
@@ -276,12 +379,12 @@ class OffloadOptimizer:
         for tensor in self._states.values():
             self._tiers.free(self._memory_tier, tensor)
         self._states.clear()
-        if self.grads is not None:
-            self._tiers.free(self._memory_tier, self.grads)
-            self.grads = None
         if self._host_scratch is not None:
             self._tiers.free("host", self._host_scratch)
             self._host_scratch = None
+        if self._device_scratch is not None:
+            self._tiers.free("device", self._device_scratch)
+            self._device_scratch = None
 
 
 class _OverlappedStep:

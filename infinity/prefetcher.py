@@ -39,6 +39,7 @@ class Prefetcher:
         self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
         self._on_plan = False
         self._issued_upto = 0                 # plan positions below this have had their prefetch considered
+        self._in_flight: list[ShardedParam] = []  # prefetched, not yet fetched: their reads go on to copies up
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
         for p in params:
@@ -83,6 +84,7 @@ class Prefetcher:
         self._last_request[id(param)] = position
         if not self._on_plan:
             return
+        self._advance_in_flight()
         if position >= len(self.plan) or self.plan[position] is not param:
             self._on_plan = False  # off the plan: on demand until the pass ends
             return
@@ -112,14 +114,24 @@ class Prefetcher:
             numel = p.slot.numel
             if ahead_numel + numel > self._bucket_numel and i > position + 1:
                 break
-            if p.state is ParamState.RELEASED and p.needs_swap_in:
+            if p.state is ParamState.RELEASED and (p.needs_swap_in or p.needs_copy_up):
                 if self._live_numel() + p.slot.padded_numel > self._max_live_numel:
                     break
                 if p.prefetch():
                     self.prefetched += 1
+                    self._in_flight.append(p)
             ahead_numel += numel
             i += 1
         self._issued_upto = i
+
+    def _advance_in_flight(self) -> None:
+        """Prefetches whose NVMe reads have landed issue their copies up now, so those overlap compute too."""
+        still = []
+        for p in self._in_flight:
+            if p.state is ParamState.FETCHING:
+                p.advance()
+                still.append(p)
+        self._in_flight = still
 
     def _live_numel(self) -> int:
         # device bytes are all gathered parameters (and resident shards when params stay on the device)

@@ -5,6 +5,12 @@ its ``.data`` is a view of ``full``, a padded flat tensor whose storage is
 resized to zero bytes when the parameter is released and back when it is
 fetched. Autograd's saved views of the parameter share that storage, so they
 see the fetched values again in backward.
+
+Fetching brings this rank's shard up into its own chunk of ``full``, then
+all-gathers in place. The shard comes from device memory (gathered from
+directly), from host memory (a copy up on the copy stream), or from NVMe (a
+read into a pinned buffer, then a copy up). The compute stream waits on the
+copy's event, never the host; a prefetch starts the read or the copy early.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
+from infinity.copies import CopyDone, Copies
 from infinity.layout import ParamSlot
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
@@ -25,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 class ParamState(enum.Enum):
     RELEASED = "released"   # only the shard exists
-    FETCHING = "fetching"   # the full tensor is allocated; its shard's swap-in is in flight (prefetch)
+    FETCHING = "fetching"   # the full tensor is allocated; its shard's swap-in or copy up is in flight (prefetch)
     FETCHED = "fetched"     # the full tensor is in device memory
 
 
@@ -33,18 +40,20 @@ class ShardedParam:
     """A parameter's full tensor, its state, and the verbs that move between states."""
 
     def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, *, shards: ComputeShards, comm: Collectives,
-                 tiers: Tiers, read_pool: HostBufferPool | None, persistent: bool):
+                 tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool):
         self.param = param
         self.slot = slot
         self.name = slot.name
         self._shards = shards
         self._comm = comm
         self._tiers = tiers
+        self._copies = copies
         self._read_pool = read_pool
         self.persistent = persistent
         self.holders = 0
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
-        self._swap_in = None   # (handle, shard view, pool buffer or None) while FETCHING
+        self._swap_in = None   # (handle, shard view, pool buffer or None) while an NVMe read is in flight
+        self._copy_up: CopyDone | None = None  # the shard's copy into its chunk of `full`, once issued
         self.on_fetch = None   # callback(self) at every fetch request (the prefetcher's trace)
         self.retain = None     # callback(self) -> bool: keep the full tensor though no one holds it
         self.on_pool_exhausted = None  # callback() that lands every prefetch in flight (GPU only)
@@ -71,6 +80,11 @@ class ShardedParam:
         """Its shard rests on NVMe, so fetching it starts with a read that can be issued ahead."""
         return self._shards.resident(self.slot) is None
 
+    @property
+    def needs_copy_up(self) -> bool:
+        """Its shard is not in device memory: fetching it crosses (or swaps in), which can be issued ahead."""
+        return self._copies.distinct and not self._shards.resident_in_device_memory(self.slot)
+
     # -- verbs --------------------------------------------------------------
     def fetch(self) -> None:
         """Make the full tensor available; counted once per holder."""
@@ -82,13 +96,9 @@ class ShardedParam:
         before = self.state
         if self.state is ParamState.RELEASED:
             self._allocate()
-            if self.needs_swap_in:
-                self._start_swap_in(block=True)
-        if self._swap_in is not None:
-            self._land()
-            own = self._own_slot()
-        else:
-            own = self._shards.resident(self.slot).to(self.full.device, non_blocking=True)
+        if self.state is not ParamState.FETCHING:  # a prefetch has started this already
+            self._start_up(block=True)
+        own = self._finish_up()
         # every rank reaches this collective in the same program order; prefetches only read locally
         self._comm.all_gather_into(self.full, own)
         self.stale = False
@@ -97,16 +107,22 @@ class ShardedParam:
             logger.debug("%s: %s -> FETCHED", self.name, before.name)
 
     def prefetch(self) -> bool:
-        """Start swapping in the shard of a released parameter whose shard is on NVMe; False if nothing to do."""
-        if self.state is not ParamState.RELEASED or not self.needs_swap_in:
+        """Start bringing up the shard of a released parameter that is not in device memory (an NVMe read, or
+        a copy up from host memory); False if there is nothing to do or no buffer is free."""
+        if self.state is not ParamState.RELEASED or not (self.needs_swap_in or self.needs_copy_up):
             return False
         self._allocate()
-        if not self._start_swap_in(block=False):
+        if not self._start_up(block=False):
             self._deallocate()
             return False
         self.state = ParamState.FETCHING
-        logger.debug("%s: RELEASED -> FETCHING (nvme->host)", self.name)
+        logger.debug("%s: RELEASED -> FETCHING (%s)", self.name, "nvme->host" if self._swap_in else "host->device")
         return True
+
+    def advance(self) -> None:
+        """A prefetch whose NVMe read has landed goes on to its copy up, without waiting for anything."""
+        if self._swap_in is not None and self._swap_in[2] is not None and self._swap_in[0].done():
+            self._land()
 
     def release(self) -> None:
         """Drop one holder; free the full tensor when none is left (persistent parameters stay)."""
@@ -142,28 +158,54 @@ class ShardedParam:
         n = self.slot.shard_numel
         return self.full[self._comm.rank * n:(self._comm.rank + 1) * n]
 
+    def _start_up(self, *, block: bool) -> bool:
+        """Begin bringing the shard up: an NVMe read, or a copy from host memory (nothing when it is in
+        device memory). False if a read buffer is needed, none is free and not ``block``."""
+        if self.needs_swap_in:
+            return self._start_swap_in(block=block)
+        if self.needs_copy_up:
+            self._copy_up = self._copies.to_device(self._shards.resident(self.slot), self._own_slot())
+        return True
+
+    def _finish_up(self) -> torch.Tensor:
+        """The tensor to gather from, once the compute stream may read it."""
+        if self._swap_in is not None:
+            self._land()
+        if self._copy_up is not None:
+            done, self._copy_up = self._copy_up, None
+            # the gather reads the chunk the copy stream writes
+            self._copies.compute_waits(done)
+            return self._own_slot()
+        if self.needs_swap_in:
+            return self._own_slot()  # read in place (one memory)
+        return self._shards.resident(self.slot)
+
     def _start_swap_in(self, *, block: bool) -> bool:
         """Issue the NVMe read of the shard: into its own chunk of the full tensor when that is in host
         memory, else into a host buffer copied up on landing (False if no buffer is free and not ``block``)."""
-        if self.full.device.type == "cpu":
+        if not self._copies.distinct:
             target, buffer = self._own_slot(), None
         else:
             nbytes = self.slot.shard_numel * self.full.element_size()
+            self._copies.poll()  # buffers whose copies up have landed go back to the pool
             try:
                 buffer = self._read_pool.acquire(nbytes, timeout=0)
             except MemoryError:
                 if not block:
                     return False  # a prefetch never waits for a buffer
-                # Buffers held by prefetched shards are given back when those land: land them, then wait.
+                # Buffers held by prefetched shards are given back once their copies up have landed:
+                # issue those copies, wait for them, then take a buffer.
                 if self.on_pool_exhausted is not None:
                     self.on_pool_exhausted()
+                self._copies.drain()
                 buffer = self._read_pool.acquire(nbytes)
             target = buffer[:nbytes].view(self.full.dtype)
         self._swap_in = (self._shards.read(self.slot, target), target, buffer)
         return True
 
     def land_prefetch(self) -> None:
-        """Complete a prefetch's read now (its host buffer is freed); the gather still waits for fetch()."""
+        """Complete a prefetch's read now and issue its copy up (its host buffer is freed once the copy has
+        landed); the gather still waits for fetch()."""
         if self._swap_in is not None and self._swap_in[2] is not None:
             self._land()
 
@@ -173,17 +215,24 @@ class ShardedParam:
         self._swap_in = None
         try:
             handle.wait()
-            if buffer is not None:
-                self._own_slot().copy_(target, non_blocking=False)
-        finally:
+        except BaseException:
             if buffer is not None:
                 self._read_pool.release(buffer)
+            raise
+        if buffer is not None:
+            self._copy_up = self._copies.to_device(target, self._own_slot())
+            # the buffer is read by the copy stream until then
+            self._copies.release_after(self._copy_up, lambda: self._read_pool.release(buffer))
 
     def _free(self) -> None:
         if self.aliased or self.state is ParamState.RELEASED:
             return
         if self._swap_in is not None:  # a prefetch nobody used: let the read land before freeing its target
             self._land()
+        if self._copy_up is not None:
+            # a copy up nobody used: the compute stream frees the chunk only after the copy has written it
+            self._copies.compute_waits(self._copy_up)
+            self._copy_up = None
         self._deallocate()
         logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
         self.state = ParamState.RELEASED

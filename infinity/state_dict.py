@@ -6,7 +6,7 @@ import torch
 
 
 def gather_full_state_dict(engine) -> dict[str, torch.Tensor]:
-    """fp32 masters (trainable) or compute shards (frozen), gathered over ranks, trimmed and reshaped.
+    """fp32 masters (trainable) or compute shards (frozen), gathered over ranks, trimmed and reshaped; host tensors.
 
     Every name a parameter is registered under (tied parameters have several)
     gets an entry, and buffers are included, so ``load_state_dict`` of the
@@ -28,11 +28,7 @@ def gather_full_state_dict(engine) -> dict[str, torch.Tensor]:
             shard = masters[slot.index]
         else:
             shard = torch.empty(slot.shard_numel, dtype=engine.dtype)
-            resident = engine.compute.resident(slot)
-            if resident is not None:
-                shard.copy_(resident)
-            else:
-                engine.compute.read(slot, shard).wait()
+            engine.compute.read_to_host(slot, shard)
             shard = shard.float()
         full = torch.empty(slot.padded_numel, dtype=torch.float32)
         comm.all_gather_into(full, shard)
@@ -45,7 +41,8 @@ def gather_full_state_dict(engine) -> dict[str, torch.Tensor]:
             if buf is None or local in module._non_persistent_buffers_set:
                 continue  # like state_dict(): non-persistent buffers are not part of the state
             name = f"{module_name}.{local}" if module_name else local
-            out[name] = buf.detach().float().clone() if buf.is_floating_point() else buf.detach().clone()
+            value = buf.detach().cpu()  # a state dict is host tensors, wherever the engine computes
+            out[name] = value.float().clone() if value.is_floating_point() else value.clone()
     plan = getattr(engine, "tiling_plan", None)
     if plan is not None and not plan.is_empty:
         out = plan.untile_state_dict(out)

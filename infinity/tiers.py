@@ -3,7 +3,8 @@ memory, and one swap store per NVMe directory.
 
 On a machine without a GPU the device is the CPU; device bytes are still
 counted apart from host bytes, so a budget for each means the same thing on
-every machine.
+every machine. In the test mode (``INFINITY_DISTINCT_DEVICE=1``) device
+allocations are ordinary tensors apart from the host tier's aligned buffers.
 """
 
 from __future__ import annotations
@@ -14,34 +15,35 @@ import os
 import torch
 
 from infinity.config import InfinityConfig
+from infinity.placement import Placement
 from infinity.storage import AsyncIO, SwapStore, TierStats, aligned_empty
 
 logger = logging.getLogger(__name__)
-
-TIER_OF_OFFLOAD = {"none": "device", "cpu": "host", "nvme": "nvme"}
 
 
 class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
-    def __init__(self, config: InfinityConfig, device: torch.device, timeline=None):
-        self.device = device
+    def __init__(self, config: InfinityConfig, placement: Placement, timeline=None):
+        self.placement = placement
+        self.device = placement.device
         self._timeline = timeline
-        self.pin = device.type == "cuda"
         self.stats = {"device": TierStats("device"), "host": TierStats("host")}
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
         self._aio = config.aio
 
     # -- memory ---------------------------------------------------------------
-    def empty(self, tier: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`."""
+    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+        """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`.
+
+        ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for)."""
         nbytes = numel * _itemsize(dtype)
         self.stats[tier].allocate(nbytes)
-        if tier == "device" and self.device.type != "cpu":
+        if tier == "device" and self.placement.distinct:
             return torch.empty(numel, dtype=dtype, device=self.device)
         # Host tensors are aligned so that they can go to NVMe without a bounce.
-        return aligned_empty(numel, dtype, pin=self.pin and tier == "host")
+        return aligned_empty(numel, dtype, pin=pinned and tier == "host")
 
     def free(self, tier: str, tensor: torch.Tensor) -> None:
         self.stats[tier].free(tensor.numel() * tensor.element_size())

@@ -9,6 +9,8 @@ low-precision parameter copy written in the same pass.
               weight_decay, adamw=True, bias_correction=True, param_out=None)
     adam_step_reference(...)   same signature; always the torch implementation
     backend()                  "cpp" or "torch": what adam_step uses
+    adam_step_on_device(...)   same signature, states in device memory: adam_step
+                               on the CPU, torch's fused AdamW on a GPU
 
 The C++ kernel (``csrc/adam.cpp``) is built on first use and cached per machine
 (``extension.py``). ``reference.py`` is the same computation in torch ops,
@@ -17,5 +19,6 @@ agree bit for bit. This package imports only torch and the standard library.
 """
 
 from .adam import BACKEND_ENV, adam_step, adam_step_reference, backend
+from .device_adam import adam_step_on_device
 
-__all__ = ["BACKEND_ENV", "adam_step", "adam_step_reference", "backend"]
+__all__ = ["BACKEND_ENV", "adam_step", "adam_step_on_device", "adam_step_reference", "backend"]

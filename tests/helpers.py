@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import socket
 import tempfile
+import threading
+import time
 
 import torch
 import torch.nn as nn
@@ -186,3 +189,70 @@ def run_ranks(fn, *args, world_size: int = 2):
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_rank_entry, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size, join=True)
         return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# -- storage whose completions are late -----------------------------------------------
+
+class _SlowHandle:
+    """Completes only when waited on, after a random delay: until then the bytes are not there."""
+
+    def __init__(self, action):
+        self._action = action
+        self._lock = threading.Lock()
+        self._done = False
+
+    def wait(self, timeout=None):
+        with self._lock:
+            if not self._done:
+                time.sleep(random.uniform(0, 0.002))
+                self._action()
+                self._done = True
+
+    def done(self):
+        return self._done
+
+
+class DelayedStore:
+    """A swap store whose reads and writes happen only at wait(): a missing wait shows as wrong numbers."""
+
+    def __init__(self, real):
+        self._real = real
+        self._pending: dict[str, list[_SlowHandle]] = {}
+        self.stats = real.stats
+
+    def write(self, key, tensor, **kwargs):
+        snapshot_at_wait = tensor  # the engine must keep the buffer unchanged until wait()
+        handle = _SlowHandle(lambda: self._real.write(key, snapshot_at_wait, **kwargs).wait())
+        self._pending.setdefault(key, []).append(handle)
+        return handle
+
+    def read(self, key, out, **kwargs):
+        earlier = list(self._pending.get(key, ()))  # the store orders operations on one key
+
+        def action():
+            for h in earlier:
+                h.wait()
+            self._real.read(key, out, **kwargs).wait()
+        return _SlowHandle(action)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def delay_storage(monkeypatch) -> None:
+    """Every swap store the engine opens from now on completes its requests late (see :class:`DelayedStore`)."""
+    import infinity.tiers
+
+    original = infinity.tiers.Tiers.swap_store
+
+    def delayed(self, nvme_path):
+        store = original(self, nvme_path)
+        if not isinstance(store, DelayedStore):
+            wrapped = DelayedStore(store)
+            for key, value in self._stores.items():
+                if value is store:
+                    self._stores[key] = wrapped
+            return wrapped
+        return store
+
+    monkeypatch.setattr(infinity.tiers.Tiers, "swap_store", delayed)

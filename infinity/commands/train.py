@@ -472,6 +472,7 @@ def estimate_for(plan: Plan, model) -> dict:
 
     from infinity.config import InfinityConfig
     from infinity.estimate import estimate, gpt_activation_nbytes
+    from infinity.placement import distinct_device_requested
     from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
     cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
@@ -504,7 +505,7 @@ def estimate_for(plan: Plan, model) -> dict:
         pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
         optimizer_buffer_count=zero.offload_optimizer.buffer_count,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        gpu=torch.cuda.is_available(),
+        gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart from host memory
         activation_nbytes=activations,
     )
 

@@ -84,8 +84,9 @@ def _communication(rank, world_size):
     batches = [(torch.randn(4, 16),) for _ in range(2)]
     result = {}
     for precision in ("fp32", "bf16"):
+        # nothing kept gathered for reuse: every parameter is gathered for its forward and again for its backward
         config = engine_config(param="cpu", optimizer="cpu", nvme_path=None, accum=1, clip=0.0, lr=1e-3,
-                               precision=precision)
+                               precision=precision, stage3_max_reuse_distance=0)
         engine = infinity.initialize(copy.deepcopy(model), config)
         for (x,) in batches:
             loss = engine(*rank_slice((x,), rank, world_size)).float().pow(2).mean()

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import copy
-import random
-import threading
-import time
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import infinity
-import infinity.tiers
-from helpers import TinyGPT, engine_config, engine_train, gpt_batches, reference_train
+from helpers import TinyGPT, delay_storage, engine_config, engine_train, gpt_batches, reference_train
 
 
 def _train(model, batches, tmp_path, *, overlap: bool, param="nvme", optimizer="nvme", accum=2, steps=4):
@@ -84,69 +79,11 @@ def test_changing_fetch_order_trains_correctly(tmp_path):
     assert changes >= 2 and prefetched > 0
 
 
-class _SlowHandle:
-    """Completes only when waited on, after a random delay: until then the bytes are not there."""
-
-    def __init__(self, action):
-        self._action = action
-        self._lock = threading.Lock()
-        self._done = False
-
-    def wait(self, timeout=None):
-        with self._lock:
-            if not self._done:
-                time.sleep(random.uniform(0, 0.002))
-                self._action()
-                self._done = True
-
-    def done(self):
-        return self._done
-
-
-class DelayedStore:
-    """A swap store whose reads and writes happen only at wait(): a missing wait shows as wrong numbers."""
-
-    def __init__(self, real):
-        self._real = real
-        self._pending: dict[str, list[_SlowHandle]] = {}
-        self.stats = real.stats
-
-    def write(self, key, tensor, **kwargs):
-        snapshot_at_wait = tensor  # the engine must keep the buffer unchanged until wait()
-        handle = _SlowHandle(lambda: self._real.write(key, snapshot_at_wait, **kwargs).wait())
-        self._pending.setdefault(key, []).append(handle)
-        return handle
-
-    def read(self, key, out, **kwargs):
-        earlier = list(self._pending.get(key, ()))  # the store orders operations on one key
-
-        def action():
-            for h in earlier:
-                h.wait()
-            self._real.read(key, out, **kwargs).wait()
-        return _SlowHandle(action)
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def test_delayed_completions_give_the_same_results(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model, batches = TinyGPT(), gpt_batches(6, batch=4)
     real_losses, real_state, _ = _train(model, batches, tmp_path, overlap=True, steps=3)
-    original = infinity.tiers.Tiers.swap_store
-
-    def delayed(self, nvme_path):
-        store = original(self, nvme_path)
-        if not isinstance(store, DelayedStore):
-            wrapped = DelayedStore(store)
-            for key, value in self._stores.items():
-                if value is store:
-                    self._stores[key] = wrapped
-            return wrapped
-        return store
-
-    monkeypatch.setattr(infinity.tiers.Tiers, "swap_store", delayed)
+    delay_storage(monkeypatch)
     slow_losses, slow_state, _ = _train(model, batches, tmp_path, overlap=True, steps=3)
     assert slow_losses == real_losses
     for key in real_state:

@@ -61,7 +61,11 @@ def test_seven_billion_on_eight_ranks_by_hand():
     two = estimate(7e9, world_size=8, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0,
                    sub_group_size=1e8, optimizer_buffer_count=2)
     assert two["tiers"]["host"]["optimizer_staging"] == 2 * 10**8 * (12 + 2)
-    assert t["device"]["master"] == t["device"]["moments"] == t["device"]["gradients"] == 0
+    assert t["device"]["master"] == t["device"]["moments"] == 0
+    # on a GPU, micro-batches accumulate in an fp32 device buffer that crosses to the host once a step
+    assert t["device"]["gradients"] == 4 * shard
+    assert estimate(7e9, world_size=8, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0,
+                    gradient_accumulation_steps=4, gpu=False)["tiers"]["device"]["gradients"] == 0
 
 
 def test_fp32_without_offload_on_one_rank_is_twenty_bytes_a_parameter():
@@ -73,8 +77,9 @@ def test_fp32_without_offload_on_one_rank_is_twenty_bytes_a_parameter():
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_offloading_moves_bytes_from_the_device_down(world_size):
     numels = param_numels(PRESETS["10m"])
+    # no parameter kept gathered for reuse: on a GPU the prefetcher would keep host-resident ones too
     est = {(p, o): estimate(param_numels=numels, world_size=world_size, offload_param=p, offload_optimizer=o,
-                            max_in_cpu=0)
+                            max_in_cpu=0, max_reuse_distance=0, prefetch_bucket_size=0)
            for p, o in product(OFFLOAD_CHOICES, OFFLOAD_CHOICES)}
     for p in OFFLOAD_CHOICES:  # the optimizer: none -> cpu -> nvme
         none, cpu, nvme = (est[p, o]["totals"] for o in OFFLOAD_CHOICES)
@@ -82,7 +87,10 @@ def test_offloading_moves_bytes_from_the_device_down(world_size):
         assert nvme["device"] == cpu["device"] and nvme["nvme"] > cpu["nvme"]
     for o in OFFLOAD_CHOICES:  # the parameters: none -> cpu -> nvme
         none, cpu, nvme = (est[p, o]["totals"] for p in OFFLOAD_CHOICES)
-        assert cpu["device"] <= none["device"]
+        # an optimizer on the device sends new compute shards down through one sub-group of device scratch
+        scratch = est["cpu", o]["tiers"]["device"]["optimizer_staging"]
+        assert scratch == (est["cpu", o]["largest_sub_group_numel"] * 2 if o == "none" else 0)
+        assert cpu["device"] - scratch <= none["device"]
         assert nvme["nvme"] > cpu["nvme"]
     # the resting states are the same bytes wherever they rest
     kinds = ("compute_shard", "master", "moments")
@@ -173,6 +181,9 @@ def test_parameters_reused_within_max_reuse_distance_stay_gathered():
               prefetch_bucket_size=0, precision="bf16")
     assert estimate(**kw, max_reuse_distance=20_000)["tiers"]["device"]["gathered_params"] == (1000 + 10_000) * 2
     assert estimate(**kw, max_reuse_distance=0)["tiers"]["device"]["gathered_params"] == 1000 * 2
-    # parameters that rest in memory are gathered on demand only: no prefetcher
-    assert estimate(**{**kw, "offload_param": "cpu"}, max_reuse_distance=20_000)["tiers"]["device"][
+    # parameters that rest in host memory: with one memory they are gathered on demand only (no prefetcher);
+    # with a GPU they cross up at every fetch, so the prefetcher keeps them as it keeps NVMe ones
+    assert estimate(**{**kw, "offload_param": "cpu"}, max_reuse_distance=20_000, gpu=False)["tiers"]["device"][
         "gathered_params"] == 1000 * 2
+    assert estimate(**{**kw, "offload_param": "cpu"}, max_reuse_distance=20_000, gpu=True)["tiers"]["device"][
+        "gathered_params"] == (1000 + 10_000) * 2

@@ -1,0 +1,245 @@
+"""The GPU path against plain PyTorch on the same GPU, in the same run.
+
+Plain PyTorch is the model on the GPU under bf16 autocast with torch's fused
+AdamW (no ZeRO, no offload). Ours is the engine in bf16 with parameters and
+optimizer in one tier (``none``, ``cpu`` or ``nvme``), with gradient
+accumulation 1 and 4. The two train side by side: each round takes one step
+of the reference, then one of ours, so the machine's noise hits both alike;
+the figure is the median of the per-round ratios of step times.
+
+For ``nvme`` the reference that matters is the disk: the bound is the bytes
+one step moves to and from NVMe (from ``step_metrics()``) over the bandwidth
+``infinity bench`` measures on the same path, reported as ``io_ratio``.
+
+    python benchmarks/bench_gpu.py                              # 124M and 1.3B, every case
+    python benchmarks/bench_gpu.py --models 124m --cases none:4,cpu:1
+    python benchmarks/bench_gpu.py --allow-cpu --models tiny    # the script itself, without a GPU
+
+Without CUDA (and without --allow-cpu) it says so and exits 0. The last line
+printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the CLI: large host blocks 2 MiB-aligned
+
+import torch  # noqa: E402
+
+import infinity  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
+
+MODELS = {
+    # GPT-2 small and GPT-3 XL shapes with GPT-2's vocabulary (padded to 50304), tied head
+    "124m": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304, tie_embeddings=True),
+    "1.3b": GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=1024, vocab_size=50304, tie_embeddings=True),
+    "tiny": GPTConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, vocab_size=256, tie_embeddings=True),
+}
+DEFAULT_CASES = "none:1,none:4,cpu:1,cpu:4,nvme:1"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="124m,1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated TIER:ACCUMULATION (tier none, cpu, nvme)")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: one step of each)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--nvme-path", default=None, help="swap directory for the nvme case (default: a temporary one)")
+    p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (device memory kept distinct)")
+    p.add_argument("--out", default=None, help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+def parse_cases(text: str) -> list[tuple[str, int]]:
+    cases = []
+    for item in text.split(","):
+        tier, _, accum = item.strip().partition(":")
+        if tier not in ("none", "cpu", "nvme") or not accum.isdigit() or int(accum) < 1:
+            raise SystemExit(f"--cases: {item!r} is not TIER:ACCUMULATION (tier none, cpu or nvme)")
+        cases.append((tier, int(accum)))
+    return cases
+
+
+def engine_config(tier: str, accum: int, nvme_path: str) -> dict:
+    offload = {"device": tier}
+    param = dict(offload, **({"nvme_path": nvme_path, "max_in_cpu": 0} if tier == "nvme" else {}))
+    optimizer = dict(offload, **({"nvme_path": nvme_path} if tier == "nvme" else {}))
+    return {
+        "gradient_accumulation_steps": accum,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": param, "offload_optimizer": optimizer,
+                              "stage3_param_persistence_threshold": 100_000},
+    }
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a step's time includes the GPU work it queued
+
+
+class Reference:
+    """Plain PyTorch on the device: bf16 autocast, fused AdamW, the same accumulation."""
+
+    def __init__(self, cfg: GPTConfig, device: torch.device):
+        torch.manual_seed(0)
+        self.model = GPT(cfg).to(device)
+        fused = device.type == "cuda"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
+        self.device = device
+
+    def step(self, batches) -> float:
+        for idx, targets in batches:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.model(idx, targets)
+            (loss / len(batches)).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def close(self) -> None:
+        del self.model, self.opt
+
+
+class Ours:
+    def __init__(self, cfg: GPTConfig, tier: str, accum: int, nvme_path: str):
+        with infinity.Init():
+            model = GPT(cfg)
+        self.engine = infinity.initialize(model, engine_config(tier, accum, nvme_path))
+
+    def step(self, batches) -> float:
+        for idx, targets in batches:
+            loss = self.engine(idx, targets)
+            self.engine.backward(loss)
+            self.engine.step()
+        return float(loss.detach())
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def batches_for(cfg: GPTConfig, args, accum: int, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    seq = min(args.seq, cfg.seq_len)
+    out = []
+    for _ in range(accum):
+        idx = torch.randint(0, cfg.vocab_size, (args.micro_batch, seq + 1), generator=g)
+        out.append((idx[:, :-1].to(device), idx[:, 1:].to(device)))
+    return out
+
+
+def timed(device, fn, *a) -> tuple[float, float]:
+    synchronize(device)
+    start = time.perf_counter()
+    loss = fn(*a)
+    synchronize(device)
+    return time.perf_counter() - start, loss
+
+
+def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
+    reference = Reference(cfg, device)
+    ours = Ours(cfg, tier, accum, nvme_path)
+    ratios, ref_times, our_times, nvme_bytes = [], [], [], []
+    try:
+        for round_ in range(args.warmup + args.rounds):
+            batches = batches_for(cfg, args, accum, device, seed=round_)
+            ref_s, _ = timed(device, reference.step, batches)
+            our_s, loss = timed(device, ours.step, batches)
+            if round_ < args.warmup:
+                continue
+            ratios.append(our_s / ref_s)
+            ref_times.append(ref_s)
+            our_times.append(our_s)
+            tiers = ours.engine.step_metrics()["tiers"]
+            nvme_bytes.append(tiers["nvme"]["bytes_read"] + tiers["nvme"]["bytes_written"])
+        metrics = ours.engine.step_metrics()
+    finally:
+        ours.close()
+        reference.close()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row = {"model": name, "params": count_params(cfg), "tier": tier, "accumulation": accum,
+           "reference_step_s": statistics.median(ref_times), "step_s": statistics.median(our_times),
+           "ratio": statistics.median(ratios), "loss": loss, "copies": metrics.get("copies", {}),
+           "placement": ours.engine.placement.describe()}
+    if tier == "nvme" and disk:
+        moved = statistics.median(nvme_bytes)
+        io_floor_s = moved / disk["bytes_per_s"]
+        row.update(nvme_bytes_per_step=moved, io_floor_s=io_floor_s, io_ratio=row["step_s"] / io_floor_s)
+    return row
+
+
+def measure_disk(path: str) -> dict | None:
+    from infinity.storage.bench import measure_nvme
+    try:
+        results = [measure_nvme(path, nbytes=1 << 30, block_size=1 << 20, queue_depth=32) for _ in range(3)]
+    except OSError as err:  # the nvme case still runs; only its disk bound is missing
+        print(f"could not measure the disk at {path}: {err}", file=sys.stderr)
+        return None
+    read = statistics.median(r.nbytes / r.read_s for r in results)
+    write = statistics.median(r.nbytes / r.write_s for r in results)
+    # a step reads and writes about the same bytes: the harmonic mean is the rate of moving them
+    return {"read_bytes_per_s": read, "write_bytes_per_s": write, "bytes_per_s": 2 / (1 / read + 1 / write)}
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("bench_gpu: CUDA is not available here; nothing to measure (use --allow-cpu to run the script "
+              "on the CPU with device memory kept distinct)")
+        return 0
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        os.environ["INFINITY_DISTINCT_DEVICE"] = "1"
+        device = torch.device("cpu")
+    cases = parse_cases(args.cases)
+    names = [n.strip() for n in args.models.split(",")]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    rows = []
+    with contextlib.ExitStack() as stack:
+        nvme_path = args.nvme_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-"))
+        disk = measure_disk(nvme_path) if any(t == "nvme" for t, _ in cases) else None
+        print(f"machine: {machine(device)}; micro-batch {args.micro_batch} x seq {args.seq}, bf16, "
+              f"{args.rounds} rounds after {args.warmup} warm-up")
+        print(f"{'model':>6} {'tier':>5} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7}  host<->device MB/step")
+        for name in names:
+            for tier, accum in cases:
+                row = run_case(MODELS[name], name, tier, accum, args, device, nvme_path, disk)
+                rows.append(row)
+                moved = sum(row["copies"].values()) / 1e6
+                extra = f"   io {row['io_ratio']:.2f}x disk bound" if "io_ratio" in row else ""
+                print(f"{name:>6} {tier:>5} {accum:>3} {row['reference_step_s']:9.3f} {row['step_s']:9.3f} "
+                      f"{row['ratio']:6.2f}x  {moved:10.1f}{extra}", flush=True)
+    summary = {"machine": machine(device), "disk": disk, "rows": rows}
+    line = json.dumps(summary)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The GPU path without a GPU: with INFINITY_DISTINCT_DEVICE=1 device memory is a
+distinct set of buffers, every crossing runs on the copy worker — late on purpose
+here, so a missing wait shows up as a wrong value — and the engine still trains
+exactly like plain PyTorch AdamW, over every tier combination, with and without
+gradient accumulation, by every gradient route. Crossing bytes are what a GPU
+run would move."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import infinity
+from helpers import TinyGPT, engine_config, gpt_batches, reference_train
+from infinity.placement import DISTINCT_DEVICE_ENV, GradRoute
+
+STEPS, LR, CLIP = 6, 3e-3, 1.0
+TIERS = ("none", "cpu", "nvme")
+COPY_DELAY_S = 0.0005  # every copy lands late: values read without a wait would be stale
+
+
+@pytest.fixture(autouse=True)
+def distinct_device(monkeypatch):
+    monkeypatch.setenv(DISTINCT_DEVICE_ENV, "1")
+
+
+def _train(model, config, batches, *, accum, delay_s=COPY_DELAY_S):
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    engine.copies.delay_s = delay_s
+    losses, metrics = [], []
+    it = iter(batches)
+    try:
+        for _ in range(STEPS):
+            for _ in range(accum):
+                loss = engine(*next(it))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            metrics.append(engine.step_metrics())
+        return losses, engine.full_state_dict(), metrics, engine.placement
+    finally:
+        engine.close()
+
+
+def _assert_matches(result, reference, where):
+    losses, state = result[:2]
+    ref_losses, ref_state = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{where}: losses differ: {m}")
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(state[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    return model, {accum: gpt_batches(STEPS * accum, batch=4) for accum in (1, 4)}
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_every_tier_combination_trains_like_plain_pytorch(gpt, tmp_path, accum):
+    model, batches = gpt
+    reference = reference_train(model, batches[accum], steps=STEPS, accum=accum, clip=CLIP, lr=LR)
+    for param, optimizer in itertools.product(TIERS, TIERS):
+        config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=CLIP,
+                               lr=LR)
+        result = _train(model, config, batches[accum], accum=accum)
+        _assert_matches(result, reference, f"params={param} optimizer={optimizer} accumulation={accum}")
+
+
+@pytest.mark.parametrize("route", ["device", "host"])
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_both_accumulation_routes_train_like_plain_pytorch(gpt, tmp_path, route, optimizer):
+    model, batches = gpt
+    reference = reference_train(model, batches[4], steps=STEPS, accum=4, clip=CLIP, lr=LR)
+    config = engine_config(param="cpu", optimizer=optimizer, nvme_path=str(tmp_path), accum=4, clip=CLIP, lr=LR)
+    config["zero_optimization"]["offload_optimizer"]["grad_accumulation"] = route
+    result = _train(model, config, batches[4], accum=4)
+    expected = GradRoute.DEVICE_THEN_HOST if route == "device" else GradRoute.HOST_RING
+    assert result[3].grad_route is expected
+    _assert_matches(result, reference, f"route={route} optimizer={optimizer}")
+
+
+def test_overlapped_step_without_clipping_matches_the_step_after_backward(gpt, tmp_path):
+    """The optimizer's worker updates sub-groups while backward runs; each waits for its own slices' crossing."""
+    model, batches = gpt
+    results = {}
+    for overlap in (True, False):
+        config = engine_config(param="none", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=LR,
+                               overlap_step_with_backward=overlap)
+        results[overlap] = _train(model, config, batches[1], accum=1)
+    assert any(m["sub_groups_during_backward"] for m in results[True][2])
+    assert results[True][0] == results[False][0]
+    for key, value in results[True][1].items():
+        assert torch.equal(value, results[False][1][key]), key
+
+
+class _MLP(nn.Module):
+    """Four Linears, no tying, no buffers: each parameter is fetched once in forward and once in backward."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(x, y)
+
+
+def _mlp_batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)) for _ in range(n)]
+
+
+def _crossings(param, optimizer, accum, tmp_path, route=None):
+    torch.manual_seed(0)
+    config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=0.0, lr=LR,
+                           max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    if route is not None:
+        config["zero_optimization"]["offload_optimizer"]["grad_accumulation"] = route
+    model = _MLP()
+    _, _, metrics, _ = _train(model, config, _mlp_batches(STEPS * accum), accum=accum, delay_s=0.0)
+    shard_nbytes = sum(p.numel() * 4 for p in model.parameters())  # fp32, one rank: the shard is the parameter
+    return metrics[-1]["copies"], shard_nbytes
+
+
+def test_nothing_crosses_when_everything_is_on_the_device(tmp_path):
+    copies, _ = _crossings("none", "none", 4, tmp_path)
+    assert copies == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
+
+
+def test_zero_offload_moves_gradients_down_and_new_parameters_up_once_a_step(tmp_path):
+    copies, shard_nbytes = _crossings("none", "cpu", 1, tmp_path)
+    assert copies["device_to_host_nbytes"] == shard_nbytes  # each gradient slice, once
+    # new compute shards go up per sub-group (shards padded to the 4 KiB I/O alignment inside a sub-group)
+    assert shard_nbytes <= copies["host_to_device_nbytes"] < shard_nbytes + 4 * 2048 * 4
+
+
+def test_device_accumulation_crosses_once_per_step_however_many_micro_batches(tmp_path):
+    on_device, shard_nbytes = _crossings("none", "cpu", 4, tmp_path, route="device")
+    through_host, _ = _crossings("none", "cpu", 4, tmp_path, route="host")
+    assert on_device["device_to_host_nbytes"] == shard_nbytes        # fp32 accumulator, once a step
+    assert through_host["device_to_host_nbytes"] == 4 * shard_nbytes  # every micro-batch's slice
+
+
+def test_host_resident_parameters_cross_up_at_every_fetch(tmp_path):
+    copies, shard_nbytes = _crossings("cpu", "cpu", 1, tmp_path)
+    assert copies["host_to_device_nbytes"] == 2 * shard_nbytes  # forward and backward fetch each parameter
+    assert copies["device_to_host_nbytes"] == shard_nbytes       # gradients; new shards are written in place
+
+
+def test_the_cpu_kernel_is_never_handed_device_memory(gpt, tmp_path, monkeypatch):
+    """The failure the H100 showed: with states on the host, every tensor the fused CPU kernel sees is host memory."""
+    model, batches = gpt
+    config = engine_config(param="none", optimizer="cpu", nvme_path=str(tmp_path), accum=4, clip=CLIP, lr=LR)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    device_ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                     for t in (engine.compute._flat, engine.reducer._device_acc)]
+    seen = []
+    kernel = engine.optimizer._adam
+
+    def checked(*tensors, **kwargs):
+        for t in (*tensors, kwargs["param_out"]):
+            seen.append(t)
+            assert not any(lo <= t.data_ptr() < hi for lo, hi in device_ranges), "device memory handed to the CPU kernel"
+        kernel(*tensors, **kwargs)
+
+    engine.optimizer._adam = checked
+    try:
+        it = iter(batches[4])
+        for _ in range(2 * 4):
+            engine.backward(engine(*next(it)))
+            engine.step()
+    finally:
+        engine.close()
+    assert seen
