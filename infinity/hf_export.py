@@ -217,11 +217,7 @@ class _SlotGatherer:
             shard = self._masters[start:start + slot.shard_numel]
         else:
             shard = torch.empty(slot.shard_numel, dtype=engine.dtype)
-            resident = engine.compute.resident(slot)
-            if resident is not None:
-                shard.copy_(resident)
-            else:
-                engine.compute.read(slot, shard).wait()
+            engine.compute.read_to_host(slot, shard)
             shard = shard.float()
         full = torch.empty(slot.padded_numel, dtype=torch.float32)
         engine.comm.all_gather_into(full, shard.contiguous())

@@ -85,7 +85,11 @@ def hf_names(state: dict) -> dict:
     return {k.removeprefix("inner."): v for k, v in state.items()}
 
 
-def test_round_trip_llama_on_nvme(llama_dir, tmp_path):
+@pytest.mark.parametrize("distinct_device", [False, True], ids=["cpu", "distinct-device"])
+def test_round_trip_llama_on_nvme(llama_dir, tmp_path, monkeypatch, distinct_device):
+    """With distinct_device, host and device memory are kept apart as on a GPU (the crossings run)."""
+    from infinity.placement import DISTINCT_DEVICE_ENV
+    monkeypatch.setenv(DISTINCT_DEVICE_ENV, "1" if distinct_device else "0")
     reference = _HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(llama_dir))
     ref_losses, ref_model = plain_adamw(reference, 20)
 
