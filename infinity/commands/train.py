@@ -73,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})")
     run_.add_argument("--micro-batch", type=int, metavar="N", help=f"sequences per micro-batch per rank (default {DEFAULT_MICRO_BATCH})")
     run_.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
-    run_.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the model's, at most 256)")
+    run_.add_argument("--seq-len", type=int, metavar="N", help="bytes (tokens with --hf-model's tokenizer) per sequence (default: the model's, at most 256)")
     run_.add_argument("--lr", type=float,
-                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model)")
+                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model; {HF_MODEL_LR} for --hf-model)")
     run_.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
