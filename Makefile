@@ -30,8 +30,11 @@ libaio:
 	  echo "libaio1 is missing: 'sudo apt-get install libaio1' for the libaio backend; using the threads backend"; \
 	fi
 
+# The suite twice: as it is here, then with device memory kept apart from host memory, so the GPU
+# path's placement, copies and gradient routes run on a machine without a GPU (tests/gpu/ needs one).
 test: setup
 	$(PY) -m pytest -q tests
+	INFINITY_DISTINCT_DEVICE=1 $(PY) -m pytest -q tests
 
 train: setup
 	$(VENV)/bin/infinity train

@@ -1,4 +1,4 @@
-"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate``.
+"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate | plot``.
 
 Each sub-command lives in ``infinity/commands/<name>.py`` and is imported only
 when chosen, so ``infinity bench`` does not pay for building the engine.
@@ -19,6 +19,7 @@ COMMANDS = {
     "bench": "measure the bandwidth of the offload tiers and suggest an `aio` config",
     "estimate": "bytes per rank in each tier for a model and an offload setting",
     "consolidate": "write one state dict from a sharded checkpoint",
+    "plot": "draw a training run's metrics (loss, tokens/s, tier bandwidth) into one PNG",
 }
 
 

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from infinity.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
+
 logger = logging.getLogger(__name__)
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -220,6 +222,8 @@ class InfinityConfig:
     device: str = "auto"
     """The compute device (our key ``device``): ``auto`` takes the current CUDA device when there is one (and
     the collectives can use it: not gloo with several ranks), else the CPU; or ``cpu``, ``cuda``, ``cuda:N``."""
+    scheduler: DeepSpeedScheduler | None = None
+    """A DeepSpeed ``scheduler`` block: the engine sets the learning rate of every step from it."""
     not_applicable: tuple[str, ...] = ()
     """DeepSpeed keys that were accepted but mean nothing here (logged once at initialize)."""
 
@@ -286,7 +290,6 @@ _TOP_LEVEL_NOT_APPLICABLE = {
     "eigenvalue", "progressive_layer_drop", "quantize_training", "monitor_config", "disable_allgather",
     "dataloader_drop_last", "weight_quantization", "hybrid_engine", "compile", "amp",
     "seq_parallel_communication_data_type", "graph_harvesting", "use_data_before_expert_parallelism",
-    "scheduler",
 }
 _ZERO_NOT_APPLICABLE = {
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
@@ -334,7 +337,6 @@ _FP16_NOT_APPLICABLE = {"auto_cast", "consecutive_hysteresis"}
 # bf16_master_weights_and_grads / bf16_optimizer_states: masters and moments stay fp32 here (accepted, logged).
 _BF16_NOT_APPLICABLE = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                         "bf16_optimizer_states"}
-_SCHEDULERS = {"LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "torch_adam", "fused", "amsgrad"}
 
 
@@ -350,8 +352,6 @@ class _DeepSpeedTranslator:
     def translate(self) -> InfinityConfig:
         raw = dict(self.raw)
         kwargs: dict[str, Any] = {}
-        if "scheduler" in raw:
-            self._scheduler(raw["scheduler"])
         for key in list(raw):
             if key in _TOP_LEVEL_NOT_APPLICABLE:
                 self.not_applicable.append(key)
@@ -376,23 +376,14 @@ class _DeepSpeedTranslator:
             kwargs["tiling"] = TilingConfig(**self._fields("tiling", raw.pop("tiling"), {"max_tile_numel": "max_tile_numel"}))
         if "device" in raw:
             kwargs["device"] = raw.pop("device")
+        if "scheduler" in raw:
+            kwargs["scheduler"] = scheduler_from_deepspeed(raw.pop("scheduler"))
         if "trace" in raw:
             kwargs["trace"] = TraceConfig(**self._fields("trace", raw.pop("trace"), {"path": "path"}))
         if raw:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(map(repr, raw)))}")
         kwargs["not_applicable"] = tuple(self.not_applicable)
         return InfinityConfig(**kwargs)
-
-    @staticmethod
-    def _scheduler(block: Any) -> None:
-        """Accepted and logged: the engine does not schedule (set ``engine.lr``; ``infinity train`` has its own)."""
-        if not isinstance(block, dict):
-            raise ValueError(f"scheduler must be a JSON object, got {type(block).__name__}")
-        kind = block.get("type")
-        if kind not in _SCHEDULERS:
-            raise ValueError(f"scheduler.type {kind!r} is not a DeepSpeed scheduler ({', '.join(sorted(_SCHEDULERS))})")
-        logger.info("scheduler %s accepted but not applied: the engine keeps the lr it is given "
-                    "(set engine.lr each step; `infinity train` uses --warmup/--min-lr)", kind)
 
     def _fields(self, where: str, block: Any, honoured: dict, not_applicable: set = frozenset(),
                 only_value: dict | None = None) -> dict:

@@ -23,7 +23,7 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
-from infinity.placement import Placement, distinct_device_requested, grad_accumulator_fits_device
+from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
@@ -81,9 +81,8 @@ class Engine:
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
-        distinct = self.device.type == "cuda" or distinct_device_requested()
         self.placement = Placement.decide(
-            config, self.device, distinct=distinct,
+            config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
         logger.info("%s", self.placement.describe())
         self.copies = Copies(self.placement)
@@ -154,6 +153,8 @@ class Engine:
         self._last_counters = self._counters()
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
+        self._global_grad_norm: float | None = None
+        self._apply_lr_schedule()
 
     def _overlap_allowed(self) -> bool:
         """Overlapping the step with backward is exact unless every gradient must be seen before any update."""
@@ -345,6 +346,7 @@ class Engine:
         self._backward_pending = False
         if not self.is_gradient_accumulation_boundary():
             return
+        self._global_grad_norm = None
         if self.optimizer.overlapping:
             start = time.perf_counter()
             self._metrics["sub_groups_during_backward"] = self.optimizer.finish_overlapped_step()
@@ -361,11 +363,12 @@ class Engine:
             skipped = not self.loss_scaler.update(overflow=bool(finite.item()))
             coef = 1.0 / self.loss_scaler.applied_scale
         if not skipped:
+            norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
+            self._global_grad_norm = norm
+            self._metrics["grad_norm"] = norm
             if self.config.gradient_clipping > 0:
-                norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
                 clip = self.config.gradient_clipping / (norm + 1e-6)
                 coef *= min(clip, 1.0)
-                self._metrics["grad_norm"] = norm
             start = time.perf_counter()
             self.optimizer.step(coef)
             self._metrics["optimizer_s"] = time.perf_counter() - start
@@ -380,6 +383,12 @@ class Engine:
         self.reducer.zero()
         self.global_step += 1
         self._close_step_metrics(skipped)
+        self._apply_lr_schedule()
+
+    def _apply_lr_schedule(self) -> None:
+        """With a DeepSpeed ``scheduler`` block, the learning rate of the next step (set before its forward)."""
+        if self.config.scheduler is not None:
+            self.optimizer.lr = self.config.scheduler.lr_at(self.global_step, self.config.optimizer.lr)
 
     # -- what users read and set ---------------------------------------------
     @property
@@ -415,6 +424,12 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
+        engine names it; None before the first step, after a skipped fp16 step, and when the step ran
+        overlapped with backward (no norm is taken then)."""
+        return self._global_grad_norm
+
     def step_metrics(self) -> dict:
         """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
         return dict(self._metrics)
@@ -442,7 +457,9 @@ class Engine:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
-        return load_checkpoint(self, load_dir, tag=tag)
+        client_state = load_checkpoint(self, load_dir, tag=tag)
+        self._apply_lr_schedule()
+        return client_state
 
     # -- metrics -----------------------------------------------------------------
     def _counters(self) -> dict:

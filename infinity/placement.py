@@ -146,6 +146,11 @@ class Placement:
                 f"optimizer runs on the {where}")
 
 
+def device_memory_is_distinct(device: torch.device) -> bool:
+    """A GPU has memory of its own; the CPU's is the host's unless the test mode asks to keep them apart."""
+    return device.type == "cuda" or distinct_device_requested()
+
+
 def distinct_device_requested() -> bool:
     """The test mode's switch, read once per engine."""
     value = os.environ.get(DISTINCT_DEVICE_ENV, "0").strip().lower()

@@ -8,6 +8,7 @@ under 3 (a few minutes on 2 CPU cores). Examples::
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
     infinity train --hf-model ./my-llama --data notes.txt --steps 100 --save-pretrained ./my-llama-tuned
+    infinity train --preset tiny --eval-every 20 --sample-every 50 --prompt "def " --run-dir runs/tiny
     torchrun --nproc_per_node 2 -m infinity.cli train --preset 10m
 
 A DeepSpeed-style ``--config`` JSON is read first; flags given explicitly
@@ -24,15 +25,18 @@ import json
 import logging
 import math
 import os
-import resource
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from infinity.commands import train_monitor
+from infinity.commands.train_checkpoints import (call_checkpoint, checkpoint_dir_and_tag, engine_has_checkpoints, save,
+                                                 stop_on_nonfinite)
+from infinity.commands.train_checks import check_memory, check_nvme_room, check_writable, read_config_file
+from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -48,7 +52,7 @@ PRESET_LR = {
 }
 MODEL_FILE_LR = 3e-4
 HF_MODEL_LR = 5e-5
-"""Fine-tuning a pretrained model (--hf-model): a tenth of a from-scratch rate, Hugging Face's Trainer default."""
+"""Fine-tuning a pretrained model (--hf-model): Hugging Face's Trainer default."""
 DEFAULT_SUB_GROUP_SIZE = 10**8
 META_BUILD_ABOVE = 10**9
 """Presets with more parameters are built on the meta device and materialized by the engine."""
@@ -76,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--seq-len", type=int, metavar="N", help="bytes (tokens with --hf-model's tokenizer) per sequence (default: the model's, at most 256)")
     run_.add_argument("--lr", type=float,
                       help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model; {HF_MODEL_LR} for --hf-model)")
-    run_.add_argument("--min-lr", type=float, help="final learning rate of the cosine decay (default lr/10)")
+    run_.add_argument("--min-lr", type=float, help="final learning rate of the decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     eng = p.add_argument_group("engine")
@@ -95,6 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="dtype of --save-pretrained (default fp32)")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
+    train_monitor.add_arguments(p)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -122,27 +127,10 @@ class Plan:
     rank: int
     world_size: int
     local_world_size: int
+    monitor: MonitorPlan | None = None
     estimate: dict | None = None
     hf_model: str | None = None
     hf_vocab_size: int | None = None
-
-
-def _read_config_file(path: str) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise ValueError(f"config file {path!r} is a folder, not a JSON file") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {path!r} must hold a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -160,7 +148,7 @@ def _dist_env() -> tuple[int, int, int]:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Merge the config file and the flags into one DeepSpeed-style config and check every input."""
-    raw = _read_config_file(args.config) if args.config else {}
+    raw = read_config_file(args.config) if args.config else {}
     ds = copy.deepcopy(raw)
     zero = ds.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
@@ -267,11 +255,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.trace:
         ds["trace"] = {"path": args.trace}
 
+    monitor = train_monitor.monitor_plan(args, ds, steps=steps)
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
         what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
         raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
+    if hf_model is not None and (monitor.eval_every or monitor.sample_every):
+        raise ValueError("--eval-every and --sample-every read and write bytes; with --hf-model they are not "
+                         "supported yet")
     if args.save_every is not None and not args.save_dir:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:
@@ -289,7 +281,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                hf_model=hf_model, hf_vocab_size=hf_vocab_size)
+                monitor=monitor, hf_model=hf_model, hf_vocab_size=hf_vocab_size)
     for path in nvme_paths:
         check_writable(path)
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
@@ -324,67 +316,13 @@ def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
     return ds
 
 
-def check_writable(path: str) -> None:
-    """``OSError`` naming ``path`` unless a file can be created in it (created, with its parents, if missing)."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise NotADirectoryError(f"nvme path {path!r} is not a folder")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".infinity-probe-{uuid.uuid4().hex}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-        probe.unlink()
-    except OSError as err:
-        raise PermissionError(f"nvme path {path!r} is not writable: {err.strerror or err}") from None
-
-
-def check_memory(plan: Plan) -> None:
-    """``ValueError`` when the estimate's memory (host; and device, on a CPU-only machine) for every rank on
-    this machine is more than the memory available, so the run fails with a reason instead of being killed."""
-    import psutil
-    import torch
-
-    totals = plan.estimate["totals"]
-    per_rank = totals["host"] + (0 if torch.cuda.is_available() else totals["device"])
-    needed = per_rank * plan.local_world_size
-    available = psutil.virtual_memory().available
-    if needed > available:
-        raise ValueError(
-            f"this run needs about {format_bytes(needed)} of memory ({format_bytes(per_rank)} per rank x "
-            f"{plan.local_world_size}) but {format_bytes(available)} is available; offload more "
-            f"(--offload-param/--offload-optimizer nvme), lower --micro-batch or --seq-len, or lower "
-            f"zero_optimization.sub_group_size / stage3_max_live_parameters in --config"
-        )
-
-
-def check_disk_room(path: str, needed_nbytes: int) -> None:
-    """``OSError`` naming both numbers when the disk under ``path`` has less free room than ``needed_nbytes``."""
-    free = shutil.disk_usage(path).free
-    if needed_nbytes > free:
-        raise OSError(
-            f"not enough room on the disk of nvme path {path!r}: the swap files need about "
-            f"{format_bytes(needed_nbytes)} ({needed_nbytes:,} bytes) but {format_bytes(free)} ({free:,} bytes) are free"
-        )
-
-
 # --------------------------------------------------------------------------- running
 
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
-    from infinity.data import ByteCorpus
-
-    if plan.hf_model is not None:
-        from infinity.hf_data import hf_corpus
-
-        corpus = hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
-                           micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
-                           max_bytes=args.max_bytes)
-    else:
-        corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
-                            rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
-    if (args.save_dir or args.resume) and not _engine_has_checkpoints():
+    corpus, validation = _corpora(args, plan)
+    if (args.save_dir or args.resume) and not engine_has_checkpoints():
         raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
     if plan.preset is not None:  # a preset's size is known without building it
         from infinity.models.gpt import get_preset
@@ -397,29 +335,37 @@ def run(args: argparse.Namespace) -> int:
         if plan.nvme_is_temporary:
             plan.nvme_path = cleanup.temporary_folder()
         plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
-        return _train(args, plan, corpus, cleanup)
+        return _train(args, plan, corpus, validation, cleanup)
     finally:
         cleanup.run()
 
 
-def _engine_has_checkpoints() -> bool:
-    import importlib.util
+def _corpora(args: argparse.Namespace, plan: Plan):
+    """The training corpus, and the validation batches when --eval-every asks for them."""
+    from infinity.data import ByteCorpus
 
-    from infinity.engine import Engine
+    monitor = plan.monitor
+    if plan.hf_model is not None:
+        from infinity.hf_data import hf_corpus
 
-    return (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")
-            and importlib.util.find_spec("infinity.checkpoint") is not None)
+        return hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
+                         micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
+                         max_bytes=args.max_bytes), None
+    if not monitor.eval_every:
+        corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                            rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
+        return corpus, None
+    from infinity.evaluation import Validation, carve_held_out
 
-
-def check_nvme_room(plan: Plan) -> None:
-    """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
-    if "nvme" not in (plan.offload_param, plan.offload_optimizer):
-        return
-    zero = plan.ds_config["zero_optimization"]
-    paths = {zero[k].get("nvme_path") or tempfile.gettempdir()
-             for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
-    for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
-        check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+    held = carve_held_out(args.data, max_bytes=args.max_bytes, seq_len=plan.seq_len, val_path=monitor.val_data,
+                          val_fraction=monitor.val_fraction)
+    corpus = ByteCorpus(data=held.train, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                        rank=plan.rank, world_size=plan.world_size)
+    corpus.description = held.train_description
+    validation = Validation(held.val, batches=monitor.eval_batches, seq_len=plan.seq_len, micro_batch=plan.micro_batch,
+                            seed=args.seed, rank=plan.rank, world_size=plan.world_size)
+    validation.description = held.val_description
+    return corpus, validation
 
 
 class _Cleanup:
@@ -521,7 +467,7 @@ def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
         cleanup.callbacks.append(dist.destroy_process_group)
 
 
-def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> int:
+def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _Cleanup) -> int:
     from tqdm import tqdm
 
     import infinity
@@ -540,6 +486,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
     what = (f"preset {plan.preset}" if plan.preset else
             f"Hugging Face model {plan.hf_model}" if plan.hf_model else f"model {plan.model_file}")
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
+    if validation is not None:
+        say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
+            f"every {plan.monitor.eval_every} steps")
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
@@ -550,11 +499,12 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
     _init_distributed(plan, cleanup)
     engine = infinity.initialize(model, plan.ds_config, weights=plan.hf_model)
     cleanup.callbacks.append(engine.close)
+    say(f"  {engine.placement.describe()}")
 
     start_step = 0
     losses: list[float] = []
     if args.resume:
-        client = _call_checkpoint(engine.load_checkpoint, *_checkpoint_dir_and_tag(args.resume)) or {}
+        client = call_checkpoint(engine.load_checkpoint, *checkpoint_dir_and_tag(args.resume)) or {}
         start_step = int(client.get("step", 0))
         losses = list(client.get("losses", []))
         if "corpus" in client:
@@ -562,53 +512,64 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
         say(f"  resumed from {args.resume} at step {start_step}")
 
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
-    totals = {t: {"peak_nbytes": 0, "bytes_read": 0, "bytes_written": 0} for t in TIERS}
+    monitor = train_monitor.RunMonitor(plan.monitor, total_steps=plan.steps, tokens_per_step=tokens_per_step,
+                                       seq_len=plan.seq_len, validation=validation, is_main=is_main,
+                                       resume_after=start_step if args.resume else None, say=say)
+    cleanup.callbacks.append(monitor.close)
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
                dynamic_ncols=True, leave=False)
+    if is_main:  # samples print above the progress bar
+        monitor.say = lambda text: bar.write(text, file=sys.stdout)
     train_s = 0.0
     for step in range(start_step, plan.steps):
         t0 = time.perf_counter()
-        engine.lr = lr_at(step, peak_lr=plan.lr, warmup_steps=plan.warmup, total_steps=plan.steps, min_lr=plan.min_lr)
+        if plan.monitor.lr_schedule != "deepspeed":  # (else the engine sets it from the config's scheduler block)
+            engine.lr = lr_at(step, peak_lr=plan.lr, warmup_steps=plan.warmup, total_steps=plan.steps,
+                              min_lr=plan.min_lr, schedule=plan.monitor.lr_schedule,
+                              decay_fraction=plan.monitor.decay_fraction)
         step_loss = 0.0
-        for _ in range(plan.grad_accum):
+        for micro in range(plan.grad_accum):
             input_ids, targets = corpus.next_batch()
             loss = engine(input_ids, targets)
+            # Every rank learns of a non-finite loss on any rank before backward, so all stop together.
+            micro_loss = _mean_over_ranks(float(loss.detach()), plan.world_size)
+            if not math.isfinite(micro_loss):
+                del loss
+                bar.close()
+                monitor.log_nonfinite(step + 1, micro_loss)
+                return stop_on_nonfinite(args, plan, engine, corpus, losses, step, micro, micro_loss)
             engine.backward(loss)
             engine.step()
-            step_loss += float(loss.detach()) / plan.grad_accum
-        step_loss = _mean_over_ranks(step_loss, plan.world_size)
-        if not math.isfinite(step_loss):
-            raise FloatingPointError(f"loss is {step_loss} at step {step}; lower --lr or use bf16/fp32")
+            step_loss += micro_loss / plan.grad_accum
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None and not math.isfinite(grad_norm):  # (the same on every rank: it is all-reduced)
+            bar.close()
+            monitor.log_nonfinite(step + 1, step_loss)
+            return stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
         dt = time.perf_counter() - t0
         train_s += dt
         losses.append(step_loss)
-        metrics = engine.step_metrics()
-        tiers = metrics.get("tiers", {})
-        for t in TIERS:
-            m = tiers.get(t, {})
-            totals[t]["peak_nbytes"] = max(totals[t]["peak_nbytes"], int(m.get("peak_nbytes", 0)))
-            totals[t]["bytes_read"] += int(m.get("bytes_read", 0))
-            totals[t]["bytes_written"] += int(m.get("bytes_written", 0))
-        progress = _progress(step_loss, tokens_per_step / dt, tiers, metrics.get("step_s") or dt)
+        progress = monitor.after_step(engine, step + 1, step_loss, dt)
         bar.set_postfix_str(progress, refresh=False)
         bar.update(1)
         if is_main and ((step + 1) % report_every == 0 or step == start_step):
-            bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.lr:.2e}  {progress}", file=sys.stdout)
+            bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
+                      file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
-            _save(engine, args.save_dir, step + 1, corpus, losses)
+            save(engine, args.save_dir, step + 1, corpus, losses)
     bar.close()
     if args.save_dir:
-        _save(engine, args.save_dir, plan.steps, corpus, losses)
+        save(engine, args.save_dir, plan.steps, corpus, losses)
     if getattr(args, "save_pretrained", None):
         from infinity.commands.hf_model import save_pretrained_with_tokenizer
 
         say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
     engine.close()
+    monitor.close()
 
     steps_run = plan.steps - start_step
     tokens_per_s = steps_run * tokens_per_step / train_s if train_s > 0 else 0.0
-    peak_rss = _peak_rss_bytes()
     summary = {
         "preset": plan.preset,
         "model": plan.model_file or plan.hf_model,
@@ -619,47 +580,25 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, cleanup: _Cleanup) -> i
         "losses": losses,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
+        "val_losses": monitor.val_losses,
+        "val_loss": monitor.val_losses[-1][1] if monitor.val_losses else None,
         "tokens_per_s": tokens_per_s,
         "train_s": train_s,
-        "peak_rss_bytes": peak_rss,
-        "tiers": totals,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "tiers": monitor.totals,
+        "copies": monitor.copies,
         "estimate": plan.estimate["accounted"],
         "precision": plan.precision,
         "offload_param": plan.offload_param,
         "offload_optimizer": plan.offload_optimizer,
+        "lr_schedule": plan.monitor.lr_schedule,
+        "metrics_file": str(monitor.log.path) if monitor.log else None,
     }
     if is_main:
-        _print_summary(summary)
+        print_summary(summary)
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
-
-
-def _call_checkpoint(fn, *a, **k):
-    try:
-        return fn(*a, **k)
-    except NotImplementedError as err:
-        raise ValueError(f"checkpoints are not supported by this build of the engine: {err}") from None
-
-
-def _checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
-    """``--resume DIR`` takes DIR's latest checkpoint; ``--resume DIR/TAG`` that one."""
-    p = Path(path)
-    if not (p / "latest").exists() and (p.parent / "latest").exists():
-        return str(p.parent), p.name
-    return str(p), None
-
-
-def _save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
-    import torch
-
-    from infinity.hf_export import hf_config_of
-
-    client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
-    hf_config = hf_config_of(engine.module, torch.float32)
-    if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
-        client_state["hf_config"] = hf_config
-    _call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}", client_state=client_state)
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:
@@ -671,28 +610,3 @@ def _mean_over_ranks(value: float, world_size: int) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / world_size
-
-
-def _progress(loss: float, tokens_per_s: float, tiers: dict, step_s: float) -> str:
-    parts = [f"loss {loss:.3f}", f"{tokens_per_s:,.0f} tok/s" if tokens_per_s >= 10 else f"{tokens_per_s:.2g} tok/s"]
-    for t in TIERS:
-        m = tiers.get(t)
-        if m and (m.get("bytes_read") or m.get("bytes_written")) and step_s > 0:
-            parts.append(f"{t} r/w {m['bytes_read'] / step_s / 1e9:.2f}/{m['bytes_written'] / step_s / 1e9:.2f} GB/s")
-    return ", ".join(parts)
-
-
-def _peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux, bytes on macOS
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _print_summary(s: dict) -> None:
-    print(f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
-          f"{s['tokens_per_s']:,.{0 if s['tokens_per_s'] >= 10 else 2}f} tokens/s, {s['train_s']:.0f} s, peak RSS {format_bytes(s['peak_rss_bytes'])}")
-    print(f"  {'tier':<7} {'peak':>10} {'estimate':>10} {'read':>10} {'written':>10}")
-    for t in TIERS:
-        m = s["tiers"][t]
-        print(f"  {t:<7} {format_bytes(m['peak_nbytes']):>10} {format_bytes(s['estimate'][t]):>10} "
-              f"{format_bytes(m['bytes_read']):>10} {format_bytes(m['bytes_written']):>10}")

@@ -16,6 +16,12 @@ def _args(*argv):
     return build_parser(argv).parse_args(argv)
 
 
+@pytest.fixture(autouse=True)
+def _in_a_fresh_folder(tmp_path_factory, monkeypatch):
+    """Runs write their metrics under ./runs: keep them out of the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture
 def no_work(monkeypatch, tmp_path):
     """Fail the test if training would start: no model built, no swap folder made."""
@@ -226,7 +232,7 @@ def test_a_users_model_file_trains(capsys, tmp_path):
 
 
 def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
-    if not train._engine_has_checkpoints():
+    if not train.engine_has_checkpoints():
         pytest.skip("the engine has no checkpoints yet")
     full = _run_json(capsys, "--steps", "4", "--save-dir", str(tmp_path / "ck"), "--save-every", "2")
     resumed = _run_json(capsys, "--steps", "4", "--resume", str(tmp_path / "ck" / "step2"))
@@ -271,3 +277,18 @@ def test_each_preset_has_its_own_default_lr():
     assert set(train.PRESET_LR) == set(PRESETS)
     assert train.make_plan(_args("--preset", "1.3b")).lr == 2e-4
     assert train.make_plan(_args("--preset", "1.3b", "--lr", "1e-3")).lr == 1e-3
+
+
+def test_json_counts_host_device_bytes_in_the_distinct_device_mode(capsys, monkeypatch, tmp_path):
+    """What a GPU run would move over PCIe; nothing crosses where device memory is host memory."""
+    pytest.importorskip("infinity.engine")
+    flags = ("--steps", "2", "--offload-param", "cpu", "--offload-optimizer", "cpu", "--precision", "fp32")
+    one_memory = _run_json(capsys, *flags)
+    assert one_memory["copies"] == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
+    monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
+    distinct = _run_json(capsys, *flags)
+    assert distinct["losses"] == one_memory["losses"]  # the same training, by another route
+    params = distinct["num_params"]
+    # every step: each fp32 gradient slice comes down once, and every parameter goes up at least once
+    assert distinct["copies"]["device_to_host_nbytes"] == 2 * params * 4
+    assert distinct["copies"]["host_to_device_nbytes"] >= 2 * params * 4
