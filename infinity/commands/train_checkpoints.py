@@ -65,5 +65,12 @@ def checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
 
 
 def save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
-    call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}",
-                    client_state={"step": step, "corpus": corpus.state_dict(), "losses": losses})
+    import torch
+
+    from infinity.hf_export import hf_config_of
+
+    client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
+    hf_config = hf_config_of(engine.module, torch.float32)
+    if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
+        client_state["hf_config"] = hf_config
+    call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}", client_state=client_state)
