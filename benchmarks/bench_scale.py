@@ -37,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--precision", default="bf16")
+    p.add_argument("--lr", default=None, help="peak learning rate (default: the preset's; a few steps from scratch "
+                                              "want less: Adam's first step moves every weight by about lr)")
     p.add_argument("--host-memory", default="7GiB", help="the engine's host-memory budget per run")
     p.add_argument("--max-rss", default="8GiB", help="the peak RSS a run must stay within")
     p.add_argument("--nvme-path", default=None)
@@ -54,7 +56,7 @@ def run_preset(preset: str, args, nvme_root: str) -> dict:
     cmd = [sys.executable, "-m", "infinity.cli", "train", "--preset", preset, "--steps", str(args.steps),
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--precision", args.precision,
            "--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme,
-           "--host-memory", args.host_memory, "--json"]
+           "--host-memory", args.host_memory, "--json"] + (["--lr", args.lr] if args.lr else [])
     start = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
