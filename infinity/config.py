@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -109,7 +110,9 @@ class OffloadOptimizerConfig:
         _require_choice("offload_optimizer.device", self.device, OFFLOAD_DEVICES)
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
-        _require_positive("offload_optimizer.buffer_count", self.buffer_count)
+        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
+            raise ValueError(f"config key offload_optimizer.buffer_count must be at least 2 (one buffer is updated while "
+                             f"another is read or written), got {self.buffer_count!r}")
         _require_optional_bool("offload_optimizer.pin_memory", self.pin_memory)
         _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
                         ("device_if_fits", "device", "host"))
@@ -168,6 +171,9 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.params.betas must be two numbers in [0, 1), got {self.betas!r}")
         _require_positive("optimizer.params.eps", self.eps)
         _require_non_negative("optimizer.params.weight_decay", self.weight_decay)
+        for name in ("lr", "eps", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"config key optimizer.params.{name} must be a finite number, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -428,8 +434,13 @@ class _DeepSpeedTranslator:
         if not isinstance(block, dict):
             raise ValueError(f"{where} must be a JSON object like {{\"enabled\": true}}, got {block!r}")
         enabled = block.get("enabled", False)
+        if where == "bf16" and enabled == "auto":  # bf16 where the device computes it fast (infinity.hardware)
+            from infinity.hardware import resolve_precision
+
+            return resolve_precision("auto").precision == "bf16"
         if not isinstance(enabled, bool):
-            raise ValueError(f"{where}.enabled must be true or false, got {enabled!r}")
+            allowed = "true, false or \"auto\"" if where == "bf16" else "true or false"
+            raise ValueError(f"{where}.enabled must be {allowed}, got {enabled!r}")
         return enabled
 
     def _optimizer(self, block: Any) -> OptimizerConfig:
@@ -508,7 +519,7 @@ class _DeepSpeedTranslator:
 def _reject_auto(block: dict, prefix: str) -> None:
     """Hugging Face's Trainer fills "auto" values before DeepSpeed sees them; we cannot guess them."""
     for key, value in block.items():
-        if value == "auto":
+        if value == "auto" and f"{prefix}{key}" != "bf16.enabled":  # (that one is ours: infinity.hardware)
             raise ValueError(f"config key {prefix}{key} is \"auto\"; give a number (\"auto\" is filled in by "
                              f"Hugging Face's Trainer, not by DeepSpeed)")
         if isinstance(value, dict):
@@ -522,8 +533,8 @@ def _int(key: str, value: Any) -> int:
 
 
 def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"config key {key} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"config key {key} must be a finite number, got {value!r}")
     return float(value)
 
 

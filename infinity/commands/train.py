@@ -34,9 +34,11 @@ from pathlib import Path
 from infinity.commands import train_monitor
 from infinity.commands.train_checkpoints import (call_checkpoint, checkpoint_dir_and_tag, engine_has_checkpoints, save,
                                                  stop_on_nonfinite)
-from infinity.commands.train_checks import check_memory, check_nvme_room, check_writable, read_config_file
+from infinity.commands.train_checks import (check_memory, check_model_file, check_nvme_room, check_output_folder,
+                                            check_writable, config_number, finite_positive, read_config_file)
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
+from infinity.hardware import PRECISION_CHOICES, resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
     eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
     eng.add_argument("--nvme-path", metavar="DIR", help="folder for swap files (default: a private temporary folder, removed at exit)")
-    eng.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision (default bf16)")
+    eng.add_argument("--precision", choices=PRECISION_CHOICES,
+                     help="compute precision (default auto: bf16 where the device computes it fast, else fp32)")
     eng.add_argument("--trace", metavar="PATH", help="write a Chrome trace of compute, I/O and collectives")
     out = p.add_argument_group("checkpoints and output")
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
@@ -119,6 +122,10 @@ class Plan:
     local_world_size: int
     monitor: MonitorPlan | None = None
     estimate: dict | None = None
+    precision_said: str = ""
+    """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
+    not_applicable: tuple[str, ...] = ()
+    """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -153,8 +160,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     def pick(flag, from_config, default):
         return flag if flag is not None else (from_config if from_config is not None else default)
 
-    micro_batch = pick(args.micro_batch, ds.get("train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
-    grad_accum = pick(args.grad_accum, ds.get("gradient_accumulation_steps"), 1)
+    micro_batch = pick(args.micro_batch, config_number(ds, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"),
+                       DEFAULT_MICRO_BATCH)
+    grad_accum = pick(args.grad_accum, config_number(ds, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
+    train_batch = config_number(ds, "train_batch_size", "train_batch_size")
     if args.preset is not None and args.model is not None:
         raise ValueError("give --preset or --model, not both")
     preset = None if args.model else (args.preset or _default_preset())
@@ -164,13 +173,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
         preset = preset.lower()
     else:
-        if not Path(args.model).is_file():
-            raise FileNotFoundError(f"model file {args.model!r} does not exist")
+        check_model_file(args.model)
         model_seq = None
-    lr = pick(args.lr, opt_params.get("lr"), PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
+    if not isinstance(opt_params, dict):
+        raise ValueError(f"config key optimizer.params must be a JSON object, got {opt_params!r}")
+    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
     steps = pick(args.steps, None, DEFAULT_STEPS)
-    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum), ("--lr", lr)):
+    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
+                        ("--max-bytes", args.max_bytes)):
         _positive(name, value)
+    finite_positive("--lr" if args.lr is not None else "optimizer.params.lr", lr)
     min_lr = pick(args.min_lr, None, lr / 10)
     if not 0 <= min_lr <= lr:
         raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
@@ -178,14 +190,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
 
-    config_precision = "bf16" if (ds.get("bf16") or {}).get("enabled") else (
+    bf16_enabled = (ds.get("bf16") or {}).get("enabled") if isinstance(ds.get("bf16"), dict) else None
+    config_precision = "auto" if bf16_enabled == "auto" else "bf16" if bf16_enabled else (
         "fp16" if (ds.get("fp16") or {}).get("enabled") else ("fp32" if ("bf16" in ds or "fp16" in ds) else None))
-    precision = pick(args.precision, config_precision, "bf16")
+    requested = pick(args.precision, config_precision, "auto")
+    chosen = resolve_precision(requested, ds.get("device")) if requested != "fp16" else None
+    precision = chosen.precision if chosen else "fp16"
+    precision_said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
     if args.precision is not None:
         ds.pop("fp16", None)
         ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
-    elif config_precision is None:
-        ds["bf16"] = {"enabled": precision == "bf16"}
+    elif config_precision in (None, "auto"):
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
 
     # Without --config everything goes to NVMe (the `make train` job); a config file that names no offload
     # means none, as in DeepSpeed.
@@ -217,6 +233,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if not raw.get("optimizer"):
         opt_params.update({"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1})
     if args.trace:
+        check_output_folder("--trace", args.trace)
         ds["trace"] = {"path": args.trace}
 
     monitor = train_monitor.monitor_plan(args, ds, steps=steps)
@@ -232,24 +249,29 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise FileNotFoundError(f"--resume folder {args.resume!r} does not exist")
 
     rank, world_size, local_world_size = _dist_env()
-    if "train_batch_size" in ds and ds["train_batch_size"] != micro_batch * grad_accum * world_size:
+    if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
         raise ValueError(f"config key train_batch_size={ds['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
     nvme_blocks = [zero[k] for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"]
     nvme_paths = list(dict.fromkeys(b["nvme_path"] for b in nvme_blocks if b.get("nvme_path")))
+    if args.nvme_path and not nvme_blocks:
+        raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
+                         f"{offload['offload_param']}, optimizer -> {offload['offload_optimizer']}"
+                         + (", as --config names no offload" if args.config else "")
+                         + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
     plan = Plan(ds_config=ds, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
                 min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                monitor=monitor)
+                monitor=monitor, precision_said=precision_said)
     for path in nvme_paths:
         check_writable(path)
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
     from infinity.config import InfinityConfig
 
     # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
-    InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH))
+    plan.not_applicable = InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH)).not_applicable
     return plan
 
 
@@ -435,8 +457,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
         say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
             f"every {plan.monitor.eval_every} steps")
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
-        f"{plan.seq_len} bytes; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
+        f"{plan.seq_len} bytes; {plan.precision_said or plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
+    if plan.not_applicable:
+        say(f"  config keys accepted but not used here: {', '.join(plan.not_applicable)}")
     accounted, activations = plan.estimate["accounted"], plan.estimate["tiers"]["device"]["activations"]
     say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(accounted[t])}" for t in TIERS)
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))

@@ -4,6 +4,7 @@ writable and its disk has room for the swap files, and the machine has the memor
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
 import uuid
@@ -11,7 +12,8 @@ from pathlib import Path
 
 from infinity.estimate import format_bytes
 
-__all__ = ["check_disk_room", "check_memory", "check_nvme_room", "check_writable", "read_config_file"]
+__all__ = ["check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
+           "check_writable", "config_number", "finite_positive", "read_config_file"]
 
 
 def read_config_file(path: str) -> dict:
@@ -32,19 +34,20 @@ def read_config_file(path: str) -> dict:
     return raw
 
 
-def check_writable(path: str) -> None:
-    """``OSError`` naming ``path`` unless a file can be created in it (created, with its parents, if missing)."""
+def check_writable(path: str, what: str = "nvme path") -> None:
+    """``OSError`` naming ``path`` unless a file can be created in it (created 0700, with its parents, if missing,
+    as DeepSpeed does)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise NotADirectoryError(f"nvme path {path!r} is not a folder")
+        raise NotADirectoryError(f"{what} {path!r} is not a folder")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        p.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = p / f".infinity-probe-{uuid.uuid4().hex}"
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
         probe.unlink()
     except OSError as err:
-        raise PermissionError(f"nvme path {path!r} is not writable: {err.strerror or err}") from None
+        raise PermissionError(f"{what} {path!r} is not writable: {err.strerror or err}") from None
 
 
 def check_memory(plan) -> None:
@@ -85,3 +88,46 @@ def check_nvme_room(plan) -> None:
              for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
         check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+
+
+def config_number(block: dict, key: str, where: str, *, integer: bool = True):
+    """``block[key]`` when it is a JSON number (an integer if ``integer``), None when absent; else a ``ValueError``
+    naming ``where``. A string ("auto", "8") is refused here rather than failing later as a ``TypeError``."""
+    value = block.get(key)
+    if value is None:
+        return None
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or (integer and isinstance(value, float) and not value.is_integer()):
+        kind = "an integer" if integer else "a number"
+        hint = (" (\"auto\" is filled in by Hugging Face's Trainer; give the value)" if value == "auto"
+                else " (a JSON number, without quotes)" if isinstance(value, str) else "")
+        raise ValueError(f"config key {where} must be {kind}, got {value!r}{hint}")
+    return int(value) if integer else float(value)
+
+
+def finite_positive(name: str, value) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number above zero."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number above zero, got {value}")
+
+
+def check_model_file(path: str) -> None:
+    """A Python model file must compile: a syntax error is named with its line, before any work."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model file {path!r} does not exist")
+    if p.suffix != ".py":
+        return
+    try:
+        compile(p.read_bytes(), str(p), "exec")
+    except SyntaxError as err:
+        raise ValueError(f"model file {path!r} has a syntax error at line {err.lineno}: {err.msg}") from None
+    except ValueError as err:  # (null bytes)
+        raise ValueError(f"model file {path!r} is not Python source: {err}") from None
+
+
+def check_output_folder(flag: str, path: str) -> None:
+    """The folder that a file given to ``flag`` goes into must exist: checked before work, not after it."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{flag} {path!r}: folder {str(folder)!r} does not exist")
