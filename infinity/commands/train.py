@@ -18,24 +18,21 @@ the config, the NVMe path, and that the disk has room for the estimated swap.
 from __future__ import annotations
 
 import argparse
-import atexit
 import copy
 import json
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infinity.commands import train_monitor
-from infinity.commands.train_checkpoints import (call_checkpoint, checkpoint_dir_and_tag, engine_has_checkpoints, save,
-                                                 stop_on_nonfinite)
+from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands.train_checkpoints import SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite
 from infinity.commands.train_checks import (check_memory, check_model_file, check_nvme_room, check_output_folder,
                                             check_writable, config_number, finite_positive, read_config_file)
+from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
 from infinity.hardware import PRECISION_CHOICES, resolve_precision
@@ -90,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("checkpoints and output")
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
-    out.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR (or from DIR/TAG)")
+    train_checkpoints.add_arguments(out)
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
     train_monitor.add_arguments(p)
 
@@ -125,6 +122,8 @@ class Plan:
     precision_said: str = ""
     """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
     not_applicable: tuple[str, ...] = ()
+    save: SavePolicy | None = None
+    """--save-dir, --keep-last and the checkpoint to resume from."""
     """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
 
 
@@ -245,8 +244,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:
         _positive("--save-every", args.save_every)
-    if args.resume and not Path(args.resume).is_dir():
-        raise FileNotFoundError(f"--resume folder {args.resume!r} does not exist")
+    save_policy = train_checkpoints.save_policy(args, ds)  # (takes checkpoint.keep_last out of ds)
 
     rank, world_size, local_world_size = _dist_env()
     if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
@@ -264,7 +262,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                monitor=monitor, precision_said=precision_said)
+                monitor=monitor, precision_said=precision_said, save=save_policy)
     for path in nvme_paths:
         check_writable(path)
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
@@ -308,12 +306,13 @@ def run(args: argparse.Namespace) -> int:
         plan.estimate = estimate_for(plan, get_preset(plan.preset))
         check_nvme_room(plan)
         check_memory(plan)
-    cleanup = _Cleanup()
+    cleanup = Cleanup()
     try:
-        if plan.nvme_is_temporary:
-            plan.nvme_path = cleanup.temporary_folder()
-        plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
-        return _train(args, plan, corpus, validation, cleanup)
+        with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
+            if plan.nvme_is_temporary:
+                plan.nvme_path = cleanup.temporary_folder()
+            plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
+            return _train(args, plan, corpus, validation, cleanup, stop)
     finally:
         cleanup.run()
 
@@ -338,29 +337,6 @@ def _corpora(args: argparse.Namespace, plan: Plan):
                             seed=args.seed, rank=plan.rank, world_size=plan.world_size)
     validation.description = held.val_description
     return corpus, validation
-
-
-class _Cleanup:
-    """The temporary swap folder and the process group, undone however the run ends."""
-
-    def __init__(self):
-        self.folders: list[str] = []
-        self.callbacks: list = []
-        atexit.register(self.run)
-
-    def temporary_folder(self) -> str:
-        folder = tempfile.mkdtemp(prefix="infinity-train-")  # mode 0700
-        self.folders.append(folder)
-        return folder
-
-    def run(self) -> None:
-        while self.callbacks:
-            try:
-                self.callbacks.pop()()
-            except Exception as err:  # cleanup must go on; say what failed
-                logger.warning("cleanup failed: %s", err)
-        while self.folders:
-            shutil.rmtree(self.folders.pop(), ignore_errors=True)
 
 
 def _build_model(plan: Plan, seed: int):
@@ -424,7 +400,7 @@ def estimate_for(plan: Plan, model) -> dict:
     )
 
 
-def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
+def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     if plan.world_size == 1:
         return
     import torch
@@ -435,7 +411,7 @@ def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
         cleanup.callbacks.append(dist.destroy_process_group)
 
 
-def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _Cleanup) -> int:
+def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cleanup, stop: GracefulStop) -> int:
     from tqdm import tqdm
 
     import infinity
@@ -472,18 +448,21 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
 
     start_step = 0
     losses: list[float] = []
-    if args.resume:
-        client = call_checkpoint(engine.load_checkpoint, *checkpoint_dir_and_tag(args.resume)) or {}
+    resume = plan.save.resume
+    if resume:
+        client = train_checkpoints.load(engine, resume)
         start_step = int(client.get("step", 0))
         losses = list(client.get("losses", []))
         if "corpus" in client:
             corpus.load_state_dict(client["corpus"])
-        say(f"  resumed from {args.resume} at step {start_step}")
+        say(f"  resumed from {resume} at step {start_step}")
+    elif args.resume is not None:
+        say(f"  --resume: {args.save_dir} holds no checkpoint yet; starting at step 0")
 
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
     monitor = train_monitor.RunMonitor(plan.monitor, total_steps=plan.steps, tokens_per_step=tokens_per_step,
                                        seq_len=plan.seq_len, validation=validation, is_main=is_main,
-                                       resume_after=start_step if args.resume else None, say=say)
+                                       resume_after=start_step if resume else None, say=say)
     cleanup.callbacks.append(monitor.close)
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
@@ -526,10 +505,13 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
             bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
                       file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
-            save(engine, args.save_dir, step + 1, corpus, losses)
+            save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last)
+        if stop.requested(plan.world_size) and step + 1 < plan.steps:
+            bar.close()
+            return _stopped(args, plan, engine, monitor, corpus, losses, step + 1, stop)
     bar.close()
     if args.save_dir:
-        save(engine, args.save_dir, plan.steps, corpus, losses)
+        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
     engine.close()
     monitor.close()
 
@@ -564,6 +546,21 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
+
+
+def _stopped(args, plan: Plan, engine, monitor, corpus, losses: list[float], step: int, stop: GracefulStop) -> int:
+    """End a run that was told to stop (SIGTERM, SIGINT) at a step boundary: checkpoint, close, 128 + signal."""
+    saved = ""
+    if args.save_dir:
+        if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
+            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last)
+        saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
+    engine.close()
+    monitor.close()
+    if plan.rank == 0:
+        print(f"infinity train: stopped by {stop.name} after step {step} of {plan.steps}{saved or '; no --save-dir, so no checkpoint'}",
+              file=sys.stderr, flush=True)
+    return stop.exit_code
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
 import uuid
@@ -13,7 +14,7 @@ from pathlib import Path
 from infinity.estimate import format_bytes
 
 __all__ = ["check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
-           "check_writable", "config_number", "finite_positive", "read_config_file"]
+           "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders"]
 
 
 def read_config_file(path: str) -> dict:
@@ -79,6 +80,46 @@ def check_disk_room(path: str, needed_nbytes: int) -> None:
         )
 
 
+TEMPORARY_PREFIX = "infinity-train-"
+"""The private swap folders ``infinity train`` makes in the temporary directory (removed at its exit), named
+``infinity-train-<pid>-<random>`` so that a later run can tell a dead run's folder from a live one's."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_swap_folders(parent: str) -> int:
+    """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
+    and, in the temporary directory, this command's private folders that they leave empty. How many went."""
+    from storage.swap_store import STALE_AFTER_S, remove_dead_stores
+
+    removed = remove_dead_stores(parent)
+    if Path(parent) != Path(tempfile.gettempdir()):
+        return removed
+    import time
+
+    for folder in Path(parent).glob(f"{TEMPORARY_PREFIX}*"):
+        pid = folder.name[len(TEMPORARY_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or _pid_alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
+                continue
+            if time.time() - folder.stat().st_mtime < STALE_AFTER_S:
+                continue
+            removed += remove_dead_stores(folder)
+            folder.rmdir()  # only once empty: a live run's folder holds its locked store
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def check_nvme_room(plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
     if "nvme" not in (plan.offload_param, plan.offload_optimizer):
@@ -87,6 +128,7 @@ def check_nvme_room(plan) -> None:
     paths = {zero[k].get("nvme_path") or tempfile.gettempdir()
              for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
+        remove_dead_swap_folders(where)  # first: what a killed run left must not fail the room check
         check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
 
 
