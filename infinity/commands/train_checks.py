@@ -98,7 +98,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_dead_swap_folders(parent: str) -> int:
     """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
     and, in the temporary directory, this command's private folders that they leave empty. How many went."""
-    from storage.swap_store import STALE_AFTER_S, remove_dead_stores
+    from infinity.storage.swap_store import STALE_AFTER_S, remove_dead_stores
 
     removed = remove_dead_stores(parent)
     if Path(parent) != Path(tempfile.gettempdir()):
