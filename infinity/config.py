@@ -46,6 +46,9 @@ class AioConfig:
     """Submit new requests while reaping completions."""
     backend: Literal["auto", "libaio", "threads"] = "auto"
     """``auto`` takes libaio when the system library works, else threads."""
+    buffered_fallback: bool = False
+    """Where the swap folder does not take O_DIRECT (tmpfs, some network filesystems), use buffered I/O through the
+    page cache (said in a warning) instead of refusing. ``infinity train --buffered-io`` sets it."""
 
     def __post_init__(self):
         _require_positive("aio.block_size", self.block_size)
@@ -54,6 +57,8 @@ class AioConfig:
         _require_positive("aio.queue_depth", self.queue_depth)
         _require_positive("aio.thread_count", self.thread_count)
         _require_choice("aio.backend", self.backend, ("auto", "libaio", "threads"))
+        if not isinstance(self.buffered_fallback, bool):
+            raise ValueError(f"config key aio.buffered_fallback must be true or false, got {self.buffered_fallback!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -333,7 +338,7 @@ _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
     "thread_count": "thread_count", "single_submit": "single_submit", "overlap_events": "overlap_events",
-    "backend": "backend",
+    "backend": "backend", "buffered_fallback": "buffered_fallback",
 }
 _FP16_HONOURED = {
     "loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",

@@ -30,8 +30,9 @@ from pathlib import Path
 
 from infinity.commands import train_checkpoints, train_monitor
 from infinity.commands.train_checkpoints import SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite
-from infinity.commands.train_checks import (check_memory, check_model_file, check_nvme_room, check_output_folder,
-                                            check_writable, config_number, finite_positive, read_config_file)
+from infinity.commands.train_checks import (SwapLocation, check_direct_io, check_memory, check_model_file,
+                                            check_nvme_room, check_output_folder, check_writable, config_number,
+                                            default_swap_location, finite_positive, read_config_file)
 from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
@@ -83,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--nvme-path", metavar="DIR", help="folder for swap files (default: a private temporary folder, removed at exit)")
     eng.add_argument("--precision", choices=PRECISION_CHOICES,
                      help="compute precision (default auto: bf16 where the device computes it fast, else fp32)")
+    eng.add_argument("--buffered-io", action="store_true",
+                     help="swap through the page cache where --nvme-path does not take O_DIRECT (tmpfs); config "
+                          "aio.buffered_fallback")
     eng.add_argument("--trace", metavar="PATH", help="write a Chrome trace of compute, I/O and collectives")
     out = p.add_argument_group("checkpoints and output")
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
@@ -123,6 +127,8 @@ class Plan:
     """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
     not_applicable: tuple[str, ...] = ()
     save: SavePolicy | None = None
+    swap: SwapLocation | None = None
+    """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
     """--save-dir, --keep-last and the checkpoint to resume from."""
     """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
 
@@ -263,8 +269,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
                 monitor=monitor, precision_said=precision_said, save=save_policy)
+    aio = ds.get("aio")
+    if args.buffered_io:
+        ds["aio"] = aio = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
+    buffered_ok = isinstance(aio, dict) and aio.get("buffered_fallback") is True
     for path in nvme_paths:
         check_writable(path)
+        check_direct_io(path, buffered_ok)
+    if plan.nvme_is_temporary:
+        plan.swap = default_swap_location()
+        if plan.swap.buffered:
+            ds["aio"] = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
     from infinity.config import InfinityConfig
 
@@ -310,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
             if plan.nvme_is_temporary:
-                plan.nvme_path = cleanup.temporary_folder()
+                plan.nvme_path = cleanup.temporary_folder(plan.swap.parent)
             plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
             return _train(args, plan, corpus, validation, cleanup, stop)
     finally:
@@ -435,6 +450,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} bytes; {plan.precision_said or plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
+    if plan.swap is not None and plan.swap.note:
+        say(f"  {plan.swap.note}")
+        if plan.swap.buffered and is_main:
+            print(f"infinity train: {plan.swap.note}", file=sys.stderr, flush=True)
     if plan.not_applicable:
         say(f"  config keys accepted but not used here: {', '.join(plan.not_applicable)}")
     accounted, activations = plan.estimate["accounted"], plan.estimate["tiers"]["device"]["activations"]

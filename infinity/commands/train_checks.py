@@ -7,14 +7,17 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.estimate import format_bytes
 
 __all__ = ["check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
-           "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders"]
+           "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
+           "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
 
 
 def read_config_file(path: str) -> dict:
@@ -97,12 +100,10 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_dead_swap_folders(parent: str) -> int:
     """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
-    and, in the temporary directory, this command's private folders that they leave empty. How many went."""
+    and this command's private folders (``infinity-train-<pid>-*``) of dead processes. How many went."""
     from infinity.storage.swap_store import STALE_AFTER_S, remove_dead_stores
 
     removed = remove_dead_stores(parent)
-    if Path(parent) != Path(tempfile.gettempdir()):
-        return removed
     import time
 
     for folder in Path(parent).glob(f"{TEMPORARY_PREFIX}*"):
@@ -125,7 +126,8 @@ def check_nvme_room(plan) -> None:
     if "nvme" not in (plan.offload_param, plan.offload_optimizer):
         return
     zero = plan.ds_config["zero_optimization"]
-    paths = {zero[k].get("nvme_path") or tempfile.gettempdir()
+    temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
+    paths = {zero[k].get("nvme_path") or temporary
              for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
         remove_dead_swap_folders(where)  # first: what a killed run left must not fail the room check
@@ -173,3 +175,78 @@ def check_output_folder(flag: str, path: str) -> None:
     folder = Path(path).parent
     if not folder.is_dir():
         raise FileNotFoundError(f"{flag} {path!r}: folder {str(folder)!r} does not exist")
+
+
+def direct_io_problem(path: str) -> str | None:
+    """Why the folder ``path`` does not take O_DIRECT (tmpfs, a filesystem that refuses it), or None: the
+    filesystem's type, then one aligned O_DIRECT write of a probe file."""
+    import mmap
+
+    from infinity.storage.swap_store import direct_io_problem as by_filesystem
+
+    problem = by_filesystem(path)
+    if problem is not None or not hasattr(os, "O_DIRECT"):
+        return problem
+    probe = Path(path) / f".infinity-direct-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as err:
+        return f"the filesystem refuses O_DIRECT ({err.strerror})"
+    try:
+        buf = mmap.mmap(-1, 4096)  # page-aligned
+        os.write(fd, buf)
+    except OSError as err:
+        return f"an aligned O_DIRECT write failed ({err.strerror})"
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def check_direct_io(path: str, buffered_ok: bool) -> None:
+    """A swap folder given by the user must take O_DIRECT, unless buffered I/O was asked for (then it is said)."""
+    problem = direct_io_problem(path)
+    if problem is None:
+        return
+    if not buffered_ok:
+        raise OSError(f"nvme path {path!r} does not take direct I/O: {problem}; put the swap on a disk, or give "
+                      f"--buffered-io (config aio.buffered_fallback: true) to swap through the page cache there")
+    print(f"infinity train: warning: nvme path {path!r} does not take direct I/O ({problem}); swapping through the "
+          f"page cache (--buffered-io): the swap files take memory, not only disk", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapLocation:
+    """Where the private temporary swap folder goes when no --nvme-path is given."""
+
+    parent: str
+    """The folder it is made in: the temporary directory, or the first of ``FALLBACK_PARENTS`` that takes O_DIRECT."""
+    buffered: bool
+    """No candidate takes O_DIRECT: buffered I/O in the temporary directory (said loudly)."""
+    note: str = ""
+    """Why it is not the temporary directory; empty when it is."""
+
+
+def _fallback_parents() -> list[str]:
+    return ["/var/tmp", str(Path.home() / ".cache" / "infinity")]
+
+
+def default_swap_location(buffered_ok: bool = False) -> SwapLocation:
+    """The temporary directory if it takes O_DIRECT; else the first fallback folder that does; else the temporary
+    directory with buffered I/O (tmpfs /tmp on a machine with no other writable disk)."""
+    tmp = tempfile.gettempdir()
+    problem = direct_io_problem(tmp)
+    if problem is None:
+        return SwapLocation(tmp, buffered=False)
+    for parent in _fallback_parents():
+        try:
+            Path(parent).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(parent, os.W_OK) and direct_io_problem(parent) is None:
+            return SwapLocation(parent, buffered=False, note=f"{tmp} does not take direct I/O ({problem}): the swap "
+                                                             f"folder goes in {parent} (or give --nvme-path)")
+    return SwapLocation(tmp, buffered=True, note=(
+        f"WARNING: {tmp} does not take direct I/O ({problem}) and no other folder found does "
+        f"({', '.join(_fallback_parents())}): swapping through the page cache in {tmp}, so the swap takes memory; "
+        f"give --nvme-path on a disk"))

@@ -34,9 +34,10 @@ class Cleanup:
         self.callbacks: list = []
         atexit.register(self.run)
 
-    def temporary_folder(self) -> str:
-        # mode 0700; the pid tells a later run whether the folder's owner is dead (train_checks.remove_dead_swap_folders)
-        folder = tempfile.mkdtemp(prefix=f"infinity-train-{os.getpid()}-")
+    def temporary_folder(self, parent: str | None = None) -> str:
+        """A private folder (0700) in ``parent`` (default the temporary directory); the pid in its name tells a
+        later run whether its owner is dead (train_checks.remove_dead_swap_folders)."""
+        folder = tempfile.mkdtemp(prefix=f"infinity-train-{os.getpid()}-", dir=parent)
         self.folders.append(folder)
         return folder
 

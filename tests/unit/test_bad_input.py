@@ -146,3 +146,38 @@ def test_not_applicable_keys_are_said_at_the_default_level(tmp_path):
     lines = [line for line in run.stdout.splitlines() if "not used here" in line]
     assert len(lines) == 1 and "tensorboard" in lines[0] and "zero_optimization.overlap_comm" in lines[0]
 
+
+
+# --------------------------------------------------------------------------- swap location
+
+
+def test_a_tmpfs_tmp_falls_back_to_a_disk_that_takes_o_direct(monkeypatch, tmp_path):
+    from infinity.commands import train_checks
+
+    disk = tmp_path / "disk"
+    real = train_checks.direct_io_problem
+    monkeypatch.setattr(train_checks, "direct_io_problem",
+                        lambda p: "it is on tmpfs" if str(p) == tempfile.gettempdir() else real(p))
+    monkeypatch.setattr(train_checks, "_fallback_parents", lambda: [str(disk)])
+    monkeypatch.setattr(train, "default_swap_location", train_checks.default_swap_location)
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train"]))
+    assert plan.swap.parent == str(disk) and not plan.swap.buffered and "tmpfs" in plan.swap.note
+    assert "buffered_fallback" not in plan.ds_config.get("aio", {})
+    # nowhere takes O_DIRECT: buffered I/O, said, and the engine is told
+    monkeypatch.setattr(train_checks, "direct_io_problem", lambda p: "it is on tmpfs")
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train"]))
+    assert plan.swap.buffered and plan.swap.note.startswith("WARNING") and plan.ds_config["aio"]["buffered_fallback"]
+
+
+def test_a_tmpfs_nvme_path_names_the_flag_and_the_flag_is_honoured(no_work, capsys, monkeypatch):
+    from infinity.commands import train_checks
+    from infinity.config import AioConfig
+
+    monkeypatch.setattr(train_checks, "direct_io_problem", lambda p: "it is on tmpfs")
+    err = _fails(capsys, "--nvme-path", str(no_work / "swap"))
+    assert "does not take direct I/O" in err and "--buffered-io" in err and "aio.buffered_fallback" in err
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--nvme-path", str(no_work / "swap"),
+                                                                "--buffered-io"]))
+    assert plan.ds_config["aio"] == {"buffered_fallback": True}
+    assert "--buffered-io" in capsys.readouterr().err  # said
+    assert InfinityConfig.from_deepspeed({"aio": {"buffered_fallback": True}}).aio == AioConfig(buffered_fallback=True)
