@@ -2,7 +2,7 @@
 
 With no arguments it trains the ``small`` preset on the Python standard
 library's source, parameters and optimizer states on NVMe in a private
-temporary directory, in bf16, long enough to see the loss fall from ~5.5 to
+temporary directory, in the machine's fast precision (bf16 or fp32: `--precision auto`), long enough to see the loss fall from ~5.5 to
 under 3 (a few minutes on 2 CPU cores). Examples::
 
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.commands import train_checkpoints, train_monitor
-from infinity.commands.train_checkpoints import SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite
+from infinity.commands.train_checkpoints import (SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite,
+                                                 stop_on_signal)
 from infinity.commands.train_checks import (SwapLocation, check_direct_io, check_memory, check_model_file,
                                             check_nvme_room, check_output_folder, check_writable, config_number,
                                             default_swap_location, finite_positive, read_config_file)
+from infinity.commands.train_estimate import _PLACEHOLDER_PATH, _with_nvme_path, estimate_for
 from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
@@ -288,23 +290,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return plan
 
 
-_PLACEHOLDER_PATH = "<temporary folder>"
-
-
 def _default_preset() -> str:
     from infinity.models.gpt import DEFAULT_PRESET
 
     return DEFAULT_PRESET
-
-
-def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
-    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe and names no path."""
-    ds = copy.deepcopy(ds)
-    for key in ("offload_param", "offload_optimizer"):
-        block = ds["zero_optimization"][key]
-        if block.get("device") == "nvme" and not block.get("nvme_path") and nvme_path is not None:
-            block["nvme_path"] = nvme_path
-    return ds
 
 
 # --------------------------------------------------------------------------- running
@@ -369,50 +358,6 @@ def _build_model(plan: Plan, seed: int):
         with torch.device("meta"):
             return GPT(cfg)
     return GPT(cfg)
-
-
-def estimate_for(plan: Plan, model) -> dict:
-    """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
-    import torch
-
-    from infinity.config import InfinityConfig
-    from infinity.estimate import estimate, gpt_activation_nbytes
-    from infinity.placement import distinct_device_requested
-    from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
-
-    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
-    zero = cfg.zero
-    gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
-    if isinstance(model, GPTConfig):
-        numels, largest = param_numels(model), largest_module_params(model)
-    else:
-        numels = [p.numel() for p in model.parameters()]
-        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    activations = 0
-    if gpt_cfg is not None:
-        activations = gpt_activation_nbytes(gpt_cfg, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
-                                            precision=plan.precision)
-    return estimate(
-        param_numels=numels,
-        world_size=plan.world_size,
-        offload_param=plan.offload_param,
-        offload_optimizer=plan.offload_optimizer,
-        precision=cfg.precision,
-        largest_layer_params=largest,
-        max_live_parameters=zero.max_live_parameters,
-        prefetch_bucket_size=zero.prefetch_bucket_size,
-        max_reuse_distance=zero.max_reuse_distance,
-        param_persistence_threshold=zero.param_persistence_threshold,
-        sub_group_size=zero.sub_group_size,
-        buffer_count=zero.offload_param.buffer_count,
-        buffer_size=zero.offload_param.buffer_size,
-        max_in_cpu=zero.offload_param.max_in_cpu,
-        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart from host memory
-        activation_nbytes=activations,
-    )
 
 
 def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
@@ -527,7 +472,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
             save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last)
         if stop.requested(plan.world_size) and step + 1 < plan.steps:
             bar.close()
-            return _stopped(args, plan, engine, monitor, corpus, losses, step + 1, stop)
+            return stop_on_signal(args, plan, engine, monitor, corpus, losses, step + 1, stop)
     bar.close()
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
@@ -565,21 +510,6 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
-
-
-def _stopped(args, plan: Plan, engine, monitor, corpus, losses: list[float], step: int, stop: GracefulStop) -> int:
-    """End a run that was told to stop (SIGTERM, SIGINT) at a step boundary: checkpoint, close, 128 + signal."""
-    saved = ""
-    if args.save_dir:
-        if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
-            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last)
-        saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
-    engine.close()
-    monitor.close()
-    if plan.rank == 0:
-        print(f"infinity train: stopped by {stop.name} after step {step} of {plan.steps}{saved or '; no --save-dir, so no checkpoint'}",
-              file=sys.stderr, flush=True)
-    return stop.exit_code
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["SavePolicy", "add_arguments", "call_checkpoint", "checkpoint_dir_and_tag", "checkpoint_tags",
-           "engine_has_checkpoints", "load", "save", "save_policy", "stop_on_nonfinite"]
+           "engine_has_checkpoints", "load", "save", "save_policy", "stop_on_nonfinite", "stop_on_signal"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,3 +200,18 @@ def _keep_last(save_dir: Path, keep: int, latest: str) -> None:
     for tag in tags[: max(0, len(tags) - (keep - 1))]:
         shutil.rmtree(save_dir / tag, ignore_errors=True)
         logger.info("removed checkpoint %s (--keep-last %d)", save_dir / tag, keep)
+
+
+def stop_on_signal(args, plan, engine, monitor, corpus, losses: list[float], step: int, stop) -> int:
+    """End a run that was told to stop (SIGTERM, SIGINT) at a step boundary: checkpoint, close, 128 + signal."""
+    saved = ""
+    if args.save_dir:
+        if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
+            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last)
+        saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
+    engine.close()
+    monitor.close()
+    if plan.rank == 0:
+        print(f"infinity train: stopped by {stop.name} after step {step} of {plan.steps}{saved or '; no --save-dir, so no checkpoint'}",
+              file=sys.stderr, flush=True)
+    return stop.exit_code
