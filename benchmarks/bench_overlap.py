@@ -46,7 +46,7 @@ def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) 
     optimizer = {"device": offload}
     if nvme_path:
         param.update(nvme_path=nvme_path, max_in_cpu=0)
-        optimizer.update(nvme_path=nvme_path)
+        optimizer.update(nvme_path=nvme_path, max_in_cpu=0)  # measure NVMe, not the host-memory spill
     return {
         "aio": dict(AIO),
         "bf16": {"enabled": PRECISION["name"] == "bf16"},

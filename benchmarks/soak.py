@@ -69,7 +69,7 @@ def main() -> int:
         "zero_optimization": {"stage": 3, "sub_group_size": max(numel // 4, 4096),
                               "stage3_param_persistence_threshold": 0,
                               "offload_param": {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0},
-                              "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}},
     }
     proc = psutil.Process()
     engine = infinity.initialize(model, config)

@@ -106,6 +106,10 @@ class OffloadOptimizerConfig:
     (fp32, one copy down per step), ``host`` (each micro-batch's slice copied down and added by a worker off
     the backward hook), ``device_if_fits`` (the default): on the device when the fp32 accumulator takes at
     most a quarter of the device memory free at initialize."""
+    max_in_cpu: int | None = None
+    """With ``device: nvme``, optimizer-state elements that may rest in host memory (our key, after
+    ``offload_param.max_in_cpu``): None (the default) keeps whatever fits the host-memory budget, so NVMe is a
+    spill tier; 0 puts every sub-group on NVMe."""
     pipeline_read: bool = True
     """Read sub-group i+1 while sub-group i is updated."""
     pipeline_write: bool = True
@@ -119,6 +123,8 @@ class OffloadOptimizerConfig:
             raise ValueError(f"config key offload_optimizer.buffer_count must be at least 2 (one buffer is updated while "
                              f"another is read or written), got {self.buffer_count!r}")
         _require_optional_bool("offload_optimizer.pin_memory", self.pin_memory)
+        if self.max_in_cpu is not None:
+            _require_non_negative("offload_optimizer.max_in_cpu", self.max_in_cpu)
         _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
                         ("device_if_fits", "device", "host"))
 
@@ -144,6 +150,10 @@ class ZeroConfig:
     """A parameter used again within this many elements of fetches is kept gathered."""
     overlap_step_with_backward: bool = True
     """Update a shard as soon as its gradient is final, while backward goes on."""
+    host_memory_budget: int | float | None = None
+    """Host memory this rank's engine may use (our key): bytes, or a fraction of the memory available at start
+    (shared by the ranks on the machine). None: 80 % of what is available. Every host allocation charges it;
+    staging is sized from it; with NVMe configured, the states that fit stay in host memory."""
 
     def __post_init__(self):
         if self.stage != 3:
@@ -154,6 +164,8 @@ class ZeroConfig:
             _require_positive(f"zero_optimization.{name}", getattr(self, name))
         for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
             _require_non_negative(f"zero_optimization.{name}", getattr(self, name))
+        from infinity.host_budget import parse_host_memory
+        object.__setattr__(self, "host_memory_budget", parse_host_memory(self.host_memory_budget))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -324,6 +336,7 @@ _ZERO_HONOURED = {
     "stage3_max_reuse_distance": "max_reuse_distance",
     "max_reuse_distance": "max_reuse_distance",
     "overlap_step_with_backward": "overlap_step_with_backward",
+    "host_memory_budget": "host_memory_budget",
 }
 # Keys whose only values we can honour are listed with that value.
 _ZERO_ONLY_VALUE = {
@@ -333,7 +346,7 @@ _ZERO_ONLY_VALUE = {
 }
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-                           "grad_accumulation"}
+                           "grad_accumulation", "max_in_cpu"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
@@ -504,6 +517,8 @@ class _DeepSpeedTranslator:
         for name, value in fields.items():
             if name == "overlap_step_with_backward":
                 kwargs[name] = bool(value)
+            elif name == "host_memory_budget":
+                kwargs[name] = value  # bytes, a fraction or a string with units: parsed by ZeroConfig
             else:
                 kwargs[name] = _int(f"zero_optimization.{name}", value)
         return ZeroConfig(**kwargs)

@@ -23,6 +23,7 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.sharded_param import ParamState, ShardedParam
@@ -66,15 +67,18 @@ class Engine:
         if not named:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
         zero = config.zero
-        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=zero.sub_group_size)
+        self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
+        sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
         self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
         self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
         self.placement = Placement.decide(
             config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
         logger.info("%s", self.placement.describe())
+        self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
         self.copies = Copies(self.placement)
-        self.tiers = Tiers(config, self.placement, self.timeline)
+        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
         self._closed = False
         try:
             self._build(model, named, meta_data)
@@ -86,18 +90,24 @@ class Engine:
     # -- construction ------------------------------------------------------
     def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
         config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
+        self._read_pool = self._make_read_pool()
+        budget = self.host_budget
+        reserve = budget.reserve_nbytes(self._read_pool.budget_nbytes if self._read_pool is not None else 0)
         self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
-                                     nvme_path=zero.offload_param.nvme_path, max_in_cpu=zero.offload_param.max_in_cpu)
+                                     nvme_path=zero.offload_param.nvme_path,
+                                     max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve))
         by_name = {name: p for name, p in named}
         grad_dtype = self.dtype if placement.grads_lossless else torch.float32
         self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
                                    {id(by_name[s.name]): s.index for s in layout.slots},
                                    grad_dtype=grad_dtype, compute_dtype=self.dtype)
+        self.overlap_step = self._overlap_allowed()
         self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
                                           self.copies, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-                                          buffer_count=zero.offload_optimizer.buffer_count, timeline=self.timeline)
-        self._read_pool = self._make_read_pool()
+                                          buffer_count=budget.staging_sets, timeline=self.timeline,
+                                          reserve_nbytes=reserve, backward_order=self.overlap_step,
+                                          max_in_cpu=zero.offload_optimizer.max_in_cpu)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.params: list[ShardedParam] = []
@@ -120,14 +130,13 @@ class Engine:
             self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
                                          max_live_numel=zero.max_live_parameters,
                                          max_reuse_distance=zero.max_reuse_distance,
-                                         device_stats=self.tiers.stats["device"])
+                                         device_stats=self.tiers.stats["device"], reserve_nbytes=reserve)
         self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.overlap_step = self._overlap_allowed()
         self.micro_step = 0
         self.global_step = 0
         self._backward_pending = False

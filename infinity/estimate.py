@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from itertools import product
 
+from infinity.host_budget import STATE_BYTES, staged_sub_group_numel, transient_reserve_nbytes
 from infinity.layout import ALIGN_NUMEL
 
 __all__ = [
@@ -113,6 +114,9 @@ def estimate(
     gradient_accumulation_steps: int = 1,
     gpu: bool = True,
     activation_nbytes: int = 0,
+    host_memory_budget: int | None = None,
+    optimizer_max_in_cpu: int | None = None,
+    overlap_step: bool = False,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -124,6 +128,11 @@ def estimate(
     of that size (:func:`gpt_like_largest_layer`). Returns ``{"setting": {...},
     "shard_numel": int, "tiers": {tier: {kind: bytes}}, "totals": {tier: bytes},
     "accounted": {tier: bytes}}`` (``accounted``: without activations).
+
+    With ``host_memory_budget`` (bytes) the engine's plan within it is followed: NVMe staging capped by the
+    budget, compute shards and then optimizer sub-groups configured for NVMe kept in host memory while they
+    fit (``optimizer_max_in_cpu`` elements at most), the step's first reads first (``overlap_step``: the last
+    sub-groups). Without it, ``nvme`` means NVMe.
     """
     _check_choice("offload_param", offload_param, OFFLOAD_CHOICES)
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_CHOICES)
@@ -131,15 +140,21 @@ def estimate(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     sub_group_size, max_in_cpu = int(sub_group_size), int(max_in_cpu)
+    sets = max(2, int(optimizer_buffer_count)) if pipeline else 1
     if param_numels is not None:
         numels = [int(n) for n in param_numels]
         num_params = sum(numels)
         shards = [math.ceil(n / world_size) for n in numels]
+        if host_memory_budget is not None and offload_optimizer == "nvme":
+            sub_group_size = staged_sub_group_numel(sub_group_size, largest_shard_numel=max(shards, default=0),
+                                                    budget_nbytes=host_memory_budget, sets=sets,
+                                                    bytes_per_numel=STATE_BYTES + _COMPUTE_BYTES[precision])
         shard_numel = sum(shards)
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
-        largest_sub_group = _largest_sub_group(shards, sub_group_size)
+        sub_groups = _sub_group_numels(shards, sub_group_size)
+        largest_sub_group = max(sub_groups, default=0)
         host_cached = _prefix_within(shards, max_in_cpu)
     elif num_params is not None:
         num_params = int(num_params)
@@ -147,6 +162,8 @@ def estimate(
         largest = gpt_like_largest_layer(num_params)
         persistent_numel = 0
         largest_sub_group = min(sub_group_size, flat_numel)
+        sub_groups = [largest_sub_group] * (flat_numel // largest_sub_group) + (
+            [flat_numel % largest_sub_group] if largest_sub_group and flat_numel % largest_sub_group else [])
         host_cached = min(max_in_cpu, flat_numel)
     else:
         raise ValueError("give num_params or param_numels")
@@ -194,7 +211,6 @@ def estimate(
         in_flight = math.ceil((largest + ahead) / world_size)
         tiers["host"]["param_io_buffers"] += min(buffer_count * per_buffer, in_flight, flat_numel) * cbytes
     if offload_optimizer == "nvme":
-        sets = max(2, int(optimizer_buffer_count)) if pipeline else 1
         tiers["host"]["optimizer_staging"] += sets * largest_sub_group * (12 + cbytes)
     elif offload_param == "nvme" and host_cached < flat_numel:
         tiers["host"]["optimizer_staging"] += largest_sub_group * cbytes
@@ -203,6 +219,11 @@ def estimate(
     if gpu and offload_optimizer == "none" and offload_param != "none":
         tiers["device"]["optimizer_staging"] += largest_sub_group * cbytes  # new compute shards on their way down
     tiers["device"]["activations"] += int(activation_nbytes)
+    if host_memory_budget is not None:
+        _plan_within_budget(tiers, host_memory_budget, gpu=gpu, cbytes=cbytes, sub_groups=sub_groups,
+                            largest_shard=math.ceil(largest / world_size), offload_param=offload_param,
+                            offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
+                            overlap_step=overlap_step)
 
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
@@ -225,6 +246,7 @@ def estimate(
             "pipeline": pipeline,
             "gradient_accumulation_steps": gradient_accumulation_steps,
             "gpu": gpu,
+            "host_memory_budget": host_memory_budget,
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
@@ -238,16 +260,52 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:
-    """Largest run of whole aligned shards of at most ``sub_group_size`` elements (one shard alone may exceed it)."""
-    largest, start, offset, count = 0, 0, 0, 0
+def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
+    """Runs of whole aligned shards of at most ``sub_group_size`` elements (one shard alone may exceed it)."""
+    groups, start, offset, count = [], 0, 0, 0
     for n in shards:
         end = _round_up(offset + n, ALIGN_NUMEL)
         if count and end - start > sub_group_size:
-            largest = max(largest, _round_up(offset, ALIGN_NUMEL) - start)
+            groups.append(_round_up(offset, ALIGN_NUMEL) - start)
             start, count = offset, 0
         offset, count = end, count + 1
-    return max(largest, offset - start)
+    if count:
+        groups.append(offset - start)
+    return groups
+
+
+def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub_groups: list[int], largest_shard: int,
+                        offload_param: str, offload_optimizer: str, optimizer_max_in_cpu: int | None,
+                        overlap_step: bool) -> None:
+    """The engine's plan (``infinity.host_budget``): what exceeds the budget of the parameter cache goes back
+    to NVMe, then optimizer sub-groups on NVMe come to host memory while they fit."""
+    largest_sub_group = max(sub_groups, default=0)
+    reserve = transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes) + largest_sub_group * cbytes
+
+    def charged() -> int:  # what the budget is charged: host memory, and device memory where it is host memory
+        device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
+        return sum(tiers["host"].values()) + device
+
+    if offload_param == "nvme":
+        excess = max(0, charged() + reserve - budget)
+        back = min(tiers["host"]["compute_shard"], _round_up(excess, cbytes))
+        tiers["host"]["compute_shard"] -= back
+        tiers["nvme"]["compute_shard"] += back
+    if offload_optimizer == "nvme" and optimizer_max_in_cpu != 0:
+        room = budget - charged() - reserve
+        kept = 0
+        for numel in (reversed(sub_groups) if overlap_step else sub_groups):
+            fits = (kept + numel) * STATE_BYTES <= room
+            if fits and (optimizer_max_in_cpu is None or kept + numel <= optimizer_max_in_cpu):
+                kept += numel
+        for kind, per in (("master", 4), ("moments", 8)):
+            tiers["nvme"][kind] -= kept * per
+            tiers["host"][kind] += kept * per
+
+
+def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:
+    """Largest run of whole aligned shards of at most ``sub_group_size`` elements (one shard alone may exceed it)."""
+    return max(_sub_group_numels(shards, sub_group_size), default=0)
 
 
 def _prefix_within(shards: Sequence[int], limit: int) -> int:

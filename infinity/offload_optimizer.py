@@ -10,10 +10,11 @@ optimizer runs in; otherwise they go through a scratch buffer (pinned host
 memory, or device memory) and cross through :class:`~infinity.copies.Copies`,
 or are written to NVMe.
 
-With the states on NVMe the sub-groups are pipelined through two sets of host
-buffers: sub-group i+1 is read while sub-group i is updated, and sub-group i is
-written while i+1 is updated. A buffer set is reused only after its writes
-have completed.
+With the states on NVMe, the sub-groups that fit the host-memory budget rest in
+host memory instead (those the step reads first, first) and only the others
+are swapped: they are pipelined through sets of host buffers, sub-group i+1
+read while sub-group i is updated, and sub-group i written while i+1 is
+updated. A buffer set is reused only after its writes have completed.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class _Staging:
 class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
                  compute: ComputeShards, grads: GradReducer, copies: Copies, *,
-                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None):
+                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
+                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None):
         self.layout = layout
         self.config = config
         self.tier = placement.master.tier
@@ -85,7 +87,8 @@ class OffloadOptimizer:
         self._scratch_pinned = placement.grads.pinned and not self._write_in_place
         memory_tier = "device" if self.tier == "device" else "host"
         self._memory_tier = memory_tier
-        self._states: dict[str, torch.Tensor] = {}
+        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state
+        self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
@@ -102,10 +105,49 @@ class OffloadOptimizer:
                 states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
                 compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
                 self._staging.append(_Staging(states, compute_staging, []))
+            room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
+            self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
+            for group in layout.sub_groups:
+                self._memory_offset[group.index] = group.start
             for name in STATE_NAMES:
                 self._states[name] = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
                 self._states[name].zero_()
+        self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
+        """Sub-groups whose states rest on NVMe (the others are in memory)."""
+
+    def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
+        """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
+        (with no budget, none do: ``device: nvme`` then means NVMe).
+
+        Every sub-group kept saves its 24 bytes an element of I/O per step; among those that fit, the ones the
+        step reads first are kept (no I/O can hide their reads): the last sub-groups when the step runs during
+        backward (which finishes them first), else the first ones."""
+        order = sorted(self.layout.sub_groups, key=lambda g: -g.index if backward_order else g.index)
+        kept, total = [], 0
+        for group in order:
+            fits = (total + group.numel) * len(STATE_NAMES) * 4 <= room_nbytes
+            if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
+                kept.append(group)
+                total += group.numel
+        if not kept:
+            return
+        for group in sorted(kept, key=lambda g: g.index):
+            self._memory_offset[group.index] = sum(g.numel for g in kept if g.index < group.index)
+        for name in STATE_NAMES:
+            self._states[name] = self._tiers.empty("host", total, torch.float32)
+            self._states[name].zero_()
+        logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
+                    "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
+                    sum(g.numel for g in self.layout.sub_groups))
+
+    def in_memory(self, group: SubGroup) -> bool:
+        return group.index in self._memory_offset
+
+    @property
+    def resident_numel(self) -> int:
+        """Elements whose states rest in memory (all of them unless the tier is NVMe)."""
+        return sum(g.numel for g in self.layout.sub_groups if self.in_memory(g))
 
     @property
     def grads(self) -> torch.Tensor:
@@ -122,7 +164,7 @@ class OffloadOptimizer:
         for group in self.layout.sub_groups:
             if group.index in self._written_groups or not all(s.index in values_by_slot for s in group.slots):
                 continue
-            if self.tier == "nvme":
+            if not self.in_memory(group):
                 staging = self._staging[0]
                 staging.wait_writes()
                 master = staging.states["master"][:group.numel]
@@ -132,7 +174,7 @@ class OffloadOptimizer:
                 self._store.write(f"master.{group.index}", master).wait()
             else:
                 for slot in group.slots:
-                    self._write_memory_state("master", slot.offset, values_by_slot[slot.index])
+                    self._write_memory_state("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -234,8 +276,9 @@ class OffloadOptimizer:
             self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
 
     def _step_nvme(self) -> None:
-        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done."""
-        groups = self.layout.sub_groups
+        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done. The
+        sub-groups resting in host memory are updated while the first read is in flight."""
+        groups = self.swapped_groups
         sets = self._staging
         reads: dict[int, list[IOHandle]] = {}
         if groups:
@@ -243,6 +286,9 @@ class OffloadOptimizer:
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
             reads[0] = self._read_states(groups[0], sets[0])
+        for group in self.layout.sub_groups:
+            if self.in_memory(group):
+                self._update_in_memory(group)
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -290,7 +336,8 @@ class OffloadOptimizer:
 
     def _update_in_memory(self, group: SubGroup) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        states = {name: t[group.start:group.end] for name, t in self._states.items()}
+        start = self._memory_offset[group.index]
+        states = {name: t[start:start + group.numel] for name, t in self._states.items()}
         for handle in self._update(group, states, None):
             handle.wait()
 
@@ -312,8 +359,8 @@ class OffloadOptimizer:
         """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (fp32, group.numel)."""
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
-        if self.tier != "nvme":
-            self._read_memory_state(name, group.start, out)
+        if self.in_memory(group):
+            self._read_memory_state(name, group, out)
         elif name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
         else:
@@ -326,19 +373,22 @@ class OffloadOptimizer:
         if values.numel() != group.numel or values.dtype != torch.float32:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
-        if self.tier != "nvme":
-            self._write_memory_state(name, group.start, values)
+        if self.in_memory(group):
+            self._write_memory_state(name, group, values)
         else:
             self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
 
-    def _read_memory_state(self, name: str, start: int, out_host: torch.Tensor) -> None:
+    def _read_memory_state(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
+        start = self._memory_offset[group.index]
         source = self._states[name][start:start + out_host.numel()]
         if self._on_device:
             self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
         else:
             out_host.copy_(source)
 
-    def _write_memory_state(self, name: str, start: int, values_host: torch.Tensor) -> None:
+    def _write_memory_state(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
+        """Write host values into a sub-group's state in memory, ``at`` elements into the sub-group."""
+        start = self._memory_offset[group.index] + at
         target = self._states[name][start:start + values_host.numel()]
         if self._on_device:
             self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
@@ -377,7 +427,7 @@ class OffloadOptimizer:
             self._tiers.free("host", staging.compute)
         self._staging.clear()
         for tensor in self._states.values():
-            self._tiers.free(self._memory_tier, tensor)
+            self._tiers.free("host" if self.tier == "nvme" else self._memory_tier, tensor)
         self._states.clear()
         if self._host_scratch is not None:
             self._tiers.free("host", self._host_scratch)
@@ -436,13 +486,13 @@ class _OverlappedStep:
         return during_backward
 
     def _run(self) -> None:
-        nvme = self._optimizer.tier == "nvme"
-        if nvme:
-            self._guarded(self._read_next_ahead)
+        optimizer = self._optimizer
+        self._guarded(self._read_next_ahead)
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
-            self._guarded(lambda: self._update(group) if nvme else self._optimizer._update_in_memory(group))
+            self._guarded(lambda: optimizer._update_in_memory(group) if optimizer.in_memory(group)
+                          else self._update(group))
             self.updated += 1
         for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
             for handle in reads:
@@ -480,8 +530,10 @@ class _OverlappedStep:
         """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
 
         The reads are not urgent: they queue behind the parameter reads that compute waits for."""
+        groups = self._optimizer.layout.sub_groups
         with self._lock:
-            candidates = [i for i in sorted(self._waiting, reverse=True) if i not in self._read_ahead]
+            candidates = [i for i in sorted(self._waiting, reverse=True)
+                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
         for index in candidates:
             if len(self._free_sets) < 2:
                 return

@@ -26,12 +26,13 @@ logger = logging.getLogger(__name__)
 
 class Prefetcher:
     def __init__(self, params: list[ShardedParam], *, bucket_numel: int, max_live_numel: int,
-                 max_reuse_distance: int, device_stats: TierStats):
+                 max_reuse_distance: int, device_stats: TierStats, reserve_nbytes: int = 0):
         self._params = params
         self._bucket_numel = bucket_numel
         self._max_live_numel = max_live_numel
         self._max_reuse_distance = max_reuse_distance
         self._device = device_stats
+        self._reserve_nbytes = reserve_nbytes  # kept free in the memory budget for fetches on demand
         self.plan: list[ShardedParam] = []    # the last complete pass's requests
         self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
         self._numel_before: list[int] = []    # elements requested before each plan position
@@ -102,7 +103,8 @@ class Prefetcher:
         if nxt >= len(self.plan):
             return False
         distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
-        return distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
+        return (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
+                and self._room_for(param.full_nbytes))
 
     # -- internals ----------------------------------------------------------------
     def _prefetch_after(self, position: int) -> None:
@@ -115,7 +117,7 @@ class Prefetcher:
             if ahead_numel + numel > self._bucket_numel and i > position + 1:
                 break
             if p.state is ParamState.RELEASED and (p.needs_swap_in or p.needs_copy_up):
-                if self._live_numel() + p.slot.padded_numel > self._max_live_numel:
+                if self._live_numel() + p.slot.padded_numel > self._max_live_numel or not self._room_for(p.full_nbytes):
                     break
                 if p.prefetch():
                     self.prefetched += 1
@@ -132,6 +134,11 @@ class Prefetcher:
                 p.advance()
                 still.append(p)
         self._in_flight = still
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""
+        room = self._device.room_nbytes()
+        return room is None or room - nbytes >= self._reserve_nbytes
 
     def _live_numel(self) -> int:
         # device bytes are all gathered parameters (and resident shards when params stay on the device)

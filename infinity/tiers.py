@@ -24,11 +24,15 @@ logger = logging.getLogger(__name__)
 class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
-    def __init__(self, config: InfinityConfig, placement: Placement, timeline=None):
+    def __init__(self, config: InfinityConfig, placement: Placement, timeline=None, *,
+                 host_budget_nbytes: int | None = None):
         self.placement = placement
         self.device = placement.device
         self._timeline = timeline
-        self.stats = {"device": TierStats("device"), "host": TierStats("host")}
+        # One budget for host memory: host buffers charge it, and so do device buffers where the device is the host.
+        self.host_memory = TierStats("host memory", host_budget_nbytes)
+        self.stats = {"device": TierStats("device", within=None if placement.distinct else self.host_memory),
+                      "host": TierStats("host", within=self.host_memory)}
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
         self._aio = config.aio

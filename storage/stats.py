@@ -33,12 +33,17 @@ class TierStats:
     mark since creation or :meth:`reset_peak`; ``bytes_read`` / ``bytes_written``
     count bytes moved out of / into the tier; ``wait_s`` the seconds callers
     spent blocked on the tier's transfers.
+
+    ``within`` is a budget this tier shares with others (the host memory that
+    host buffers and, without a GPU, device buffers both take): every
+    allocation is charged to it too, and refused when either budget would pass.
     """
 
-    def __init__(self, name: str, budget_nbytes: int | None = None) -> None:
+    def __init__(self, name: str, budget_nbytes: int | None = None, *, within: "TierStats | None" = None) -> None:
         if budget_nbytes is not None and budget_nbytes < 0:
             raise ValueError(f"tier {name!r}: budget_nbytes must be >= 0 or None, got {budget_nbytes}")
         self.name = name
+        self.within = within
         self._budget_nbytes = budget_nbytes
         self._lock = threading.Lock()
         self._live_nbytes = 0
@@ -61,6 +66,8 @@ class TierStats:
                     f"{live} bytes live, over the budget of {self._budget_nbytes} bytes "
                     f"({format_nbytes(self._budget_nbytes)}); {self._live_nbytes} bytes are live now"
                 )
+            if self.within is not None:
+                self.within.allocate(nbytes)  # raises before this tier counts anything
             self._live_nbytes = live
             if live > self._peak_nbytes:
                 self._peak_nbytes = live
@@ -73,6 +80,8 @@ class TierStats:
                     f"tier {self.name!r}: freeing {nbytes} bytes but only {self._live_nbytes} bytes are live"
                 )
             self._live_nbytes -= nbytes
+            if self.within is not None:
+                self.within.free(nbytes)
 
     def record_read(self, nbytes: int) -> None:
         with self._lock:
@@ -96,6 +105,14 @@ class TierStats:
     @property
     def budget_nbytes(self) -> int | None:
         return self._budget_nbytes
+
+    def room_nbytes(self) -> int | None:
+        """Bytes that can still be allocated here (and in the budget it is within); None: no limit."""
+        with self._lock:
+            own = None if self._budget_nbytes is None else self._budget_nbytes - self._live_nbytes
+        shared = None if self.within is None else self.within.room_nbytes()
+        rooms = [r for r in (own, shared) if r is not None]
+        return min(rooms) if rooms else None
 
     @property
     def live_nbytes(self) -> int:

@@ -124,6 +124,7 @@ def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: i
         offload_param["max_in_cpu"] = 0  # really on NVMe, not cached in host memory
     if optimizer == "nvme":
         offload_optimizer["nvme_path"] = nvme_path
+        offload_optimizer["max_in_cpu"] = 0  # every sub-group on NVMe, not kept in host memory within the budget
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accum,
@@ -159,6 +160,28 @@ def engine_train(model: nn.Module, config: dict, batches, *, steps: int, accum: 
     finally:
         engine.close()
     return losses, state, metrics
+
+
+def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None):
+    """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
+    placement. ``setup(engine)`` runs before the first step (to make copies late, say)."""
+    import infinity
+
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    if setup is not None:
+        setup(engine)
+    losses, metrics, it = [], [], iter(batches)
+    try:
+        for _ in range(steps):
+            for _ in range(accum):
+                loss = engine(*next(it))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            metrics.append(engine.step_metrics())
+        return losses, engine.full_state_dict(), metrics, engine.placement
+    finally:
+        engine.close()
 
 
 def free_port() -> int:

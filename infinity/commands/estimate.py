@@ -60,7 +60,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="elements per host buffer for NVMe params (default 1e8)")
     p.add_argument("--cpu", action="store_true",
                    help="the ranks compute on the CPU (no GPU): NVMe reads need no host buffers")
+    p.add_argument("--host-memory", metavar="SIZE", default=None,
+                   help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
+                        "NVMe becomes a spill tier under it, as in the engine (default: no budget, nvme means nvme)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _budget(text: str | None) -> int | None:
+    if text is None:
+        return None
+    from infinity.host_budget import parse_host_memory, resolve_host_budget
+    return resolve_host_budget(parse_host_memory(text, key="--host-memory"), local_ranks=1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         buffer_count=args.buffer_count,
         buffer_size=args.buffer_size,
         gradient_accumulation_steps=args.grad_accum,
+        host_memory_budget=_budget(args.host_memory),
     )
     if args.preset is not None:
         from infinity.models.gpt import get_preset

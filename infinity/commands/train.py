@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
     eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
     eng.add_argument("--nvme-path", metavar="DIR", help="folder for swap files (default: a private temporary folder, removed at exit)")
+    eng.add_argument("--host-memory", metavar="SIZE", type=_host_memory,
+                     help="host-memory budget of each rank: bytes (8GiB) or a fraction of the available memory "
+                          "(0.5, 50%%); default 80%% of what is available. With nvme configured, what fits stays "
+                          "in host memory")
     eng.add_argument("--precision", choices=PRECISION_CHOICES,
                      help="compute precision (default auto: bf16 where the device computes it fast, else fp32)")
     eng.add_argument("--buffered-io", action="store_true",
@@ -146,6 +150,14 @@ def _dist_env() -> tuple[int, int, int]:
         world = int(os.environ["WORLD_SIZE"])
         return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return 0, 1, 1
+
+
+def _host_memory(text: str):
+    from infinity.host_budget import parse_host_memory
+    try:
+        return parse_host_memory(text, key="--host-memory")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -226,10 +238,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
             block["nvme_path"] = args.nvme_path
         zero[key] = block
         offload[key] = block["device"]
-    # With params on NVMe, keep none of them cached in host memory unless the config says otherwise:
-    # `--offload-param nvme` means the compute shards live on the disk.
-    if offload["offload_param"] == "nvme":
-        zero["offload_param"].setdefault("max_in_cpu", 0)
+    # `--offload-* nvme` means the disk: nothing kept in host memory unless the config says otherwise.
+    # With --host-memory, NVMe is a spill tier under that budget: the engine keeps in host memory what fits.
+    if args.host_memory is None:
+        for key in ("offload_param", "offload_optimizer"):
+            if offload[key] == "nvme":
+                zero[key].setdefault("max_in_cpu", 0)
+    else:
+        zero["host_memory_budget"] = args.host_memory
 
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     ds["gradient_accumulation_steps"] = grad_accum

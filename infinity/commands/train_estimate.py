@@ -26,6 +26,7 @@ def estimate_for(plan, model) -> dict:
 
     from infinity.config import InfinityConfig
     from infinity.estimate import estimate, gpt_activation_nbytes
+    from infinity.host_budget import resolve_host_budget
     from infinity.placement import distinct_device_requested
     from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
@@ -61,4 +62,7 @@ def estimate_for(plan, model) -> dict:
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart from host memory
         activation_nbytes=activations,
+        host_memory_budget=resolve_host_budget(zero.host_memory_budget),
+        optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
+        overlap_step=zero.overlap_step_with_backward and not cfg.gradient_clipping and cfg.precision != "fp16",
     )

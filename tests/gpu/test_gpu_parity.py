@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, run_ranks
+from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -40,19 +40,11 @@ def _reference(model, batches, accum):
 
 
 def _engine(model, config, batches, accum):
-    engine = infinity.initialize(copy.deepcopy(model), config)
-    assert engine.device.type == "cuda" and engine.placement.distinct
-    losses, it = [], iter(batches)
-    try:
-        for _ in range(STEPS):
-            for _ in range(accum):
-                loss = engine(*next(it))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        return losses, engine.full_state_dict(), engine.step_metrics(), engine.placement
-    finally:
-        engine.close()
+    def on_the_gpu(engine):
+        assert engine.device.type == "cuda" and engine.placement.distinct
+    losses, state, metrics, placement = engine_steps(model, config, batches, steps=STEPS, accum=accum,
+                                                     setup=on_the_gpu)
+    return losses, state, metrics[-1], placement
 
 
 @pytest.fixture(scope="module")

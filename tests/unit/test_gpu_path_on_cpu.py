@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, reference_train
+from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, reference_train
 from infinity.placement import DISTINCT_DEVICE_ENV, GradRoute
 
 STEPS, LR, CLIP = 6, 3e-3, 1.0
@@ -30,21 +30,9 @@ def distinct_device(monkeypatch):
 
 
 def _train(model, config, batches, *, accum, delay_s=COPY_DELAY_S):
-    engine = infinity.initialize(copy.deepcopy(model), config)
-    engine.copies.delay_s = delay_s
-    losses, metrics = [], []
-    it = iter(batches)
-    try:
-        for _ in range(STEPS):
-            for _ in range(accum):
-                loss = engine(*next(it))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            metrics.append(engine.step_metrics())
-        return losses, engine.full_state_dict(), metrics, engine.placement
-    finally:
-        engine.close()
+    def late_copies(engine):
+        engine.copies.delay_s = delay_s
+    return engine_steps(model, config, batches, steps=STEPS, accum=accum, setup=late_copies)
 
 
 def _assert_matches(result, reference, where):

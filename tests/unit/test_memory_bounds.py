@@ -50,9 +50,12 @@ RSS_SCRIPT = textwrap.dedent("""
     x = torch.randint(0, 256, (1, 32)); y = torch.randint(0, 256, (1, 32))
     baseline = psutil.Process().memory_info().rss
     with tempfile.TemporaryDirectory() as nvme:
-        # budgets sized to the model (DeepSpeed's defaults, 1e9 elements, would keep all of it gathered)
+        # gathering budgets sized to the model (DeepSpeed's defaults, 1e9 elements, would keep all of it gathered)
         config = {{"bf16": {{"enabled": True}}, "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-4}}}},
                   "zero_optimization": {{"stage": 3, "sub_group_size": 2_000_000,
+                      # a host budget of a quarter of the states: the rest must go to NVMe (by default
+                      # NVMe is a spill tier, and 1.6 GB of states would fit in host memory here)
+                      "host_memory_budget": states // 4,
                       "stage3_max_live_parameters": 10_000_000, "stage3_max_reuse_distance": 10_000_000,
                       "stage3_prefetch_bucket_size": 10_000_000,
                       "offload_param": {{"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}},

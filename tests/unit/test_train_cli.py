@@ -52,8 +52,14 @@ def test_no_arguments_is_the_make_train_job():
     ds = plan.ds_config
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["sub_group_size"] == train.DEFAULT_SUB_GROUP_SIZE
+    # `--offload-* nvme` means the disk ...
     assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "max_in_cpu": 0}
-    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme"}
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "max_in_cpu": 0}
+    assert "host_memory_budget" not in ds["zero_optimization"]
+    # ... unless a host-memory budget makes it a spill tier: then the engine keeps what fits
+    zero = train.make_plan(_args("--host-memory", "2GiB")).ds_config["zero_optimization"]
+    assert zero["host_memory_budget"] == 2 << 30
+    assert zero["offload_param"] == {"device": "nvme"} and zero["offload_optimizer"] == {"device": "nvme"}
     assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": train.PRESET_LR["small"], "betas": [0.9, 0.95], "eps": 1e-8,
                                                            "weight_decay": 0.1}}
     assert ds["bf16"] == {"enabled": fast == "bf16"}
