@@ -11,11 +11,19 @@ Two cases over the same buffers (so the same physical pages) in one run:
 and for each case the bandwidth floor: the kernel's `touch` pass, which makes
 exactly the step's loads and stores with no Adam arithmetic.
 
+Two more cases, the compact optimizer states (kernels/compact.py), bf16 grads
+and a bf16 parameter copy:
+
+  bf16s ours: adam_step_compact(state_dtype="bf16")   master, moments bf16
+  int8s ours: adam_step_compact(state_dtype="int8")   master bf16, moments 8-bit + scales
+        fp32: the bf16 case's adam_step (fp32 states), for the time per step
+        floor: extension.touch_compact, the same loads and stores as ours
+
 Contenders run alternately, round after round, with the order rotated each
 round; a figure is the median over rounds, and a ratio the median of the
 per-round ratios. The machine is shared: read ratios, not times.
 
-    .venv/bin/python benchmarks/bench_adam.py [--numel 100000000] [--rounds 11]
+    .venv/bin/python benchmarks/bench_adam.py [--numel 100000000] [--rounds 11] [--cases fp32,bf16,bf16s,int8s]
 
 The last line is JSON.
 """
@@ -31,11 +39,17 @@ import torch
 
 import infinity.kernels as kernels
 from infinity.hardware import cpu_name
-from infinity.kernels import extension
+from infinity.kernels import compact, extension
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 # Bytes each pass moves per element: reads p, g, m, v; writes p, m, v (+ copy).
-BYTES_PER_ELEM = {"fp32": 4 + 4 + 4 + 4 + 3 * 4, "bf16": 4 + 2 + 4 + 4 + 3 * 4 + 2}
+# Compact: bf16s reads master, g, m, v (2 B each) and writes master, m, v and the copy;
+# int8s the same with 1-byte moments, plus two fp32 scales per 256 elements read and written.
+BYTES_PER_ELEM = {
+    "fp32": 4 + 4 + 4 + 4 + 3 * 4, "bf16": 4 + 2 + 4 + 4 + 3 * 4 + 2,
+    "bf16s": 4 * 2 + 4 * 2, "int8s": 2 * (2 + 2 + 1 + 1) + 2 * 2 * 8 / 256,
+}  # fmt: skip
+COMPACT_CASES = {"bf16s": "bf16", "int8s": "int8"}
 
 
 def main() -> None:
@@ -48,7 +62,12 @@ def main() -> None:
         help="buffers from torch.empty (4 KiB pages), or from infinity.storage.aligned_empty "
         "(transparent huge pages, as the engine's host tier allocates them)",
     )  # fmt: skip
+    ap.add_argument("--cases", default="fp32,bf16,bf16s,int8s", help="comma-separated cases to run")
     args = ap.parse_args()
+    wanted = args.cases.split(",")
+    unknown = set(wanted) - set(BYTES_PER_ELEM)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; choose from {sorted(BYTES_PER_ELEM)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if kernels.backend() != "cpp":
@@ -99,6 +118,10 @@ def main() -> None:
         "fp32": {"ours": ours_fp32, "torch": torch_fp32, "floor": lambda: extension.touch(p, g32, m, v)},
         "bf16": {"ours": ours_bf16, "torch": torch_bf16, "floor": lambda: extension.touch(p, g16, m, v, p16)},
     }
+    for case, state_dtype in COMPACT_CASES.items():
+        if case in wanted:
+            cases[case] = compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_bf16)
+    cases = {case: fns for case, fns in cases.items() if case in wanted}
     times = {case: {name: [] for name in fns} for case, fns in cases.items()}
     order = [(case, name) for case, fns in cases.items() for name in fns]
     for r in range(2 + args.rounds):
@@ -127,13 +150,16 @@ def main() -> None:
             print(f"{case:5} {name:8} {med * 1e3:10.1f} {n / med / 1e9:9.3f} {gbps:7.1f}")
             result[f"{case}_{name}_ms"] = round(med * 1e3, 2)
             result[f"{case}_{name}_gparams_s"] = round(n / med / 1e9, 3)
-        speedups = [t / o for t, o in zip(by_name["torch"], by_name["ours"])]
+        against = "fp32" if case in COMPACT_CASES else "torch"
+        speedups = [t / o for t, o in zip(by_name[against], by_name["ours"])]
         over_floor = [o / f for o, f in zip(by_name["ours"], by_name["floor"])]
         result[f"{case}_speedup_vs_torch"] = round(statistics.median(speedups), 3)
         result[f"{case}_speedup_vs_torch_iqr"] = [round(q, 3) for q in quartiles(speedups)]
         result[f"{case}_ours_over_floor"] = round(statistics.median(over_floor), 3)
         result[f"{case}_ours_over_floor_iqr"] = [round(q, 3) for q in quartiles(over_floor)]
     for case, against, need in (("fp32", "torch fused AdamW", 1.0), ("bf16", "the torch pipeline", 1.3)):
+        if case not in times:
+            continue
         lo, hi = result[f"{case}_speedup_vs_torch_iqr"]
         flo, fhi = result[f"{case}_ours_over_floor_iqr"]
         print(
@@ -141,7 +167,52 @@ def main() -> None:
             f"need >= {need}), {result[f'{case}_ours_over_floor']:.2f}x the floor's time "
             f"(IQR {flo:.2f}-{fhi:.2f}; need <= 1.25)"
         )
+    for case in COMPACT_CASES:
+        if case not in times:
+            continue
+        lo, hi = result[f"{case}_speedup_vs_torch_iqr"]
+        flo, fhi = result[f"{case}_ours_over_floor_iqr"]
+        print(
+            f"{case}: ours {result[f'{case}_speedup_vs_torch']:.2f}x as fast as the fp32-state step "
+            f"(IQR {lo:.2f}-{hi:.2f}), {result[f'{case}_ours_over_floor']:.2f}x the floor's time "
+            f"(IQR {flo:.2f}-{fhi:.2f}; the floor moves {BYTES_PER_ELEM[case]:.2f} B/param, fp32 states 30)"
+        )
     print(json.dumps(result))
+
+
+def compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_fp32_states):
+    """ours, fp32 (the fp32-state step with bf16 grads and copy) and floor for one compact state dtype."""
+    state = {}
+    for spec in compact.state_layout(state_dtype, n):
+        state[spec.name] = empty(spec.numel, dtype=spec.dtype)
+    # From the fp32 states, in chunks (the conversion's temporaries are then small).
+    chunk = 1 << 22
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        part = compact.from_fp32(state_dtype, p[lo:hi], m[lo:hi], v[lo:hi])
+        blo, bhi = lo // compact.BLOCK_NUMEL, compact.num_blocks(hi)
+        for name, t in part.items():
+            if name.endswith("_scale"):
+                state[name][blo:bhi].copy_(t)
+            else:
+                state[name][lo:hi].copy_(t)
+    scales = {k: state[k] for k in ("exp_avg_scale", "exp_avg_sq_scale") if k in state}
+    step = [0]
+
+    def ours():
+        step[0] += 1
+        kernels.adam_step_compact(
+            state["master"], g16, state["exp_avg"], state["exp_avg_sq"], state_dtype=state_dtype,
+            step=step[0], seed=1, param_out=p16, **scales, **HYPER,
+        )  # fmt: skip
+
+    def floor():
+        extension.touch_compact(
+            state_dtype, state["master"], g16, state["exp_avg"], state["exp_avg_sq"],
+            scales.get("exp_avg_scale"), scales.get("exp_avg_sq_scale"), p16,
+        )  # fmt: skip
+
+    return {"ours": ours, "fp32": ours_fp32_states, "floor": floor}
 
 
 def quartiles(xs: list[float]) -> tuple[float, float]:

@@ -12,13 +12,27 @@ low-precision parameter copy written in the same pass.
     adam_step_on_device(...)   same signature, states in device memory: adam_step
                                on the CPU, torch's fused AdamW on a GPU
 
+    adam_step_compact(master, grad, exp_avg, exp_avg_sq, *, state_dtype, step, lr, ...,
+                      seed, exp_avg_scale=None, exp_avg_sq_scale=None, param_out=None)
+                               the step on "fp32", "bf16" or "int8" states (compact.py)
+    adam_step_compact_reference(...)   same signature; always torch
+    state_layout(state_dtype, numel), state_nbytes(...), state_bytes_per_element(...),
+    empty_state(...)           the tensors, bytes and buffers of each state dtype
+    compact.from_fp32 / to_fp32 / convert   conversions (checkpoints, consolidation)
+
 The C++ kernel (``csrc/adam.cpp``) is built on first use and cached per machine
 (``extension.py``). ``reference.py`` is the same computation in torch ops,
 used when no compiler is found or when ``INFINITY_KERNELS=torch``; the two
 agree bit for bit. This package imports only torch and the standard library.
 """
 
-from .adam import BACKEND_ENV, adam_step, adam_step_reference, backend
+from . import compact
+from .adam import BACKEND_ENV, adam_step, adam_step_compact, adam_step_compact_reference, adam_step_reference, backend
+from .compact import BLOCK_NUMEL, STATE_DTYPES, empty_state, state_bytes_per_element, state_layout, state_nbytes
 from .device_adam import adam_step_on_device
 
-__all__ = ["BACKEND_ENV", "adam_step", "adam_step_on_device", "adam_step_reference", "backend"]
+__all__ = [
+    "BACKEND_ENV", "BLOCK_NUMEL", "STATE_DTYPES", "adam_step", "adam_step_compact", "adam_step_compact_reference",
+    "adam_step_on_device", "adam_step_reference", "backend", "compact", "empty_state", "state_bytes_per_element",
+    "state_layout", "state_nbytes",
+]  # fmt: skip

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import extension, reference
+from . import compact, extension, reference, reference_compact
 from .constants import AdamConstants
 
 BACKEND_ENV = "INFINITY_KERNELS"
@@ -134,7 +134,171 @@ def check_tensors(
                 raise ValueError(f"{a} and {b} overlap in memory; each needs its own buffer")
 
 
-def _check_tensor(name: str, t: object, allowed: tuple, numel: int | None) -> int:
+@torch.no_grad()
+def adam_step_compact(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    state_dtype: str,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    seed: int,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """One Adam/AdamW step on optimizer states in ``state_dtype``'s form, in one pass.
+
+    ``state_dtype`` (forms in ``compact.py``; ``compact.state_layout`` gives the tensors):
+
+    * ``"fp32"``: ``adam_step`` itself; ``seed`` is checked but unused, no scales.
+    * ``"bf16"``: ``master``, ``exp_avg``, ``exp_avg_sq`` bf16; master and ``exp_avg_sq``
+      stored back with stochastic rounding, ``exp_avg`` rounded to nearest.
+    * ``"int8"``: ``master`` bf16 (stochastic rounding); ``exp_avg`` and ``exp_avg_sq``
+      uint8 codes; ``exp_avg_scale`` and ``exp_avg_sq_scale`` fp32, one per block of
+      ``compact.BLOCK_NUMEL`` elements (``compact.num_blocks(numel)`` of them).
+
+    All are updated in place. The step's arithmetic is ``adam_step``'s in fp32 on the
+    widened states; the parameter moves by the step computed from the new moments
+    before they are rounded for storage. ``grad`` (fp32, bf16, fp16) is only read.
+    ``param_out`` (bf16, fp16, fp32), when given, receives the new master in its dtype
+    (``master.to(param_out.dtype)``); it may be ``master`` itself.
+
+    ``seed`` (an int in [0, 2**64)) and ``step`` choose the random bits of stochastic
+    rounding, a hash of (seed, step, element index): the same inputs give the same
+    bits on both backends and in a resumed run. Give tensors that are stepped
+    separately different seeds.
+
+    Raises ``ValueError`` naming the argument for a wrong dtype, device, numel,
+    layout, overlap, state dtype, seed or hyperparameter.
+    """
+    _compact_step(
+        False, master, grad, exp_avg, exp_avg_sq, state_dtype=state_dtype, step=step, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, seed=seed, adamw=adamw,
+        bias_correction=bias_correction, exp_avg_scale=exp_avg_scale,
+        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def adam_step_compact_reference(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    state_dtype: str,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    seed: int,
+    adamw: bool = True,
+    bias_correction: bool = True,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """``adam_step_compact`` computed with torch ops, whatever the backend (same bits)."""
+    _compact_step(
+        True, master, grad, exp_avg, exp_avg_sq, state_dtype=state_dtype, step=step, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, seed=seed, adamw=adamw,
+        bias_correction=bias_correction, exp_avg_scale=exp_avg_scale,
+        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out,
+    )  # fmt: skip
+
+
+def _compact_step(
+    use_reference: bool,
+    master, grad, exp_avg, exp_avg_sq, *, state_dtype, step, lr, beta1, beta2, eps, weight_decay,
+    seed, adamw, bias_correction, exp_avg_scale, exp_avg_sq_scale, param_out,
+) -> None:  # fmt: skip
+    compact.check_state_dtype(state_dtype)
+    seed = compact.check_seed(seed)
+    constants = AdamConstants.for_step(
+        step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        adamw=adamw, bias_correction=bias_correction,
+    )  # fmt: skip
+    check_compact_tensors(state_dtype, master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
+    if state_dtype == "fp32":
+        update = reference.adam_update if use_reference or backend() != "cpp" else extension.adam_update
+        update(constants, master, grad, exp_avg, exp_avg_sq, param_out)
+        return
+    if param_out is not None and param_out.dtype == master.dtype and param_out.data_ptr() == master.data_ptr():
+        param_out = None  # it is the master, which the step writes anyway
+    keys = compact.step_keys(seed, step)
+    update = reference_compact.adam_update_compact
+    if not use_reference and backend() == "cpp":
+        update = extension.adam_update_compact
+    update(constants, state_dtype, keys, master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
+
+
+def check_compact_tensors(
+    state_dtype: str,
+    master: object,
+    grad: object,
+    exp_avg: object,
+    exp_avg_sq: object,
+    exp_avg_scale: object | None,
+    exp_avg_sq_scale: object | None,
+    param_out: object | None,
+) -> None:
+    """Raises ``ValueError`` naming the first tensor argument that does not fit ``state_dtype``."""
+    compact.check_state_dtype(state_dtype)
+    if state_dtype == "fp32":
+        for name, t in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+            if t is not None:
+                raise ValueError(f"{name} must be None for state_dtype fp32 (it has no scales)")
+        check_tensors(master, grad, exp_avg, exp_avg_sq, param_out)
+        return
+    moment = (torch.bfloat16,) if state_dtype == "bf16" else (torch.uint8,)
+    numel = _check_tensor("master", master, (torch.bfloat16,), None, "master")
+    named = [("master", master, numel)]
+    for name, t, allowed in (
+        ("grad", grad, _GRAD_DTYPES),
+        ("exp_avg", exp_avg, moment),
+        ("exp_avg_sq", exp_avg_sq, moment),
+        ("param_out", param_out, _OUT_DTYPES),
+    ):
+        if t is not None or name != "param_out":
+            _check_tensor(name, t, allowed, numel, "master")
+            named.append((name, t, numel))
+    blocks = compact.num_blocks(numel)
+    for name, t in (("exp_avg_scale", exp_avg_scale), ("exp_avg_sq_scale", exp_avg_sq_scale)):
+        if state_dtype == "bf16":
+            if t is not None:
+                raise ValueError(f"{name} must be None for state_dtype bf16 (it has no scales)")
+            continue
+        if t is None:
+            raise ValueError(f"{name} is required for state_dtype int8 (one fp32 per block of {compact.BLOCK_NUMEL})")
+        if isinstance(t, torch.Tensor) and t.numel() != blocks:
+            raise ValueError(
+                f"{name} has {t.numel()} elements; master's {numel} elements need {blocks} "
+                f"(one per block of {compact.BLOCK_NUMEL})"
+            )
+        _check_tensor(name, t, _FP32, blocks, "master")
+        named.append((name, t, blocks))
+    if numel == 0:
+        return
+    spans = [(name, t.data_ptr(), t.data_ptr() + k * t.element_size()) for name, t, k in named]
+    for i, (a, a_lo, a_hi) in enumerate(spans):
+        for b, b_lo, b_hi in spans[i + 1 :]:
+            same_master = a == "master" and b == "param_out" and (a_lo, a_hi) == (b_lo, b_hi) and param_out.dtype == torch.bfloat16
+            if a_lo < b_hi and b_lo < a_hi and not same_master:
+                raise ValueError(f"{a} and {b} overlap in memory; each needs its own buffer")
+
+
+def _check_tensor(name: str, t: object, allowed: tuple, numel: int | None, first: str = "param") -> int:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in allowed:
@@ -147,7 +311,7 @@ def _check_tensor(name: str, t: object, allowed: tuple, numel: int | None) -> in
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
     if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+        raise ValueError(f"{name} has {t.numel()} elements, {first} has {numel}")
     return t.numel()
 
 

@@ -1,4 +1,4 @@
-"""Builds, caches and loads the C++ kernel (``csrc/adam.cpp``).
+"""Builds, caches and loads the C++ kernels (``csrc/adam.cpp``, ``csrc/adam_compact.cpp``).
 
 The kernel is built on first use with torch's cpp_extension (ninja), once per
 machine: the build directory is
@@ -34,7 +34,7 @@ from .constants import AdamConstants
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().with_name("csrc")
-_SOURCES = ("adam.cpp",)
+_SOURCES = ("adam.cpp", "adam_compact.cpp")
 _NAME = "infinity_kernels_adam"
 _MARKER = "built.ok"
 _STALE_LOCK_SECONDS = 15 * 60  # a build takes well under a minute
@@ -51,6 +51,9 @@ def compile_flags() -> list[str]:
         "-fopenmp",  # at::parallel_for's OpenMP region is compiled into the caller
         "-ffp-contract=off",  # no FMA contraction: the reference's numerics are exact
         "-fno-math-errno",  # lets sqrtf vectorize in the generic body
+        # lets the compiler compute both sides of a float select without a branch
+        # (csrc/adam_compact.cpp's loops vectorize only then); values are unchanged
+        "-fno-trapping-math",
     ]
     if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         flags.append("-march=native")
@@ -233,3 +236,45 @@ def touch(
 def best_isa() -> str:
     """The kernel body this CPU runs: "avx512", "avx2" or "generic"."""
     return KERNEL.ops().best_isa()
+
+
+def adam_update_compact(
+    constants: AdamConstants,
+    state_dtype: str,
+    keys: tuple[int, int],
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_scale: torch.Tensor | None,
+    exp_avg_sq_scale: torch.Tensor | None,
+    param_out: torch.Tensor | None,
+) -> None:
+    """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel."""
+    c = constants
+    KERNEL.ops().adam_step_compact(
+        master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
+        state_dtype == "int8", c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1],
+    )  # fmt: skip
+
+
+def touch_compact(
+    state_dtype: str,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    param_out: torch.Tensor | None = None,
+) -> None:
+    """The bandwidth floor of ``adam_update_compact``: its loads and stores, no arithmetic.
+
+    Every byte of the states (and scales) is read and written back unchanged;
+    ``param_out`` receives the master.
+    """
+    KERNEL.ops().touch_compact(
+        master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
+        state_dtype == "int8", 0,
+    )  # fmt: skip
