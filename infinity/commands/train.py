@@ -196,7 +196,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model_seq = None
     if not isinstance(opt_params, dict):
         raise ValueError(f"config key optimizer.params must be a JSON object, got {opt_params!r}")
-    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
+    default_lr = PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR
+    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
     steps = pick(args.steps, None, DEFAULT_STEPS)
     for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
                         ("--max-bytes", args.max_bytes)):
