@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first, pinned, so that `torch>=2.4` in our dependencies never pulls another build.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,hf]'
 	@$(MAKE) --no-print-directory libaio
 	touch $@
 

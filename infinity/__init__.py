@@ -21,6 +21,7 @@ Glossary (the words mean one thing everywhere in this code):
 Public surface::
 
     engine = infinity.initialize(model, config)   # dict, path to JSON, or InfinityConfig
+    engine = infinity.from_pretrained(hf_folder, config)   # a local Hugging Face causal LM, weights streamed in
     loss = engine(batch); engine.backward(loss); engine.step()
 """
 
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 # Imported on first use, so `import infinity` (and `infinity bench`) stays light.
 _LAZY = {
     "initialize": ("infinity.engine", "initialize"),
+    "from_pretrained": ("infinity.pretrained", "from_pretrained"),
     "Engine": ("infinity.engine", "Engine"),
     "InfinityConfig": ("infinity.config", "InfinityConfig"),
     "Init": ("infinity.materialize", "Init"),

@@ -358,7 +358,9 @@ _FP16_HONOURED = {
     "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis", "min_loss_scale": "min_loss_scale",
 }
 _FP16_NOT_APPLICABLE = {"auto_cast", "consecutive_hysteresis"}
-_BF16_NOT_APPLICABLE = {"immediate_grad_update", "check_grad_overflow"}
+# bf16_master_weights_and_grads / bf16_optimizer_states: masters and moments stay fp32 here (accepted, logged).
+_BF16_NOT_APPLICABLE = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                        "bf16_optimizer_states"}
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "torch_adam", "fused", "amsgrad"}
 
 
@@ -373,12 +375,12 @@ class _DeepSpeedTranslator:
 
     def translate(self) -> InfinityConfig:
         raw = dict(self.raw)
-        _reject_auto(raw, "")
         kwargs: dict[str, Any] = {}
         for key in list(raw):
             if key in _TOP_LEVEL_NOT_APPLICABLE:
                 self.not_applicable.append(key)
                 raw.pop(key)
+        _reject_auto(raw, "")  # after the keys that mean nothing here: an "auto" there is harmless
         if "train_micro_batch_size_per_gpu" in raw:
             kwargs["micro_batch_size"] = _int("train_micro_batch_size_per_gpu", raw.pop("train_micro_batch_size_per_gpu"))
         if "train_batch_size" in raw:
@@ -539,9 +541,11 @@ class _DeepSpeedTranslator:
 def _reject_auto(block: dict, prefix: str) -> None:
     """Hugging Face's Trainer fills "auto" values before DeepSpeed sees them; we cannot guess them."""
     for key, value in block.items():
+        if prefix == "zero_optimization." and key in _ZERO_NOT_APPLICABLE:
+            continue  # means nothing here, "auto" or not
         if value == "auto" and f"{prefix}{key}" != "bf16.enabled":  # (that one is ours: infinity.hardware)
             raise ValueError(f"config key {prefix}{key} is \"auto\"; give a number (\"auto\" is filled in by "
-                             f"Hugging Face's Trainer, not by DeepSpeed)")
+                             f"Hugging Face's Trainer, not by DeepSpeed; `infinity train` fills it from its flags)")
         if isinstance(value, dict):
             _reject_auto(value, f"{prefix}{key}.")
 

@@ -21,7 +21,7 @@ from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
-from infinity.materialize import materialize_module, replace_meta_parameters, shard_values
+from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
@@ -37,17 +37,29 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
-               process_group=None) -> "Engine":
-    """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says."""
-    return Engine(model, InfinityConfig.load(config), process_group=process_group)
+               process_group=None, weights=None, param_init: ParamInit | None = None) -> "Engine":
+    """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says.
+
+    ``weights``: a Hugging Face model folder (or ``.safetensors`` file) whose tensors are streamed
+    straight into this rank's shards instead of initializing. ``param_init(module)``: initializes
+    each module of a model built on the meta device (see :mod:`infinity.materialize`).
+    """
+    return Engine(model, InfinityConfig.load(config), process_group=process_group, weights=weights,
+                  param_init=param_init)
 
 
 class Engine:
     """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
-    def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None):
+    def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None, weights=None,
+                 param_init: ParamInit | None = None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._initializer = Initializer(model, param_init)
+        self._weights = None
+        if weights is not None:
+            from infinity.pretrained_weights import open_for_model
+            self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
         self.comm = Collectives(process_group)
@@ -85,6 +97,8 @@ class Engine:
         except BaseException:
             self.copies.close()
             self.tiers.close()
+            if self._weights is not None:
+                self._weights.close()
             raise
 
     # -- construction ------------------------------------------------------
@@ -123,6 +137,10 @@ class Engine:
         self._initialize_values(model, original_data)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
+        if self._weights is not None:
+            self._weights.load_buffers(model)
+            self._weights.close()
+        self._initializer.materialize_buffers()
         self._cast_buffers(model)
         self.prefetcher = None
         if (any(p.needs_swap_in or p.needs_copy_up for p in self.params)
@@ -185,23 +203,32 @@ class Engine:
         pending_master: dict[int, torch.Tensor] = {}
         sharded_by_id = {id(s.param): s for s in self.params}
         done: set[int] = set()
-        seed = self._common_seed(any(t.is_meta for t in original_data.values()))
+        initializing_meta = self._weights is None and any(t.is_meta for t in original_data.values())
+        seed = self._common_seed(initializing_meta)
         rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
         with rng:
             if seed is not None:
                 torch.manual_seed(seed)
+            if initializing_meta:
+                self._initializer.prepare()
             for module_name, module in model.named_modules():
                 direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
                 todo = [(n, p) for n, p in direct if id(p) not in done]
                 if not todo:
                     continue
-                values = materialize_module(module, module_name, todo, original_data)
+                if self._weights is not None:  # each rank reads its own slices, nothing else
+                    values = [None] * len(todo)
+                else:
+                    values = self._initializer.values(module, module_name, todo, original_data)
                 for (local_name, param), value in zip(todo, values):
                     sharded = sharded_by_id[id(param)]
-                    if self.comm.world_size > 1 and not original_data[id(param)].is_meta:
-                        value = value.contiguous()
-                        self.comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
-                    shard = shard_values(value, sharded.slot, self.comm.rank)
+                    if value is None:
+                        shard = self._weights.read_shard(sharded.slot, self.comm.rank)
+                    else:
+                        if self.comm.world_size > 1 and not original_data[id(param)].is_meta:
+                            value = value.contiguous()
+                            self.comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
+                        shard = shard_values(value, sharded.slot, self.comm.rank)
                     if sharded.slot.trainable:
                         pending_master[sharded.slot.index] = shard
                     handle = self.compute.write(sharded.slot, shard.to(self.dtype))
@@ -420,6 +447,13 @@ class Engine:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
         from infinity.state_dict import gather_full_state_dict
         return gather_full_state_dict(self)
+
+    def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
+        """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
+        Collective: all ranks call it, rank 0 writes. See :mod:`infinity.hf_export`."""
+        from infinity.hf_export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
+        self._ensure_open()
+        return save_pretrained(self, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
 
     # -- checkpoints ---------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:

@@ -160,6 +160,7 @@ class SafetensorsReader:
             self._parse_header()
         except BaseException:
             os.close(self._fd)
+            self._fd = -1  # so __del__ does not close it again
             raise
 
     def _bad(self, why: str) -> CheckpointError:

@@ -2,6 +2,7 @@
 
     infinity consolidate runs/ckpt model.safetensors              # the `latest` checkpoint, fp32
     infinity consolidate runs/ckpt/step1000 model.safetensors --dtype bf16
+    infinity consolidate runs/ckpt tuned-llama/ --hf [--hf-config my-llama/]   # AutoModelForCausalLM loads it
 
 The output is a safetensors file under the model's original parameter names
 (tied parameters under each of their names, tiled layers as the dense
@@ -19,8 +20,14 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a checkpoint folder, or a save folder (its `latest` checkpoint, or --tag)")
-    p.add_argument("out", metavar="OUT.safetensors", help="the file to write (replaced atomically)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of floating tensors (default fp32)")
+    p.add_argument("out", metavar="OUT.safetensors", help="the file to write (replaced atomically); with --hf a folder")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="dtype of floating tensors (default fp32; fp16 only with --hf)")
+    p.add_argument("--hf", action="store_true",
+                   help="write the Hugging Face layout into the folder OUT: sharded safetensors, "
+                        "model.safetensors.index.json and config.json")
+    p.add_argument("--hf-config", metavar="DIR",
+                   help="with --hf: the model folder whose config.json to use (default: the one the run recorded)")
     p.add_argument("--tag", default=None, help="which checkpoint of a save folder (default: its `latest`)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the shard files' sha256 (they are read twice otherwise)")
@@ -30,6 +37,17 @@ def run(args: argparse.Namespace) -> int:
     from infinity.consolidation import consolidate
 
     started = time.perf_counter()
+    if args.hf:
+        from infinity.hf_export import consolidate_hf
+
+        s = consolidate_hf(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify,
+                           config_dir=args.hf_config)
+        print(f"wrote {s['path']} (Hugging Face layout): {s['tensors']} tensors in {s['files']} file(s), "
+              f"{s['nbytes'] / 2**20:,.1f} MiB {args.dtype} from {s['checkpoint']} (step {s['global_step']}, "
+              f"{s['world_size']} rank(s)) in {time.perf_counter() - started:.1f} s")
+        return 0
+    if args.hf_config:
+        raise ValueError("--hf-config needs --hf")
     summary = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)
     print(f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['nbytes'] / 2**20:,.1f} MiB {args.dtype} "
           f"(largest {summary['largest_tensor_nbytes'] / 2**20:,.1f} MiB) from {summary['checkpoint']} "

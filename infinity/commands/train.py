@@ -7,6 +7,7 @@ under 3 (a few minutes on 2 CPU cores). Examples::
 
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
+    infinity train --hf-model ./my-llama --data notes.txt --steps 100 --save-pretrained ./my-llama-tuned
     infinity train --preset tiny --eval-every 20 --sample-every 50 --prompt "def " --run-dir runs/tiny
     torchrun --nproc_per_node 2 -m infinity.cli train --preset 10m
 
@@ -52,6 +53,8 @@ PRESET_LR = {
     "125m": 6e-4, "350m": 3e-4, "760m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4, "6.7b": 1.2e-4, "13b": 1e-4,
 }
 MODEL_FILE_LR = 3e-4
+HF_MODEL_LR = 5e-5
+"""Fine-tuning a pretrained model (--hf-model): Hugging Face's Trainer default."""
 DEFAULT_SUB_GROUP_SIZE = 10**8
 META_BUILD_ABOVE = 10**9
 """Presets with more parameters are built on the meta device and materialized by the engine."""
@@ -66,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--model", metavar="FILE",
                       help="a Python file defining build_model() -> nn.Module whose forward(input_ids, targets) "
                            "returns the loss, or a Hugging Face transformers config .json")
+    what.add_argument("--hf-model", metavar="DIR",
+                      help="fine-tune the Hugging Face causal LM in this local folder (config.json + safetensors); "
+                           "text is tokenized with its tokenizer when the folder has one")
     what.add_argument("--data", metavar="PATH", help="a text file or folder (default: the Python standard library's source)")
     what.add_argument("--max-bytes", type=int, metavar="N", default=8 * 2**20,
                       help="read at most this many bytes of the corpus (default 8 MiB)")
@@ -73,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps (default {DEFAULT_STEPS})")
     run_.add_argument("--micro-batch", type=int, metavar="N", help=f"sequences per micro-batch per rank (default {DEFAULT_MICRO_BATCH})")
     run_.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
-    run_.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the model's, at most 256)")
+    run_.add_argument("--seq-len", type=int, metavar="N", help="bytes (tokens with --hf-model's tokenizer) per sequence (default: the model's, at most 256)")
     run_.add_argument("--lr", type=float,
-                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model)")
+                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model; {HF_MODEL_LR} for --hf-model)")
     run_.add_argument("--min-lr", type=float, help="final learning rate of the decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
@@ -98,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
     train_checkpoints.add_arguments(out)
+    out.add_argument("--save-pretrained", metavar="OUT",
+                     help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer)")
+    out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="dtype of --save-pretrained (default fp32)")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
     train_monitor.add_arguments(p)
 
@@ -129,14 +139,16 @@ class Plan:
     local_world_size: int
     monitor: MonitorPlan | None = None
     estimate: dict | None = None
+    hf_model: str | None = None
+    hf_vocab_size: int | None = None
     precision_said: str = ""
     """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
     not_applicable: tuple[str, ...] = ()
+    """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
     save: SavePolicy | None = None
+    """--save-dir, --keep-last and the checkpoint to resume from."""
     swap: SwapLocation | None = None
     """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
-    """--save-dir, --keep-last and the checkpoint to resume from."""
-    """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -179,14 +191,21 @@ def make_plan(args: argparse.Namespace) -> Plan:
     def pick(flag, from_config, default):
         return flag if flag is not None else (from_config if from_config is not None else default)
 
+    hf_model = getattr(args, "hf_model", None)
     micro_batch = pick(args.micro_batch, config_number(ds, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"),
                        DEFAULT_MICRO_BATCH)
     grad_accum = pick(args.grad_accum, config_number(ds, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
     train_batch = config_number(ds, "train_batch_size", "train_batch_size")
-    if args.preset is not None and args.model is not None:
-        raise ValueError("give --preset or --model, not both")
-    preset = None if args.model else (args.preset or _default_preset())
-    if preset is not None:
+    if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
+        raise ValueError("give --preset or --model or --hf-model, only one")
+    preset = None if (args.model or hf_model) else (args.preset or _default_preset())
+    hf_vocab_size = None
+    if hf_model is not None:
+        from infinity.commands.hf_model import read_hf_model_config
+
+        hf_config = read_hf_model_config(hf_model)
+        model_seq, hf_vocab_size = hf_config["max_position_embeddings"], hf_config["vocab_size"]
+    elif preset is not None:
         from infinity.models.gpt import get_preset
 
         model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
@@ -196,7 +215,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model_seq = None
     if not isinstance(opt_params, dict):
         raise ValueError(f"config key optimizer.params must be a JSON object, got {opt_params!r}")
-    default_lr = PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR
+    default_lr = HF_MODEL_LR if hf_model else (PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
     lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
     steps = pick(args.steps, None, DEFAULT_STEPS)
     for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
@@ -210,6 +229,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
 
+    if isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") == "auto":  # (Hugging Face's Trainer)
+        ds["fp16"] = {**ds["fp16"], "enabled": False}  # fp16 is never the fast one; bf16 "auto" is infinity.hardware's
     bf16_enabled = (ds.get("bf16") or {}).get("enabled") if isinstance(ds.get("bf16"), dict) else None
     config_precision = "auto" if bf16_enabled == "auto" else "bf16" if bf16_enabled else (
         "fp16" if (ds.get("fp16") or {}).get("enabled") else ("fp32" if ("bf16" in ds or "fp16" in ds) else None))
@@ -250,12 +271,25 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     ds["gradient_accumulation_steps"] = grad_accum
+    if ds.get("gradient_clipping") == "auto":
+        ds.pop("gradient_clipping")
     ds.setdefault("gradient_clipping", 1.0)
     if "type" not in optimizer:
         optimizer["type"] = "AdamW"
     opt_params["lr"] = lr
+    adamw_defaults = {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
     if not raw.get("optimizer"):
-        opt_params.update({"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1})
+        opt_params.update(adamw_defaults)
+    from infinity.ds_auto import fill_auto
+
+    rank, world_size, local_world_size = _dist_env()
+    ds = fill_auto(ds, {
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "optimizer.params.betas": adamw_defaults["betas"], "optimizer.params.eps": adamw_defaults["eps"],
+        "optimizer.params.weight_decay": adamw_defaults["weight_decay"],
+    }, steps=steps, warmup=warmup, lr=lr, min_lr=min_lr,
+        hidden_size=hf_config.get("hidden_size") if hf_model else None)
+    zero = ds["zero_optimization"]
     if args.trace:
         check_output_folder("--trace", args.trace)
         ds["trace"] = {"path": args.trace}
@@ -264,14 +298,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
-        raise ValueError(f"--seq-len {seq_len} is longer than preset {preset!r} allows ({model_seq})")
+        what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
+        raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
+    if hf_model is not None and (monitor.eval_every or monitor.sample_every):
+        raise ValueError("--eval-every and --sample-every read and write bytes; with --hf-model they are not "
+                         "supported yet")
     if args.save_every is not None and not args.save_dir:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:
         _positive("--save-every", args.save_every)
     save_policy = train_checkpoints.save_policy(args, ds)  # (takes checkpoint.keep_last out of ds)
 
-    rank, world_size, local_world_size = _dist_env()
     if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
         raise ValueError(f"config key train_batch_size={ds['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
@@ -287,7 +324,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                monitor=monitor, precision_said=precision_said, save=save_policy)
+                monitor=monitor, precision_said=precision_said, save=save_policy, hf_model=hf_model,
+                hf_vocab_size=hf_vocab_size)
     aio = ds.get("aio")
     if args.buffered_io:
         ds["aio"] = aio = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
@@ -343,6 +381,12 @@ def _corpora(args: argparse.Namespace, plan: Plan):
     from infinity.data import ByteCorpus
 
     monitor = plan.monitor
+    if plan.hf_model is not None:
+        from infinity.hf_data import hf_corpus
+
+        return hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
+                         micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
+                         max_bytes=args.max_bytes), None
     if not monitor.eval_every:
         corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
                             rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
@@ -364,6 +408,10 @@ def _build_model(plan: Plan, seed: int):
     import torch
 
     torch.manual_seed(seed)
+    if plan.hf_model is not None:
+        from infinity.pretrained import build_meta_causal_lm
+
+        return build_meta_causal_lm(plan.hf_model)
     if plan.model_file is not None:
         from infinity.models.gpt import load_model_file
 
@@ -404,13 +452,15 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         check_nvme_room(plan)
         check_memory(plan)
 
-    what = f"preset {plan.preset}" if plan.preset else f"model {plan.model_file}"
+    what = (f"preset {plan.preset}" if plan.preset else
+            f"Hugging Face model {plan.hf_model}" if plan.hf_model else f"model {plan.model_file}")
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
     if validation is not None:
         say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
             f"every {plan.monitor.eval_every} steps")
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
-        f"{plan.seq_len} bytes; {plan.precision_said or plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
+        f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
+        f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
     if plan.swap is not None and plan.swap.note:
         say(f"  {plan.swap.note}")
@@ -423,7 +473,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))
 
     _init_distributed(plan, cleanup)
-    engine = infinity.initialize(model, plan.ds_config)
+    engine = infinity.initialize(model, plan.ds_config, weights=plan.hf_model)
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
 
@@ -493,6 +543,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     bar.close()
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
+    if getattr(args, "save_pretrained", None):
+        from infinity.commands.hf_model import save_pretrained_with_tokenizer
+
+        say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
     engine.close()
     monitor.close()
 
@@ -500,7 +554,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     tokens_per_s = steps_run * tokens_per_step / train_s if train_s > 0 else 0.0
     summary = {
         "preset": plan.preset,
-        "model": plan.model_file,
+        "model": plan.model_file or plan.hf_model,
         "num_params": num_params,
         "steps": plan.steps,
         "world_size": plan.world_size,

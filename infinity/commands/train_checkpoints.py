@@ -182,8 +182,15 @@ def load(engine, resume: str) -> dict:
 def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_last: int | None = None) -> None:
     tag = f"step{step}"
     before = _latest(save_dir) if engine.comm.rank == 0 else None
-    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag,
-                    client_state={"step": step, "corpus": corpus.state_dict(), "losses": losses})
+    import torch
+
+    from infinity.hf_export import hf_config_of
+
+    client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
+    hf_config = hf_config_of(engine.module, torch.float32)
+    if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
+        client_state["hf_config"] = hf_config
+    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state)
     if engine.comm.rank != 0:
         return
     if _step_of(before) is not None and _step_of(before) > step:

@@ -136,15 +136,15 @@ def check_nvme_room(plan) -> None:
 
 def config_number(block: dict, key: str, where: str, *, integer: bool = True):
     """``block[key]`` when it is a JSON number (an integer if ``integer``), None when absent; else a ``ValueError``
-    naming ``where``. A string ("auto", "8") is refused here rather than failing later as a ``TypeError``."""
+    naming ``where``. "auto" is None too (the run fills it in); another string ("8") is refused here rather than
+    failing later as a ``TypeError``."""
     value = block.get(key)
-    if value is None:
+    if value is None or value == "auto":  # "auto" (Hugging Face's Trainer): filled from the run (infinity.ds_auto)
         return None
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or (integer and isinstance(value, float) and not value.is_integer()):
         kind = "an integer" if integer else "a number"
-        hint = (" (\"auto\" is filled in by Hugging Face's Trainer; give the value)" if value == "auto"
-                else " (a JSON number, without quotes)" if isinstance(value, str) else "")
+        hint = " (a JSON number, without quotes)" if isinstance(value, str) else ""
         raise ValueError(f"config key {where} must be {kind}, got {value!r}{hint}")
     return int(value) if integer else float(value)
 

@@ -296,6 +296,9 @@ def load_model_file(path: str | Path) -> nn.Module:
 class _HFCausalLM(nn.Module):
     """A ``transformers`` causal LM with our ``forward(input_ids, targets) -> loss`` signature."""
 
+    weights_prefix = "inner."
+    """Our names are the Hugging Face names behind this prefix (read by ``PretrainedWeights`` and ``save_pretrained``)."""
+
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner

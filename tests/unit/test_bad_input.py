@@ -80,17 +80,26 @@ def test_precision_auto_is_the_default_and_said_and_a_flag_forces(tmp_path):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"gradient_accumulation_steps": "auto"}, "gradient_accumulation_steps must be an integer, got 'auto'"),
     ({"gradient_accumulation_steps": "8"}, "gradient_accumulation_steps must be an integer, got '8'"),
-    ({"train_micro_batch_size_per_gpu": "auto"}, "train_micro_batch_size_per_gpu"),
+    ({"train_micro_batch_size_per_gpu": "2"}, "train_micro_batch_size_per_gpu"),
     ({"train_batch_size": "16"}, "train_batch_size"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr must be a number"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}, "optimizer.params.lr must be a number"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": float("inf")}}}, "optimizer.params.eps"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 1}}},
      "offload_optimizer.buffer_count must be at least 2"),
 ])
 def test_config_values_that_went_wrong(no_work, capsys, tmp_path, body, message):
     assert message in _fails(capsys, "--config", _config(tmp_path, body))
+
+
+def test_auto_in_a_deepspeed_config_is_filled_from_the_run(tmp_path):
+    """Hugging Face's Trainer's "auto": the run's own value, not a TypeError (what cannot be filled is named by
+    infinity.ds_auto)."""
+    cfg = _config(tmp_path, {"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto",
+                             "bf16": {"enabled": "auto"}})
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--config", cfg, "--micro-batch", "4"]))
+    assert (plan.grad_accum, plan.micro_batch) == (1, 4)
+    assert plan.precision == hardware.resolve_precision("auto").precision
 
 
 def test_a_model_file_with_a_syntax_error_names_its_line(no_work, capsys, tmp_path):

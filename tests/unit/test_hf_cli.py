@@ -1,0 +1,118 @@
+"""`infinity train --hf-model`, `--save-pretrained`, and the DeepSpeed config Hugging Face users carry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from infinity.cli import main  # noqa: E402
+from infinity.config import InfinityConfig  # noqa: E402
+from infinity.ds_auto import fill_auto  # noqa: E402
+
+HF_DS_CONFIG = {  # the shape of the configs in Hugging Face's DeepSpeed docs
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto", "bf16_master_weights_and_grads": False},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                          "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "zero_allow_untested_optimizer": True,
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def test_auto_left_unfilled_is_rejected_naming_the_key():
+    with pytest.raises(ValueError, match=r"config key optimizer\.params\.lr is \"auto\""):
+        InfinityConfig.from_deepspeed(fill_auto(HF_DS_CONFIG, {
+            "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "fp16.enabled": False, "bf16.enabled": False,
+            "optimizer.params.betas": [0.9, 0.99], "optimizer.params.eps": 1e-8,
+            "optimizer.params.weight_decay": 0.0}, hidden_size=32))
+
+
+def test_auto_filled_from_the_run_and_the_hf_keys_accepted():
+    raw = fill_auto(HF_DS_CONFIG, {
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5, "fp16.enabled": False, "bf16.enabled": True,
+        "optimizer.params.betas": [0.9, 0.99], "optimizer.params.eps": 1e-8, "optimizer.params.weight_decay": 0.0,
+    }, steps=10, warmup=2, lr=1e-4, min_lr=1e-5, hidden_size=32)
+    assert raw["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-4, "warmup_num_steps": 2,
+                                          "total_num_steps": 10}
+    cfg = InfinityConfig.from_deepspeed(raw)
+    assert cfg.scheduler is not None  # honoured: the engine sets each step's lr from it
+    assert (cfg.micro_batch_size, cfg.train_batch_size, cfg.gradient_accumulation_steps) == (2, 4, 2)
+    assert cfg.gradient_clipping == 0.5 and cfg.precision == "bf16" and cfg.optimizer.lr == 1e-4
+    assert cfg.zero.prefetch_bucket_size == int(0.9 * 32 * 32) and cfg.zero.param_persistence_threshold == 320
+    for key in ("zero_allow_untested_optimizer", "bf16.bf16_master_weights_and_grads",
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero_optimization.reduce_bucket_size"):
+        assert key in cfg.not_applicable
+    with pytest.raises(ValueError, match=r"scheduler\.params\.warmup_max_lr is \"auto\""):
+        InfinityConfig.from_deepspeed({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}})
+
+
+def _tiny_llama(folder, vocab_size, with_tokenizer: bool):
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    if with_tokenizer:  # a word-level tokenizer built here, saved the transformers way
+        words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(vocab_size - 4)]
+        model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
+        tok = tokenizers.Tokenizer(model)
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                    bos_token="<s>", eos_token="</s>")
+        fast.save_pretrained(folder)
+
+
+def test_train_hf_model_with_its_tokenizer_and_save_pretrained(tmp_path, capsys):
+    model_dir, out = tmp_path / "llama", tmp_path / "tuned"
+    _tiny_llama(model_dir, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(HF_DS_CONFIG))
+    rc = main(["train", "--hf-model", str(model_dir), "--data", str(data), "--steps", "3", "--micro-batch", "2",
+               "--seq-len", "32", "--precision", "fp32", "--config", str(config), "--save-pretrained", str(out),
+               "--save-dir", str(tmp_path / "ckpt"), "--json"])
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert rc == 0, captured.err
+    summary = json.loads(printed.strip().splitlines()[-1])
+    assert summary["model"] == str(model_dir) and len(summary["losses"]) == 3
+    assert "3,000 tokens (" in printed and "x 32 tokens;" in printed and "Hugging Face layout" in printed
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    before = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    changed = [n for n, v in reloaded.state_dict().items() if not torch.equal(v, before.state_dict()[n])]
+    assert changed  # trained, and the result is what transformers loads
+    assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [5, 6]
+
+    # the run's checkpoint, consolidated in the Hugging Face layout, is the same model
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "from-ckpt"), "--hf"]) == 0
+    consolidated = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "from-ckpt")
+    for name, value in reloaded.state_dict().items():
+        assert torch.equal(consolidated.state_dict()[name], value), name
+
+
+def test_bytes_refused_when_the_vocabulary_cannot_take_them(tmp_path, capsys):
+    model_dir = tmp_path / "llama"
+    _tiny_llama(model_dir, 64, with_tokenizer=False)
+    assert main(["train", "--hf-model", str(model_dir), "--steps", "1", "--max-bytes", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "vocab_size=64 cannot take byte ids" in err
