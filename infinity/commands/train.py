@@ -2,8 +2,8 @@
 
 With no arguments it trains the ``small`` preset on the Python standard
 library's source, parameters and optimizer states on NVMe in a private
-temporary directory, in the machine's fast precision (bf16 or fp32: `--precision auto`), long enough to see the loss fall from ~5.5 to
-under 3 (a few minutes on 2 CPU cores). Examples::
+temporary directory, in the machine's fast precision (bf16 or fp32: ``--precision
+auto``), long enough to see the loss fall from ~5.5 to under 3 (a few minutes on 2 CPU cores). Examples::
 
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
