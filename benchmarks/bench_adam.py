@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
 import infinity.kernels as kernels
+from infinity.hardware import cpu_name
 from infinity.kernels import compact, extension
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -136,7 +136,7 @@ def main() -> None:
     print(
         f"fused Adam, {n:,} params, {torch.get_num_threads()} threads, body {extension.best_isa()}, "
         f"{args.memory} memory, "
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}"
+        f"torch {torch.__version__}, {cpu_name()}"
     )
     print(f"{'case':5} {'contender':8} {'median ms':>10} {'Gparam/s':>9} {'GB/s':>7}")
     result = {

@@ -26,7 +26,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -208,9 +207,9 @@ def measure_disk(path: str) -> dict | None:
 
 
 def machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, {os.cpu_count()} CPU cores"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU"
+    from infinity.hardware import machine_description
+
+    return machine_description()
 
 
 def main(argv=None) -> int:

@@ -36,6 +36,8 @@ from infinity.storage.bench import check_free_space, measure_nvme
 
 
 AIO = {"block_size": 1 << 20, "queue_depth": 32}
+PRECISION = {"name": "bf16"}
+"""The compute precision of every engine here: --precision, default auto (the machine's fast one)."""
 
 
 def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) -> dict:
@@ -47,7 +49,7 @@ def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) 
         optimizer.update(nvme_path=nvme_path, max_in_cpu=0)  # measure NVMe, not the host-memory spill
     return {
         "aio": dict(AIO),
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": PRECISION["name"] == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
         "zero_optimization": {
             "stage": 3, "offload_param": param, "offload_optimizer": optimizer, "sub_group_size": sub_group_size,
@@ -86,7 +88,13 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=1 << 20, help="aio block size in bytes (default 1 MiB)")
     parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth (default 32)")
     parser.add_argument("--nvme-path", default=None, help="a directory on the NVMe tier (default: a temporary one)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="compute precision (default auto: bf16 where the machine computes it fast, else fp32)")
     args = parser.parse_args()
+    from infinity.hardware import machine_description, resolve_precision
+
+    chosen = resolve_precision(args.precision)
+    PRECISION["name"] = chosen.precision
     AIO.update(block_size=args.block_size, queue_depth=args.queue_depth)
 
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
@@ -94,7 +102,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-    print(f"model: {numel / 1e6:.0f}M parameters, batch {args.batch} x {args.seq_len} tokens, bf16")
+    print(f"machine: {machine_description()}")
+    print(f"model: {numel / 1e6:.0f}M parameters, batch {args.batch} x {args.seq_len} tokens, {chosen.precision}"
+          + (f" (auto: {chosen.reason})" if args.precision == "auto" else ""))
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-overlap-") as nvme:
         check_free_space(nvme, 2 * numel * 14 + (1 << 30))
@@ -152,6 +162,7 @@ def main() -> None:
     tl = result["timeline"]
     print(f"timeline (overlap on, last step): compute {tl['compute_s']:.2f} s, optimizer {tl['optimizer_s']:.2f} s, "
           f"I/O {tl['io_s']:.2f} s, I/O not hidden {tl['io_exposed_s']:.2f} s")
+    result.update(machine=machine_description(), precision=chosen.precision)
     print(json.dumps(result))
 
 

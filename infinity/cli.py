@@ -34,6 +34,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     chosen = next((a for a in argv if a in COMMANDS), None)
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # -v after the command as well as before it (SUPPRESS: left out here, the value before the command stays).
+        p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="-v for INFO logs, -vv for DEBUG")
         if name == chosen:  # only the chosen command's module is imported
             _load(name).add_arguments(p)
     return parser

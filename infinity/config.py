@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -45,6 +46,9 @@ class AioConfig:
     """Submit new requests while reaping completions."""
     backend: Literal["auto", "libaio", "threads"] = "auto"
     """``auto`` takes libaio when the system library works, else threads."""
+    buffered_fallback: bool = False
+    """Where the swap folder does not take O_DIRECT (tmpfs, some network filesystems), use buffered I/O through the
+    page cache (said in a warning) instead of refusing. ``infinity train --buffered-io`` sets it."""
 
     def __post_init__(self):
         _require_positive("aio.block_size", self.block_size)
@@ -53,6 +57,8 @@ class AioConfig:
         _require_positive("aio.queue_depth", self.queue_depth)
         _require_positive("aio.thread_count", self.thread_count)
         _require_choice("aio.backend", self.backend, ("auto", "libaio", "threads"))
+        if not isinstance(self.buffered_fallback, bool):
+            raise ValueError(f"config key aio.buffered_fallback must be true or false, got {self.buffered_fallback!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,7 +119,9 @@ class OffloadOptimizerConfig:
         _require_choice("offload_optimizer.device", self.device, OFFLOAD_DEVICES)
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
-        _require_positive("offload_optimizer.buffer_count", self.buffer_count)
+        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
+            raise ValueError(f"config key offload_optimizer.buffer_count must be at least 2 (one buffer is updated while "
+                             f"another is read or written), got {self.buffer_count!r}")
         _require_optional_bool("offload_optimizer.pin_memory", self.pin_memory)
         if self.max_in_cpu is not None:
             _require_non_negative("offload_optimizer.max_in_cpu", self.max_in_cpu)
@@ -180,6 +188,9 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.params.betas must be two numbers in [0, 1), got {self.betas!r}")
         _require_positive("optimizer.params.eps", self.eps)
         _require_non_negative("optimizer.params.weight_decay", self.weight_decay)
+        for name in ("lr", "eps", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"config key optimizer.params.{name} must be a finite number, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -340,7 +351,7 @@ _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
     "thread_count": "thread_count", "single_submit": "single_submit", "overlap_events": "overlap_events",
-    "backend": "backend",
+    "backend": "backend", "buffered_fallback": "buffered_fallback",
 }
 _FP16_HONOURED = {
     "loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
@@ -443,8 +454,13 @@ class _DeepSpeedTranslator:
         if not isinstance(block, dict):
             raise ValueError(f"{where} must be a JSON object like {{\"enabled\": true}}, got {block!r}")
         enabled = block.get("enabled", False)
+        if where == "bf16" and enabled == "auto":  # bf16 where the device computes it fast (infinity.hardware)
+            from infinity.hardware import resolve_precision
+
+            return resolve_precision("auto").precision == "bf16"
         if not isinstance(enabled, bool):
-            raise ValueError(f"{where}.enabled must be true or false, got {enabled!r}")
+            allowed = "true, false or \"auto\"" if where == "bf16" else "true or false"
+            raise ValueError(f"{where}.enabled must be {allowed}, got {enabled!r}")
         return enabled
 
     def _optimizer(self, block: Any) -> OptimizerConfig:
@@ -527,7 +543,7 @@ def _reject_auto(block: dict, prefix: str) -> None:
     for key, value in block.items():
         if prefix == "zero_optimization." and key in _ZERO_NOT_APPLICABLE:
             continue  # means nothing here, "auto" or not
-        if value == "auto":
+        if value == "auto" and f"{prefix}{key}" != "bf16.enabled":  # (that one is ours: infinity.hardware)
             raise ValueError(f"config key {prefix}{key} is \"auto\"; give a number (\"auto\" is filled in by "
                              f"Hugging Face's Trainer, not by DeepSpeed; `infinity train` fills it from its flags)")
         if isinstance(value, dict):
@@ -541,8 +557,8 @@ def _int(key: str, value: Any) -> int:
 
 
 def _float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"config key {key} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"config key {key} must be a finite number, got {value!r}")
     return float(value)
 
 

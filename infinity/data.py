@@ -77,6 +77,9 @@ def read_corpus_bytes(path: str | Path | None = None, *, max_bytes: int | None =
         if not folder.exists():
             raise FileNotFoundError(f"corpus path {str(folder)!r} does not exist")
     if folder.is_file():
+        if not _is_text(folder):  # the same rule a folder's files are read by
+            raise ValueError(f"corpus file {str(folder)!r} is not text: its first {_SNIFF_BYTES // 1024} KiB hold a "
+                             f"NUL byte (a binary file?); give a text file or a folder of them")
         with folder.open("rb") as f:
             data = f.read() if max_bytes is None else f.read(max_bytes)
         nfiles = 1

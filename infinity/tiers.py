@@ -71,7 +71,8 @@ class Tiers:
                                    overlap_events=aio.overlap_events)
                 logger.info("nvme I/O backend: %s", self._io.backend)
             shared_stats = next(iter(self._stores.values())).stats if self._stores else None
-            self._stores[key] = SwapStore(nvme_path, io=self._io, stats=shared_stats)
+            self._stores[key] = SwapStore(nvme_path, io=self._io, stats=shared_stats,
+                                          buffered_fallback=self._aio.buffered_fallback)
         return self._stores[key]
 
     @property

@@ -116,8 +116,9 @@ def _bench_dir(path: str | None):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
-    if not os.path.isdir(path):
-        raise FileNotFoundError(2, "benchmark directory does not exist", path)
+    from infinity.commands.train_checks import check_writable
+
+    check_writable(path, what="--path")  # a missing folder is created (0700), as `train --nvme-path` does
     yield path
 
 

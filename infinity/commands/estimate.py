@@ -15,6 +15,10 @@ import json
 from infinity.estimate import OFFLOAD_CHOICES, alternatives, estimate, estimate_gpt, format_table, parse_count
 
 
+MAX_PARAMS = 10**15
+"""A quadrillion parameters: above that a count is a typo, not a model."""
+
+
 def _count(text: str) -> int:
     try:
         return parse_count(text)
@@ -74,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     if args.params is not None and args.params < 1:
         raise ValueError(f"--params must be at least 1, got {args.params}")
+    if args.params is not None and args.params > MAX_PARAMS:
+        raise ValueError(f"--params {args.params:.3g} is more than this estimate is made for (at most {MAX_PARAMS:.0e}, "
+                         f"a quadrillion); did you mean a smaller count such as 7B or 1.3e12?")
     if args.grad_accum < 1:
         raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     if args.micro_batch < 1:

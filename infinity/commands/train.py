@@ -2,8 +2,8 @@
 
 With no arguments it trains the ``small`` preset on the Python standard
 library's source, parameters and optimizer states on NVMe in a private
-temporary directory, in bf16, long enough to see the loss fall from ~5.5 to
-under 3 (a few minutes on 2 CPU cores). Examples::
+temporary directory, in the machine's fast precision (bf16 or fp32: ``--precision
+auto``), long enough to see the loss fall from ~5.5 to under 3 (a few minutes on 2 CPU cores). Examples::
 
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
@@ -19,25 +19,27 @@ the config, the NVMe path, and that the disk has room for the estimated swap.
 from __future__ import annotations
 
 import argparse
-import atexit
 import copy
 import json
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infinity.commands import train_monitor
-from infinity.commands.train_checkpoints import (call_checkpoint, checkpoint_dir_and_tag, engine_has_checkpoints, save,
-                                                 stop_on_nonfinite)
-from infinity.commands.train_checks import check_memory, check_nvme_room, check_writable, read_config_file
+from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands.train_checkpoints import (SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite,
+                                                 stop_on_signal)
+from infinity.commands.train_checks import (SwapLocation, check_direct_io, check_memory, check_model_file,
+                                            check_nvme_room, check_output_folder, check_writable, config_number,
+                                            default_swap_location, finite_positive, read_config_file)
+from infinity.commands.train_estimate import _PLACEHOLDER_PATH, _with_nvme_path, estimate_for
+from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
 from infinity.estimate import OFFLOAD_CHOICES, format_bytes
+from infinity.hardware import PRECISION_CHOICES, resolve_precision
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +94,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="host-memory budget of each rank: bytes (8GiB) or a fraction of the available memory "
                           "(0.5, 50%%); default 80%% of what is available. With nvme configured, what fits stays "
                           "in host memory")
-    eng.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision (default bf16)")
+    eng.add_argument("--precision", choices=PRECISION_CHOICES,
+                     help="compute precision (default auto: bf16 where the device computes it fast, else fp32)")
+    eng.add_argument("--buffered-io", action="store_true",
+                     help="swap through the page cache where --nvme-path does not take O_DIRECT (tmpfs); config "
+                          "aio.buffered_fallback")
     eng.add_argument("--trace", metavar="PATH", help="write a Chrome trace of compute, I/O and collectives")
     out = p.add_argument_group("checkpoints and output")
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
-    out.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR (or from DIR/TAG)")
+    train_checkpoints.add_arguments(out)
     out.add_argument("--save-pretrained", metavar="OUT",
                      help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer)")
     out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -135,6 +141,14 @@ class Plan:
     estimate: dict | None = None
     hf_model: str | None = None
     hf_vocab_size: int | None = None
+    precision_said: str = ""
+    """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
+    not_applicable: tuple[str, ...] = ()
+    """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
+    save: SavePolicy | None = None
+    """--save-dir, --keep-last and the checkpoint to resume from."""
+    swap: SwapLocation | None = None
+    """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -178,8 +192,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         return flag if flag is not None else (from_config if from_config is not None else default)
 
     hf_model = getattr(args, "hf_model", None)
-    micro_batch = pick(args.micro_batch, _given(ds.get("train_micro_batch_size_per_gpu")), DEFAULT_MICRO_BATCH)
-    grad_accum = pick(args.grad_accum, _given(ds.get("gradient_accumulation_steps")), 1)
+    micro_batch = pick(args.micro_batch, config_number(ds, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"),
+                       DEFAULT_MICRO_BATCH)
+    grad_accum = pick(args.grad_accum, config_number(ds, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
+    train_batch = config_number(ds, "train_batch_size", "train_batch_size")
     if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
         raise ValueError("give --preset or --model or --hf-model, only one")
     preset = None if (args.model or hf_model) else (args.preset or _default_preset())
@@ -195,14 +211,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
         preset = preset.lower()
     else:
-        if not Path(args.model).is_file():
-            raise FileNotFoundError(f"model file {args.model!r} does not exist")
+        check_model_file(args.model)
         model_seq = None
+    if not isinstance(opt_params, dict):
+        raise ValueError(f"config key optimizer.params must be a JSON object, got {opt_params!r}")
     default_lr = HF_MODEL_LR if hf_model else (PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
-    lr = pick(args.lr, _given(opt_params.get("lr")), default_lr)
+    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
     steps = pick(args.steps, None, DEFAULT_STEPS)
-    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum), ("--lr", lr)):
+    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
+                        ("--max-bytes", args.max_bytes)):
         _positive(name, value)
+    finite_positive("--lr" if args.lr is not None else "optimizer.params.lr", lr)
     min_lr = pick(args.min_lr, None, lr / 10)
     if not 0 <= min_lr <= lr:
         raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
@@ -210,17 +229,20 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
 
-    for block in ("bf16", "fp16"):  # "auto" (Hugging Face's Trainer): the run's precision decides
-        if isinstance(ds.get(block), dict) and ds[block].get("enabled") == "auto":
-            ds[block] = {**ds[block], "enabled": (args.precision or "bf16") == block}
-    config_precision = "bf16" if (ds.get("bf16") or {}).get("enabled") else (
+    if isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") == "auto":  # (Hugging Face's Trainer)
+        ds["fp16"] = {**ds["fp16"], "enabled": False}  # fp16 is never the fast one; bf16 "auto" is infinity.hardware's
+    bf16_enabled = (ds.get("bf16") or {}).get("enabled") if isinstance(ds.get("bf16"), dict) else None
+    config_precision = "auto" if bf16_enabled == "auto" else "bf16" if bf16_enabled else (
         "fp16" if (ds.get("fp16") or {}).get("enabled") else ("fp32" if ("bf16" in ds or "fp16" in ds) else None))
-    precision = pick(args.precision, config_precision, "bf16")
+    requested = pick(args.precision, config_precision, "auto")
+    chosen = resolve_precision(requested, ds.get("device")) if requested != "fp16" else None
+    precision = chosen.precision if chosen else "fp16"
+    precision_said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
     if args.precision is not None:
         ds.pop("fp16", None)
         ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
-    elif config_precision is None:
-        ds["bf16"] = {"enabled": precision == "bf16"}
+    elif config_precision in (None, "auto"):
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
 
     # Without --config everything goes to NVMe (the `make train` job); a config file that names no offload
     # means none, as in DeepSpeed.
@@ -269,6 +291,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         hidden_size=hf_config.get("hidden_size") if hf_model else None)
     zero = ds["zero_optimization"]
     if args.trace:
+        check_output_folder("--trace", args.trace)
         ds["trace"] = {"path": args.trace}
 
     monitor = train_monitor.monitor_plan(args, ds, steps=steps)
@@ -284,52 +307,48 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:
         _positive("--save-every", args.save_every)
-    if args.resume and not Path(args.resume).is_dir():
-        raise FileNotFoundError(f"--resume folder {args.resume!r} does not exist")
+    save_policy = train_checkpoints.save_policy(args, ds)  # (takes checkpoint.keep_last out of ds)
 
-    if "train_batch_size" in ds and ds["train_batch_size"] != micro_batch * grad_accum * world_size:
+    if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
         raise ValueError(f"config key train_batch_size={ds['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
     nvme_blocks = [zero[k] for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"]
     nvme_paths = list(dict.fromkeys(b["nvme_path"] for b in nvme_blocks if b.get("nvme_path")))
+    if args.nvme_path and not nvme_blocks:
+        raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
+                         f"{offload['offload_param']}, optimizer -> {offload['offload_optimizer']}"
+                         + (", as --config names no offload" if args.config else "")
+                         + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
     plan = Plan(ds_config=ds, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
                 min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
                 offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
                 model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                monitor=monitor, hf_model=hf_model, hf_vocab_size=hf_vocab_size)
+                monitor=monitor, precision_said=precision_said, save=save_policy, hf_model=hf_model,
+                hf_vocab_size=hf_vocab_size)
+    aio = ds.get("aio")
+    if args.buffered_io:
+        ds["aio"] = aio = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
+    buffered_ok = isinstance(aio, dict) and aio.get("buffered_fallback") is True
     for path in nvme_paths:
         check_writable(path)
+        check_direct_io(path, buffered_ok)
+    if plan.nvme_is_temporary:
+        plan.swap = default_swap_location()
+        if plan.swap.buffered:
+            ds["aio"] = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
     # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
     from infinity.config import InfinityConfig
 
     # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
-    InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH))
+    plan.not_applicable = InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH)).not_applicable
     return plan
-
-
-_PLACEHOLDER_PATH = "<temporary folder>"
-
-
-def _given(value):
-    """A config value, or None where it is "auto" (Hugging Face's Trainer's placeholder): the run decides."""
-    return None if value == "auto" else value
 
 
 def _default_preset() -> str:
     from infinity.models.gpt import DEFAULT_PRESET
 
     return DEFAULT_PRESET
-
-
-def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
-    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe and names no path."""
-    ds = copy.deepcopy(ds)
-    for key in ("offload_param", "offload_optimizer"):
-        block = ds["zero_optimization"][key]
-        if block.get("device") == "nvme" and not block.get("nvme_path") and nvme_path is not None:
-            block["nvme_path"] = nvme_path
-    return ds
 
 
 # --------------------------------------------------------------------------- running
@@ -346,12 +365,13 @@ def run(args: argparse.Namespace) -> int:
         plan.estimate = estimate_for(plan, get_preset(plan.preset))
         check_nvme_room(plan)
         check_memory(plan)
-    cleanup = _Cleanup()
+    cleanup = Cleanup()
     try:
-        if plan.nvme_is_temporary:
-            plan.nvme_path = cleanup.temporary_folder()
-        plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
-        return _train(args, plan, corpus, validation, cleanup)
+        with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
+            if plan.nvme_is_temporary:
+                plan.nvme_path = cleanup.temporary_folder(plan.swap.parent)
+            plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
+            return _train(args, plan, corpus, validation, cleanup, stop)
     finally:
         cleanup.run()
 
@@ -384,29 +404,6 @@ def _corpora(args: argparse.Namespace, plan: Plan):
     return corpus, validation
 
 
-class _Cleanup:
-    """The temporary swap folder and the process group, undone however the run ends."""
-
-    def __init__(self):
-        self.folders: list[str] = []
-        self.callbacks: list = []
-        atexit.register(self.run)
-
-    def temporary_folder(self) -> str:
-        folder = tempfile.mkdtemp(prefix="infinity-train-")  # mode 0700
-        self.folders.append(folder)
-        return folder
-
-    def run(self) -> None:
-        while self.callbacks:
-            try:
-                self.callbacks.pop()()
-            except Exception as err:  # cleanup must go on; say what failed
-                logger.warning("cleanup failed: %s", err)
-        while self.folders:
-            shutil.rmtree(self.folders.pop(), ignore_errors=True)
-
-
 def _build_model(plan: Plan, seed: int):
     import torch
 
@@ -428,55 +425,7 @@ def _build_model(plan: Plan, seed: int):
     return GPT(cfg)
 
 
-def estimate_for(plan: Plan, model) -> dict:
-    """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
-    import torch
-
-    from infinity.config import InfinityConfig
-    from infinity.estimate import estimate, gpt_activation_nbytes
-    from infinity.host_budget import resolve_host_budget
-    from infinity.placement import distinct_device_requested
-    from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
-
-    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
-    zero = cfg.zero
-    gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
-    if isinstance(model, GPTConfig):
-        numels, largest = param_numels(model), largest_module_params(model)
-    else:
-        numels = [p.numel() for p in model.parameters()]
-        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    activations = 0
-    if gpt_cfg is not None:
-        activations = gpt_activation_nbytes(gpt_cfg, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
-                                            precision=plan.precision)
-    return estimate(
-        param_numels=numels,
-        world_size=plan.world_size,
-        offload_param=plan.offload_param,
-        offload_optimizer=plan.offload_optimizer,
-        precision=cfg.precision,
-        largest_layer_params=largest,
-        max_live_parameters=zero.max_live_parameters,
-        prefetch_bucket_size=zero.prefetch_bucket_size,
-        max_reuse_distance=zero.max_reuse_distance,
-        param_persistence_threshold=zero.param_persistence_threshold,
-        sub_group_size=zero.sub_group_size,
-        buffer_count=zero.offload_param.buffer_count,
-        buffer_size=zero.offload_param.buffer_size,
-        max_in_cpu=zero.offload_param.max_in_cpu,
-        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart from host memory
-        activation_nbytes=activations,
-        host_memory_budget=resolve_host_budget(zero.host_memory_budget),
-        optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
-        overlap_step=zero.overlap_step_with_backward and not cfg.gradient_clipping and cfg.precision != "fp16",
-    )
-
-
-def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
+def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     if plan.world_size == 1:
         return
     import torch
@@ -487,7 +436,7 @@ def _init_distributed(plan: Plan, cleanup: _Cleanup) -> None:
         cleanup.callbacks.append(dist.destroy_process_group)
 
 
-def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _Cleanup) -> int:
+def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cleanup, stop: GracefulStop) -> int:
     from tqdm import tqdm
 
     import infinity
@@ -510,8 +459,15 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
         say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
             f"every {plan.monitor.eval_every} steps")
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
-        f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision}; params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
+        f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
+        f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
+    if plan.swap is not None and plan.swap.note:
+        say(f"  {plan.swap.note}")
+        if plan.swap.buffered and is_main:
+            print(f"infinity train: {plan.swap.note}", file=sys.stderr, flush=True)
+    if plan.not_applicable:
+        say(f"  config keys accepted but not used here: {', '.join(plan.not_applicable)}")
     accounted, activations = plan.estimate["accounted"], plan.estimate["tiers"]["device"]["activations"]
     say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(accounted[t])}" for t in TIERS)
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))
@@ -523,18 +479,21 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
 
     start_step = 0
     losses: list[float] = []
-    if args.resume:
-        client = call_checkpoint(engine.load_checkpoint, *checkpoint_dir_and_tag(args.resume)) or {}
+    resume = plan.save.resume
+    if resume:
+        client = train_checkpoints.load(engine, resume)
         start_step = int(client.get("step", 0))
         losses = list(client.get("losses", []))
         if "corpus" in client:
             corpus.load_state_dict(client["corpus"])
-        say(f"  resumed from {args.resume} at step {start_step}")
+        say(f"  resumed from {resume} at step {start_step}")
+    elif args.resume is not None:
+        say(f"  --resume: {args.save_dir} holds no checkpoint yet; starting at step 0")
 
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
     monitor = train_monitor.RunMonitor(plan.monitor, total_steps=plan.steps, tokens_per_step=tokens_per_step,
                                        seq_len=plan.seq_len, validation=validation, is_main=is_main,
-                                       resume_after=start_step if args.resume else None, say=say)
+                                       resume_after=start_step if resume else None, say=say)
     cleanup.callbacks.append(monitor.close)
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",
@@ -577,10 +536,13 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: _C
             bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
                       file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
-            save(engine, args.save_dir, step + 1, corpus, losses)
+            save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last)
+        if stop.requested(plan.world_size) and step + 1 < plan.steps:
+            bar.close()
+            return stop_on_signal(args, plan, engine, monitor, corpus, losses, step + 1, stop)
     bar.close()
     if args.save_dir:
-        save(engine, args.save_dir, plan.steps, corpus, losses)
+        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
     if getattr(args, "save_pretrained", None):
         from infinity.commands.hf_model import save_pretrained_with_tokenizer
 

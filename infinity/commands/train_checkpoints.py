@@ -1,14 +1,24 @@
 """Checkpoints of ``infinity train``: saving at steps, finding the one to resume from, and stopping a run
-whose loss or gradient norm is no longer finite (with a checkpoint of its last good step)."""
+whose loss or gradient norm is no longer finite (with a checkpoint of its last good step).
+
+Nothing is lost: a --save-dir holding another run's checkpoints is refused before any work unless the run resumes
+from it or --overwrite says so; ``latest`` never moves back to an earlier step without a line saying so; --keep-last
+removes only the oldest checkpoints, never the one ``latest`` names; a checkpoint that cannot be loaded is named with
+the tags that exist beside it."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
+import re
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["call_checkpoint", "checkpoint_dir_and_tag", "engine_has_checkpoints", "save", "stop_on_nonfinite"]
+__all__ = ["SavePolicy", "add_arguments", "call_checkpoint", "checkpoint_dir_and_tag", "checkpoint_tags",
+           "engine_has_checkpoints", "load", "save", "save_policy", "stop_on_nonfinite", "stop_on_signal"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +74,114 @@ def checkpoint_dir_and_tag(path: str) -> tuple[str, str | None]:
     return str(p), None
 
 
-def save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
+RESUME_LATEST = ""
+"""``--resume`` given without a value: --save-dir's latest checkpoint."""
+LATEST_FILE = "latest"
+META_FILE = "meta.json"
+
+
+def add_arguments(group) -> None:
+    """--resume, --overwrite and --keep-last (--save-dir and --save-every are the train command's)."""
+    group.add_argument("--resume", metavar="DIR", nargs="?", const=RESUME_LATEST,
+                       help="resume from the latest checkpoint in DIR (or from DIR/TAG); with no DIR, from --save-dir's "
+                            "latest (a fresh start when it holds none)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="write into a --save-dir that holds another run's checkpoints (refused without it)")
+    group.add_argument("--keep-last", type=int, metavar="N",
+                       help="keep only the N newest checkpoints in --save-dir (config: checkpoint.keep_last; default all)")
+
+
+@dataclass(frozen=True, slots=True)
+class SavePolicy:
+    """Where checkpoints go and how many stay."""
+
+    save_dir: str | None
+    """--save-dir; None: no checkpoints."""
+    keep_last: int | None = None
+    """Checkpoints kept in ``save_dir`` (the newest, by step); None keeps all."""
+    resume: str | None = None
+    """The checkpoint folder to resume from (``DIR`` or ``DIR/TAG``), resolved; None for a fresh start."""
+
+
+def checkpoint_tags(save_dir: str | Path) -> list[str]:
+    """The complete checkpoints in ``save_dir`` (folders with a meta.json), oldest first: by step, then by name."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META_FILE).is_file()]
+    return sorted(tags, key=lambda t: (_step_of(t) if _step_of(t) is not None else -1, t))
+
+
+def _step_of(tag: str | None) -> int | None:
+    match = re.fullmatch(r"step(\d+)", tag or "")
+    return int(match.group(1)) if match else None
+
+
+def _latest(save_dir: str | Path) -> str | None:
+    try:
+        return (Path(save_dir) / LATEST_FILE).read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _describe_tags(save_dir: str | Path) -> str:
+    tags = checkpoint_tags(save_dir)
+    if not tags:
+        return f"{save_dir} holds no checkpoint"
+    latest = _latest(save_dir)
+    return f"checkpoints in {save_dir}: {', '.join(tags)}" + (f" (latest: {latest})" if latest else "")
+
+
+def save_policy(args: argparse.Namespace, ds: dict) -> SavePolicy:
+    """Check --save-dir, --resume, --overwrite, --keep-last (and the config's ``checkpoint.keep_last``, taken out of
+    ``ds``) before any work."""
+    block = ds.get("checkpoint")
+    config_keep = None
+    if isinstance(block, dict) and "keep_last" in block:
+        block = dict(block)
+        config_keep = block.pop("keep_last")
+        if block:
+            ds["checkpoint"] = block
+        else:
+            ds.pop("checkpoint")
+        if isinstance(config_keep, bool) or not isinstance(config_keep, int):
+            raise ValueError(f"config key checkpoint.keep_last must be an integer, got {config_keep!r}")
+    keep_last = args.keep_last if args.keep_last is not None else config_keep
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"--keep-last must be at least 1, got {keep_last}")
+    if keep_last is not None and not args.save_dir:
+        raise ValueError("--keep-last needs --save-dir")
+    resume = args.resume
+    if resume == RESUME_LATEST:
+        if not args.save_dir:
+            raise ValueError("--resume without a folder resumes from --save-dir's latest checkpoint: give --save-dir "
+                             "(or --resume DIR)")
+        resume = args.save_dir if _latest(args.save_dir) else None
+    elif resume is not None and not Path(resume).is_dir():
+        raise FileNotFoundError(f"--resume folder {resume!r} does not exist")
+    if args.save_dir and not args.overwrite and checkpoint_tags(args.save_dir):
+        resumes_here = resume is not None and Path(checkpoint_dir_and_tag(resume)[0]).resolve() == Path(args.save_dir).resolve()
+        if not resumes_here:
+            raise ValueError(f"--save-dir {args.save_dir!r} already holds another run's checkpoints "
+                             f"({_describe_tags(args.save_dir).split(': ', 1)[-1]}): resume from them (--resume), "
+                             f"choose another --save-dir, or give --overwrite to write there anyway")
+    return SavePolicy(save_dir=args.save_dir, keep_last=keep_last, resume=resume)
+
+
+def load(engine, resume: str) -> dict:
+    """The checkpoint's client state; an unusable checkpoint is named with the tags that exist beside it."""
+    from infinity.checkpoint import CheckpointError
+
+    save_dir, tag = checkpoint_dir_and_tag(resume)
+    try:
+        return call_checkpoint(engine.load_checkpoint, save_dir, tag) or {}
+    except (CheckpointError, FileNotFoundError) as err:
+        raise type(err)(f"{err}; {_describe_tags(save_dir)}") from None
+
+
+def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_last: int | None = None) -> None:
+    tag = f"step{step}"
+    before = _latest(save_dir) if engine.comm.rank == 0 else None
     import torch
 
     from infinity.hf_export import hf_config_of
@@ -73,4 +190,35 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float]) -> None:
     hf_config = hf_config_of(engine.module, torch.float32)
     if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
         client_state["hf_config"] = hf_config
-    call_checkpoint(engine.save_checkpoint, save_dir, tag=f"step{step}", client_state=client_state)
+    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state)
+    if engine.comm.rank != 0:
+        return
+    if _step_of(before) is not None and _step_of(before) > step:
+        print(f"infinity train: note: {Path(save_dir) / LATEST_FILE} moved back from {before} to {tag} (this run "
+              f"resumed from an earlier checkpoint or --overwrite was given); {before} is still there",
+              file=sys.stderr, flush=True)
+    if keep_last is not None:
+        _keep_last(Path(save_dir), keep_last, latest=tag)
+
+
+def _keep_last(save_dir: Path, keep: int, latest: str) -> None:
+    """Remove the oldest checkpoints beyond ``keep``; never the one ``latest`` names."""
+    tags = [t for t in checkpoint_tags(save_dir) if t != latest]
+    for tag in tags[: max(0, len(tags) - (keep - 1))]:
+        shutil.rmtree(save_dir / tag, ignore_errors=True)
+        logger.info("removed checkpoint %s (--keep-last %d)", save_dir / tag, keep)
+
+
+def stop_on_signal(args, plan, engine, monitor, corpus, losses: list[float], step: int, stop) -> int:
+    """End a run that was told to stop (SIGTERM, SIGINT) at a step boundary: checkpoint, close, 128 + signal."""
+    saved = ""
+    if args.save_dir:
+        if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
+            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last)
+        saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
+    engine.close()
+    monitor.close()
+    if plan.rank == 0:
+        print(f"infinity train: stopped by {stop.name} after step {step} of {plan.steps}{saved or '; no --save-dir, so no checkpoint'}",
+              file=sys.stderr, flush=True)
+    return stop.exit_code

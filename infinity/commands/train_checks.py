@@ -4,14 +4,20 @@ writable and its disk has room for the swap files, and the machine has the memor
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.estimate import format_bytes
 
-__all__ = ["check_disk_room", "check_memory", "check_nvme_room", "check_writable", "read_config_file"]
+__all__ = ["check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
+           "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
+           "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
 
 
 def read_config_file(path: str) -> dict:
@@ -32,19 +38,20 @@ def read_config_file(path: str) -> dict:
     return raw
 
 
-def check_writable(path: str) -> None:
-    """``OSError`` naming ``path`` unless a file can be created in it (created, with its parents, if missing)."""
+def check_writable(path: str, what: str = "nvme path") -> None:
+    """``OSError`` naming ``path`` unless a file can be created in it (created 0700, with its parents, if missing,
+    as DeepSpeed does)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise NotADirectoryError(f"nvme path {path!r} is not a folder")
+        raise NotADirectoryError(f"{what} {path!r} is not a folder")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        p.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = p / f".infinity-probe-{uuid.uuid4().hex}"
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
         probe.unlink()
     except OSError as err:
-        raise PermissionError(f"nvme path {path!r} is not writable: {err.strerror or err}") from None
+        raise PermissionError(f"{what} {path!r} is not writable: {err.strerror or err}") from None
 
 
 def check_memory(plan) -> None:
@@ -76,12 +83,170 @@ def check_disk_room(path: str, needed_nbytes: int) -> None:
         )
 
 
+TEMPORARY_PREFIX = "infinity-train-"
+"""The private swap folders ``infinity train`` makes in the temporary directory (removed at its exit), named
+``infinity-train-<pid>-<random>`` so that a later run can tell a dead run's folder from a live one's."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_swap_folders(parent: str) -> int:
+    """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
+    and this command's private folders (``infinity-train-<pid>-*``) of dead processes. How many went."""
+    from infinity.storage.swap_store import STALE_AFTER_S, remove_dead_stores
+
+    removed = remove_dead_stores(parent)
+    import time
+
+    for folder in Path(parent).glob(f"{TEMPORARY_PREFIX}*"):
+        pid = folder.name[len(TEMPORARY_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or _pid_alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
+                continue
+            if time.time() - folder.stat().st_mtime < STALE_AFTER_S:
+                continue
+            removed += remove_dead_stores(folder)
+            folder.rmdir()  # only once empty: a live run's folder holds its locked store
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def check_nvme_room(plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
     if "nvme" not in (plan.offload_param, plan.offload_optimizer):
         return
     zero = plan.ds_config["zero_optimization"]
-    paths = {zero[k].get("nvme_path") or tempfile.gettempdir()
+    temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
+    paths = {zero[k].get("nvme_path") or temporary
              for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
+        remove_dead_swap_folders(where)  # first: what a killed run left must not fail the room check
         check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+
+
+def config_number(block: dict, key: str, where: str, *, integer: bool = True):
+    """``block[key]`` when it is a JSON number (an integer if ``integer``), None when absent; else a ``ValueError``
+    naming ``where``. "auto" is None too (the run fills it in); another string ("8") is refused here rather than
+    failing later as a ``TypeError``."""
+    value = block.get(key)
+    if value is None or value == "auto":  # "auto" (Hugging Face's Trainer): filled from the run (infinity.ds_auto)
+        return None
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or (integer and isinstance(value, float) and not value.is_integer()):
+        kind = "an integer" if integer else "a number"
+        hint = " (a JSON number, without quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"config key {where} must be {kind}, got {value!r}{hint}")
+    return int(value) if integer else float(value)
+
+
+def finite_positive(name: str, value) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number above zero."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number above zero, got {value}")
+
+
+def check_model_file(path: str) -> None:
+    """A Python model file must compile: a syntax error is named with its line, before any work."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model file {path!r} does not exist")
+    if p.suffix != ".py":
+        return
+    try:
+        compile(p.read_bytes(), str(p), "exec")
+    except SyntaxError as err:
+        raise ValueError(f"model file {path!r} has a syntax error at line {err.lineno}: {err.msg}") from None
+    except ValueError as err:  # (null bytes)
+        raise ValueError(f"model file {path!r} is not Python source: {err}") from None
+
+
+def check_output_folder(flag: str, path: str) -> None:
+    """The folder that a file given to ``flag`` goes into must exist: checked before work, not after it."""
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{flag} {path!r}: folder {str(folder)!r} does not exist")
+
+
+def direct_io_problem(path: str) -> str | None:
+    """Why the folder ``path`` does not take O_DIRECT (tmpfs, a filesystem that refuses it), or None: the
+    filesystem's type, then one aligned O_DIRECT write of a probe file."""
+    import mmap
+
+    from infinity.storage.swap_store import direct_io_problem as by_filesystem
+
+    problem = by_filesystem(path)
+    if problem is not None or not hasattr(os, "O_DIRECT"):
+        return problem
+    probe = Path(path) / f".infinity-direct-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as err:
+        return f"the filesystem refuses O_DIRECT ({err.strerror})"
+    try:
+        buf = mmap.mmap(-1, 4096)  # page-aligned
+        os.write(fd, buf)
+    except OSError as err:
+        return f"an aligned O_DIRECT write failed ({err.strerror})"
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return None
+
+
+def check_direct_io(path: str, buffered_ok: bool) -> None:
+    """A swap folder given by the user must take O_DIRECT, unless buffered I/O was asked for (then it is said)."""
+    problem = direct_io_problem(path)
+    if problem is None:
+        return
+    if not buffered_ok:
+        raise OSError(f"nvme path {path!r} does not take direct I/O: {problem}; put the swap on a disk, or give "
+                      f"--buffered-io (config aio.buffered_fallback: true) to swap through the page cache there")
+    print(f"infinity train: warning: nvme path {path!r} does not take direct I/O ({problem}); swapping through the "
+          f"page cache (--buffered-io): the swap files take memory, not only disk", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapLocation:
+    """Where the private temporary swap folder goes when no --nvme-path is given."""
+
+    parent: str
+    """The folder it is made in: the temporary directory, or the first of ``FALLBACK_PARENTS`` that takes O_DIRECT."""
+    buffered: bool
+    """No candidate takes O_DIRECT: buffered I/O in the temporary directory (said loudly)."""
+    note: str = ""
+    """Why it is not the temporary directory; empty when it is."""
+
+
+def _fallback_parents() -> list[str]:
+    return ["/var/tmp", str(Path.home() / ".cache" / "infinity")]
+
+
+def default_swap_location(buffered_ok: bool = False) -> SwapLocation:
+    """The temporary directory if it takes O_DIRECT; else the first fallback folder that does; else the temporary
+    directory with buffered I/O (tmpfs /tmp on a machine with no other writable disk)."""
+    tmp = tempfile.gettempdir()
+    problem = direct_io_problem(tmp)
+    if problem is None:
+        return SwapLocation(tmp, buffered=False)
+    for parent in _fallback_parents():
+        try:
+            Path(parent).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(parent, os.W_OK) and direct_io_problem(parent) is None:
+            return SwapLocation(parent, buffered=False, note=f"{tmp} does not take direct I/O ({problem}): the swap "
+                                                             f"folder goes in {parent} (or give --nvme-path)")
+    return SwapLocation(tmp, buffered=True, note=(
+        f"WARNING: {tmp} does not take direct I/O ({problem}) and no other folder found does "
+        f"({', '.join(_fallback_parents())}): swapping through the page cache in {tmp}, so the swap takes memory; "
+        f"give --nvme-path on a disk"))

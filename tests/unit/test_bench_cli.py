@@ -73,7 +73,7 @@ def test_default_path_is_a_temporary_directory_removed_after(capsys):
         (["--size", "1000"], "multiple of 4096"),
         (["--block-size", "1000"], "--block-size"),
         (["--queue-depth", "0"], "--queue-depth"),
-        (["--path", "/no/such/dir"], "does not exist"),
+        (["--path", "/proc/version"], "is not a folder"),
         (["--size", "1000TiB"], "not enough free space"),
     ],
 )
@@ -83,6 +83,15 @@ def test_bad_input_is_one_clear_line(argv, message, capsys, bench_dir):
     rc = main(["bench", "--no-progress"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_path_is_created_0700_as_train_does(capsys, bench_dir):
+    where = bench_dir / "made" / "here"
+    rc = main(["bench", "--path", str(where), "--size", "1MiB", "--block-size", "256KiB", "--queue-depth", "2",
+               "--no-progress", "--json"])
+    capsys.readouterr()
+    assert where.is_dir() and (where.stat().st_mode & 0o777) == 0o700
+    assert rc == 0 or direct_io_problem(str(where))
 
 
 def test_tmpfs_path_is_refused(capsys):

@@ -1,0 +1,68 @@
+"""The estimate of an ``infinity train`` run (bytes per rank in each tier), from its plan and the model or preset,
+made before any work with the engine's own reading of the merged config."""
+
+from __future__ import annotations
+
+import copy
+
+__all__ = ["estimate_for"]
+
+_PLACEHOLDER_PATH = "<temporary folder>"
+
+
+def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
+    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe and names no path."""
+    ds = copy.deepcopy(ds)
+    for key in ("offload_param", "offload_optimizer"):
+        block = ds["zero_optimization"][key]
+        if block.get("device") == "nvme" and not block.get("nvme_path") and nvme_path is not None:
+            block["nvme_path"] = nvme_path
+    return ds
+
+
+def estimate_for(plan, model) -> dict:
+    """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
+    import torch
+
+    from infinity.config import InfinityConfig
+    from infinity.estimate import estimate, gpt_activation_nbytes
+    from infinity.host_budget import resolve_host_budget
+    from infinity.placement import distinct_device_requested
+    from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
+
+    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
+    zero = cfg.zero
+    gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
+    if isinstance(model, GPTConfig):
+        numels, largest = param_numels(model), largest_module_params(model)
+    else:
+        numels = [p.numel() for p in model.parameters()]
+        largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    activations = 0
+    if gpt_cfg is not None:
+        activations = gpt_activation_nbytes(gpt_cfg, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                                            precision=plan.precision)
+    return estimate(
+        param_numels=numels,
+        world_size=plan.world_size,
+        offload_param=plan.offload_param,
+        offload_optimizer=plan.offload_optimizer,
+        precision=cfg.precision,
+        largest_layer_params=largest,
+        max_live_parameters=zero.max_live_parameters,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_reuse_distance=zero.max_reuse_distance,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        sub_group_size=zero.sub_group_size,
+        buffer_count=zero.offload_param.buffer_count,
+        buffer_size=zero.offload_param.buffer_size,
+        max_in_cpu=zero.offload_param.max_in_cpu,
+        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart from host memory
+        activation_nbytes=activations,
+        host_memory_budget=resolve_host_budget(zero.host_memory_budget),
+        optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
+        overlap_step=zero.overlap_step_with_backward and not cfg.gradient_clipping and cfg.precision != "fp16",
+    )

@@ -1,0 +1,122 @@
+"""How ``infinity train`` ends when it is told to stop: SIGTERM (what schedulers send before a kill) and SIGINT
+(Ctrl-C) ask the run to stop at the next step boundary, where it saves a checkpoint when --save-dir is set,
+removes its swap folder and exits 143 or 130 (128 + the signal). A run that does not reach a step boundary within
+``STOP_TIMEOUT_S``, or a second signal, removes the swap folder and exits at once with the same code.
+
+Also here: :class:`Cleanup`, what a run undoes however it ends (its temporary swap folder, the process group).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+__all__ = ["Cleanup", "GracefulStop", "STOP_TIMEOUT_S"]
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = float(os.environ.get("INFINITY_STOP_TIMEOUT_S", 120))
+"""Seconds between the signal and a forced exit: to finish the step and write the checkpoint."""
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Cleanup:
+    """The temporary swap folder and the process group, undone however the run ends."""
+
+    def __init__(self):
+        self.folders: list[str] = []
+        self.callbacks: list = []
+        atexit.register(self.run)
+
+    def temporary_folder(self, parent: str | None = None) -> str:
+        """A private folder (0700) in ``parent`` (default the temporary directory); the pid in its name tells a
+        later run whether its owner is dead (train_checks.remove_dead_swap_folders)."""
+        folder = tempfile.mkdtemp(prefix=f"infinity-train-{os.getpid()}-", dir=parent)
+        self.folders.append(folder)
+        return folder
+
+    def run(self) -> None:
+        while self.callbacks:
+            try:
+                self.callbacks.pop()()
+            except Exception as err:  # cleanup must go on; say what failed
+                logger.warning("cleanup failed: %s", err)
+        self.remove_folders()
+
+    def remove_folders(self) -> None:
+        while self.folders:
+            shutil.rmtree(self.folders.pop(), ignore_errors=True)
+
+
+class GracefulStop:
+    """SIGTERM and SIGINT, caught for the life of a run (``with GracefulStop(cleanup) as stop:``).
+
+    The handler only records the signal; the training loop asks :meth:`requested` at each step boundary (agreed
+    over the ranks, so all stop at the same step) and ends the run itself. A timer bounds the wait.
+    """
+
+    def __init__(self, cleanup: Cleanup, timeout_s: float = STOP_TIMEOUT_S):
+        self.cleanup = cleanup
+        self.timeout_s = timeout_s
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal: 143 for SIGTERM, 130 for SIGINT."""
+        return 128 + (self.signum or 0)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():  # (signals reach the main thread only)
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: no more waiting
+            self._force(f"a second {signal.Signals(signum).name}")
+            return
+        self.signum = signum
+        print(f"\ninfinity train: {self.name} received: stopping at the end of this step "
+              f"(at most {self.timeout_s:.0f} s; send it again to stop now)", file=sys.stderr, flush=True)
+        self._timer = threading.Timer(self.timeout_s, self._force, args=(f"{self.timeout_s:.0f} s passed",))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _force(self, why: str) -> None:
+        print(f"infinity train: {why} after {self.name}: stopping now, without a checkpoint; the swap folder is "
+              f"removed", file=sys.stderr, flush=True)
+        self.cleanup.remove_folders()
+        os._exit(self.exit_code)
+
+    def requested(self, world_size: int) -> bool:
+        """True on every rank when any rank was signalled (one all-reduce with several ranks)."""
+        flag = self.signum is not None
+        if world_size == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([self.signum or 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if self.signum is None and int(t) > 0:
+            self.signum = int(t)
+        return int(t) > 0

@@ -1,0 +1,138 @@
+"""The machine a run is on: its CPU and GPU by name, and the compute precision it is fast in.
+
+bf16 is fast on a CUDA device that computes it, and on a CPU with bf16 units (AMX, or AVX512-BF16): found from
+the CPU's flags in ``/proc/cpuinfo``, or, where there are none to read, a ~50 ms matmul probe. On other CPUs
+(AVX2 only, for example) a bf16 matmul is emulated and runs several times slower than fp32, so ``auto``
+takes fp32 there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FastPrecision", "cpu_flags", "cpu_name", "fast_precision", "gpu_name", "machine_description",
+           "resolve_precision"]
+
+logger = logging.getLogger(__name__)
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+"""/proc/cpuinfo flags of a CPU with bf16 units."""
+PRECISION_CHOICES = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True, slots=True)
+class FastPrecision:
+    """The precision ``auto`` takes on a device, and why."""
+
+    precision: str
+    """``bf16`` or ``fp32``."""
+    reason: str
+    """A few words for the start line: ``CPU has avx512_bf16``, ``CPU without bf16 units (avx2)``, ..."""
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's flags from /proc/cpuinfo, or None where there is no such file (macOS, Windows)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return None
+
+
+@functools.cache
+def cpu_name() -> str:
+    """``AMD EPYC 7B13 (2 cores, avx2)``: the model name, the cores this process may use, the widest SIMD."""
+    import os
+
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+                platform.processor() or platform.machine() or "unknown CPU")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    flags = cpu_flags() or frozenset()
+    simd = next((f for f in (*BF16_CPU_FLAGS, "avx512f", "avx2", "avx", "asimd", "neon") if f in flags), None)
+    return f"{name} ({cores} cores" + (f", {simd})" if simd else ")")
+
+
+def gpu_name() -> str | None:
+    """The current CUDA device's name and memory, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
+def machine_description() -> str:
+    """One line naming the CPU and the GPU, for benchmark outputs and RESULTS.md."""
+    gpu = gpu_name()
+    return f"CPU {cpu_name()}" + (f"; GPU {gpu}" if gpu else "; no GPU")
+
+
+def _probe_cpu_bf16(size: int = 256, budget_s: float = 0.05) -> bool:
+    """True when a bf16 matmul is at most 1.5x slower than an fp32 one on this CPU (the ~50 ms probe)."""
+    import torch
+
+    a32 = torch.randn(size, size)
+    a16 = a32.to(torch.bfloat16)
+
+    def rate(a) -> float:
+        a @ a  # warm up
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < budget_s / 2:
+            a @ a
+            n += 1
+        return n / elapsed
+
+    return rate(a16) * 1.5 >= rate(a32)
+
+
+@functools.cache
+def fast_precision(device: str = "cpu") -> FastPrecision:
+    """The precision the device computes fast: ``device`` is ``cpu`` or ``cuda`` (``cuda:N``)."""
+    import torch
+
+    if device.startswith("cuda"):
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return FastPrecision("bf16", f"{gpu_name()} computes bf16")
+        return FastPrecision("fp32", "the GPU does not compute bf16")
+    flags = cpu_flags()
+    if flags is not None:
+        found = [f for f in BF16_CPU_FLAGS if f in flags]
+        if found:
+            return FastPrecision("bf16", f"CPU has {found[0]}")
+        widest = next((f for f in ("avx512f", "avx2", "avx", "asimd") if f in flags), "no SIMD flags")
+        return FastPrecision("fp32", f"CPU without bf16 units ({widest})")
+    if _probe_cpu_bf16():
+        return FastPrecision("bf16", "a bf16 matmul probe ran as fast as fp32")
+    return FastPrecision("fp32", "a bf16 matmul probe ran slower than fp32")
+
+
+def default_device() -> str:
+    """The device ``auto`` computes on: ``cuda`` when there is one, else ``cpu`` (as the placement decides)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_precision(requested: str, device: str | None = None) -> FastPrecision:
+    """``requested`` (``auto``, ``bf16`` or ``fp32``) as a precision and the reason for it."""
+    if requested not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {requested!r}")
+    if requested != "auto":
+        return FastPrecision(requested, "asked for")
+    device = device if device not in (None, "auto") else default_device()
+    chosen = fast_precision(device)
+    logger.info("precision auto -> %s: %s", chosen.precision, chosen.reason)
+    return chosen
