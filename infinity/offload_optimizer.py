@@ -216,14 +216,17 @@ class OffloadOptimizer:
                 self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
             out = self._device_scratch
         else:
-            if scratch is None:
-                if self._host_scratch is None:  # states in memory: one scratch buffer, made on first use
-                    self._host_scratch = self._tiers.empty("host", numel, self._compute.dtype,
-                                                           pinned=self._scratch_pinned)
-                scratch = self._host_scratch
-            out = scratch
+            out = scratch if scratch is not None else self._host_scratch_buffer()
         self._wait_scratch_free(out)
         return out[:group.numel]
+
+    def _host_scratch_buffer(self) -> torch.Tensor:
+        """One sub-group of host scratch for new compute shards, made on first use (states in memory have no
+        staging set of their own to lend one)."""
+        if self._host_scratch is None:
+            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
+                                                   pinned=self._scratch_pinned)
+        return self._host_scratch
 
     def _wait_scratch_free(self, scratch: torch.Tensor) -> None:
         done = self._scratch_copy.pop(scratch.data_ptr(), None)
@@ -256,10 +259,7 @@ class OffloadOptimizer:
 
     def _down_for_nvme(self, group: SubGroup, out_device: torch.Tensor) -> torch.Tensor:
         """Device states, NVMe compute shards: the new shards come down to host scratch before their writes."""
-        if self._host_scratch is None:
-            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
-                                                   pinned=self._scratch_pinned)
-        host = self._host_scratch[:group.numel]
+        host = self._host_scratch_buffer()[:group.numel]
         self._copies.host_waits(self._copies.to_host(out_device, host))  # the NVMe writes read it next
         return host
 
