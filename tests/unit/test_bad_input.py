@@ -14,19 +14,7 @@ from infinity.commands import train
 from infinity.config import InfinityConfig
 
 
-@pytest.fixture(autouse=True)
-def _in_a_fresh_folder(tmp_path_factory, monkeypatch):
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
-
-
-@pytest.fixture
-def no_work(monkeypatch, tmp_path):
-    """Fail the test if training would start: no model built, no swap folder made."""
-    def forbidden(*a, **k):
-        raise AssertionError("work started before the bad input was reported")
-    monkeypatch.setattr(train, "_build_model", forbidden)
-    monkeypatch.setattr(tempfile, "mkdtemp", forbidden)
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("fresh_cwd")  # conftest.py: runs write under ./runs
 
 
 def _fails(capsys, *argv, command="train") -> str:

@@ -17,20 +17,7 @@ def _args(*argv):
     return build_parser(argv).parse_args(argv)
 
 
-@pytest.fixture(autouse=True)
-def _in_a_fresh_folder(tmp_path_factory, monkeypatch):
-    """Runs write their metrics under ./runs: keep them out of the checkout."""
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
-
-
-@pytest.fixture
-def no_work(monkeypatch, tmp_path):
-    """Fail the test if training would start: no model built, no swap folder made."""
-    def forbidden(*a, **k):
-        raise AssertionError("work started before the bad input was reported")
-    monkeypatch.setattr(train, "_build_model", forbidden)
-    monkeypatch.setattr(tempfile, "mkdtemp", forbidden)
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("fresh_cwd")  # conftest.py: runs write under ./runs
 
 
 def _fails(capsys, *argv) -> str:
