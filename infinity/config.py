@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+StateDtype = Literal["fp32", "bf16", "int8"]
+STATE_DTYPES = ("fp32", "bf16", "int8")
+"""Forms of the optimizer states (``infinity.kernels.compact``): 12, 6 and ~4.03 bytes an element."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +113,13 @@ class OffloadOptimizerConfig:
     """With ``device: nvme``, optimizer-state elements that may rest in host memory (our key, after
     ``offload_param.max_in_cpu``): None (the default) keeps whatever fits the host-memory budget, so NVMe is a
     spill tier; 0 puts every sub-group on NVMe."""
+    state_dtype: StateDtype = "fp32"
+    """How master and moments are stored, in every tier (memory, NVMe swap files, staging): ``fp32`` (12 bytes an
+    element); ``bf16`` (6: master and moments in bf16, master and second moment stochastically rounded);
+    ``int8`` (~4.03: bf16 master, moments as 8-bit codes with an fp32 scale per block of 256). The step computes
+    in fp32 either way (``infinity.kernels.compact``). Checkpoints hold fp32 states whatever this says, so one
+    saved with one state dtype loads into another. DeepSpeed's ``bf16.bf16_optimizer_states: true`` means
+    ``bf16``."""
     pipeline_read: bool = True
     """Read sub-group i+1 while sub-group i is updated."""
     pipeline_write: bool = True
@@ -127,6 +137,7 @@ class OffloadOptimizerConfig:
             _require_non_negative("offload_optimizer.max_in_cpu", self.max_in_cpu)
         _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
                         ("device_if_fits", "device", "host"))
+        _require_choice("zero_optimization.offload_optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -346,7 +357,7 @@ _ZERO_ONLY_VALUE = {
 }
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-                           "grad_accumulation", "max_in_cpu"}
+                           "grad_accumulation", "max_in_cpu", "state_dtype"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
@@ -358,9 +369,9 @@ _FP16_HONOURED = {
     "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis", "min_loss_scale": "min_loss_scale",
 }
 _FP16_NOT_APPLICABLE = {"auto_cast", "consecutive_hysteresis"}
-# bf16_master_weights_and_grads / bf16_optimizer_states: masters and moments stay fp32 here (accepted, logged).
-_BF16_NOT_APPLICABLE = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
-                        "bf16_optimizer_states"}
+# bf16_master_weights_and_grads: gradient slices follow the compute precision here (accepted, logged).
+# bf16_optimizer_states: true is offload_optimizer.state_dtype "bf16" (see _DeepSpeedTranslator._precision).
+_BF16_NOT_APPLICABLE = {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads"}
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "bias_correction", "torch_adam", "fused", "amsgrad"}
 
 
@@ -372,6 +383,8 @@ class _DeepSpeedTranslator:
             raise ValueError(f"config must be a JSON object, got {type(raw).__name__}")
         self.raw = raw
         self.not_applicable: list[str] = []
+        self.bf16_optimizer_states = False
+        """``bf16.bf16_optimizer_states`` was true: the optimizer states default to ``bf16``."""
 
     def translate(self) -> InfinityConfig:
         raw = dict(self.raw)
@@ -394,6 +407,8 @@ class _DeepSpeedTranslator:
             kwargs["optimizer"] = self._optimizer(raw.pop("optimizer"))
         if "zero_optimization" in raw:
             kwargs["zero"] = self._zero(raw.pop("zero_optimization"))
+        elif self.bf16_optimizer_states:
+            kwargs["zero"] = ZeroConfig(offload_optimizer=OffloadOptimizerConfig(state_dtype="bf16"))
         if "aio" in raw:
             kwargs["aio"] = AioConfig(**self._fields("aio", raw.pop("aio"), _AIO_HONOURED, set(), {"use_gds": False}))
         if "tiling" in raw:
@@ -442,9 +457,15 @@ class _DeepSpeedTranslator:
             out["loss_scale"] = LossScaleConfig(**fields)
         elif isinstance(fp16, dict):
             self.not_applicable.extend(f"fp16.{k}" for k in fp16 if k != "enabled")
+        if isinstance(bf16, dict) and "bf16_optimizer_states" in bf16:
+            states = bf16["bf16_optimizer_states"]
+            if not isinstance(states, bool):
+                raise ValueError(f"config key bf16.bf16_optimizer_states must be true or false, got {states!r}")
+            self.bf16_optimizer_states = states  # honoured whether or not bf16 computes: states are apart
         if bf16_on:
             out["precision"] = "bf16"
-            self._fields("bf16", {k: v for k, v in bf16.items() if k != "enabled"}, {}, _BF16_NOT_APPLICABLE)
+            self._fields("bf16", {k: v for k, v in bf16.items() if k not in ("enabled", "bf16_optimizer_states")},
+                         {}, _BF16_NOT_APPLICABLE)
         return out
 
     @staticmethod
@@ -515,6 +536,8 @@ class _DeepSpeedTranslator:
             kwargs["offload_optimizer"] = self._offload(
                 "zero_optimization.offload_optimizer", block.pop("offload_optimizer"), _OFFLOAD_OPTIMIZER_KEYS,
                 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE, OffloadOptimizerConfig)
+        elif self.bf16_optimizer_states:
+            kwargs["offload_optimizer"] = OffloadOptimizerConfig(state_dtype="bf16")
         fields = self._fields("zero_optimization", block, _ZERO_HONOURED, _ZERO_NOT_APPLICABLE, _ZERO_ONLY_VALUE)
         for name, value in fields.items():
             if name == "overlap_step_with_backward":
@@ -527,7 +550,7 @@ class _DeepSpeedTranslator:
 
     def _offload(self, where: str, block: Any, keys: set, not_applicable: set, cls):
         if block is None:
-            return cls()
+            block = {}
         fields = self._fields(where, block, {k: k for k in keys}, not_applicable, {"ratio": 1.0})
         if "device" in fields:
             device = fields["device"]
@@ -535,6 +558,11 @@ class _DeepSpeedTranslator:
         for name in ("buffer_count", "buffer_size", "max_in_cpu"):
             if name in fields:
                 fields[name] = _int(f"{where}.{name}", fields[name])
+        if cls is OffloadOptimizerConfig and self.bf16_optimizer_states:
+            if fields.get("state_dtype", "bf16") != "bf16":
+                raise ValueError(f"bf16.bf16_optimizer_states is true but {where}.state_dtype is "
+                                 f"{fields['state_dtype']!r}; give one of them")
+            fields["state_dtype"] = "bf16"
         return cls(**fields)
 
 
