@@ -374,6 +374,45 @@ def to_fp32(state_dtype: str, state: dict[str, torch.Tensor]) -> dict[str, torch
     }
 
 
+def state_parts(state_dtype: str, name: str) -> tuple[str, ...]:
+    """The tensors (``state_layout`` names) that hold one state (``master``, ``exp_avg``, ``exp_avg_sq``)."""
+    check_state_dtype(state_dtype)
+    if name not in ("master", "exp_avg", "exp_avg_sq"):
+        raise ValueError(f"unknown optimizer state {name!r}; one of master, exp_avg, exp_avg_sq")
+    return (name, f"{name}_scale") if state_dtype == "int8" and name != "master" else (name,)
+
+
+@torch.no_grad()
+def state_from_fp32(state_dtype: str, name: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One fp32 state in ``state_dtype``'s form, by part (``state_parts``), as :func:`from_fp32` makes it:
+    rounded to nearest, each int8 moment with the block scales of its own values. New tensors."""
+    parts = state_parts(state_dtype, name)
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 torch.Tensor")
+    flat = values.detach().reshape(-1).cpu()
+    if state_dtype == "fp32":
+        return {name: flat.clone()}
+    if state_dtype == "bf16" or name == "master":
+        return {name: flat.bfloat16()}
+    if name == "exp_avg":
+        scales = block_scales(flat)
+        return {parts[0]: quantize_exp_avg(flat, scales), parts[1]: scales}
+    root = sqrt_rn(flat)
+    scales = block_scales(root)
+    return {parts[0]: quantize_exp_avg_sq(root, scales), parts[1]: scales}
+
+
+@torch.no_grad()
+def state_to_fp32(state_dtype: str, name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One state in fp32 (a new flat tensor) from its parts in ``state_dtype``'s form (``state_parts``)."""
+    names = state_parts(state_dtype, name)
+    value = parts[names[0]].reshape(-1).cpu()
+    if state_dtype != "int8" or name == "master":
+        return value.float()
+    scales = parts[names[1]].cpu()
+    return dequantize_exp_avg(value, scales) if name == "exp_avg" else dequantize_exp_avg_sq(value, scales)
+
+
 def convert(state: dict[str, torch.Tensor], from_dtype: str, to_dtype: str) -> dict[str, torch.Tensor]:
     """A state in ``from_dtype``'s form converted to ``to_dtype``'s (through fp32)."""
     fp32 = to_fp32(from_dtype, state)
