@@ -121,7 +121,8 @@ class Engine:
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
                                           buffer_count=budget.staging_sets, timeline=self.timeline,
                                           reserve_nbytes=reserve, backward_order=self.overlap_step,
-                                          max_in_cpu=zero.offload_optimizer.max_in_cpu)
+                                          max_in_cpu=zero.offload_optimizer.max_in_cpu,
+                                          state_dtype=zero.offload_optimizer.state_dtype, rank=self.comm.rank)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.params: list[ShardedParam] = []

@@ -36,7 +36,7 @@ MAX_STAGED_SUB_GROUP_NUMEL = 100_000_000
 """Elements per staging set beyond which NVMe staging buys no bandwidth (1.4 GB a set, ~0.7 s at 2 GB/s)."""
 
 STATE_BYTES = 12
-"""fp32 master and both moments, per element."""
+"""fp32 master and both moments, per element (``state_dtype`` fp32; :func:`state_nbytes` for any)."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -63,6 +63,18 @@ def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget") 
     if isinstance(value, (int, float)):
         return _fraction(key, float(value)) if value <= 1 else _bytes(key, value)
     raise ValueError(f"{key} must be bytes or a fraction of the available memory, got {value!r}")
+
+
+def state_nbytes(state_dtype: str, numel: int) -> int:
+    """Bytes of the optimizer states of ``numel`` elements in ``state_dtype`` (12, 6 or ~4.03 an element)."""
+    from infinity.kernels import state_nbytes as nbytes
+    return nbytes(state_dtype, numel)
+
+
+def state_bytes_per_numel(state_dtype: str) -> int:
+    """Whole bytes an element of optimizer states, rounded up (planning in integers): 12, 6 or 5."""
+    from infinity.kernels import state_bytes_per_element
+    return math.ceil(state_bytes_per_element(state_dtype))
 
 
 def resolve_host_budget(setting: int | float | None, *, available_nbytes: int | None = None,
@@ -139,6 +151,7 @@ class HostMemoryPlan:
         self.config = config
         self.budget_nbytes = budget_nbytes
         self.itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        self.state_dtype = config.zero.offload_optimizer.state_dtype
         self.layout = self.placement = None
         self.staging_sets = self._configured_staging_sets()
 
@@ -150,7 +163,7 @@ class HostMemoryPlan:
         largest_shard = max((math.ceil(p.numel() / world_size) for _, p in named_params), default=0)
         size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
                                       budget_nbytes=self.budget_nbytes, sets=self.staging_sets,
-                                      bytes_per_numel=STATE_BYTES + self.itemsize)
+                                      bytes_per_numel=state_bytes_per_numel(self.state_dtype) + self.itemsize)
         if size < zero.sub_group_size:
             logger.info("sub_group_size %d -> %d: %d NVMe staging sets of that size fit the host-memory budget "
                         "of %s (staging more buys no bandwidth)", zero.sub_group_size, size, self.staging_sets,
@@ -177,10 +190,11 @@ class HostMemoryPlan:
         grad_bytes = itemsize if placement.grads_lossless else 4
         grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
         shards = layout.total_numel * itemsize if placement.compute_shard.tier in charged else 0
-        states = layout.trainable_numel * STATE_BYTES if placement.master.tier in charged else 0
+        states = state_nbytes(self.state_dtype, layout.trainable_numel) if placement.master.tier in charged else 0
         staging = 0
         if placement.master.tier == "nvme":
-            staging = staging_sets * layout.largest_sub_group_numel * (STATE_BYTES + itemsize)
+            largest = layout.largest_sub_group_numel
+            staging = staging_sets * (state_nbytes(self.state_dtype, largest) + largest * itemsize)
         gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
         reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
         return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),

@@ -15,6 +15,13 @@ host memory instead (those the step reads first, first) and only the others
 are swapped: they are pipelined through sets of host buffers, sub-group i+1
 read while sub-group i is updated, and sub-group i written while i+1 is
 updated. A buffer set is reused only after its writes have completed.
+
+The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
+in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
+6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
+form in its one pass. :meth:`OffloadOptimizer.read_state` and
+:meth:`~OffloadOptimizer.write_state` convert to and from fp32, so checkpoints
+and consolidated state dicts see fp32 states whatever the form.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from infinity.tiers import Tiers
 logger = logging.getLogger(__name__)
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+"""The states; each is held by one tensor, plus (int8 moments) a tensor of block scales (``_SCALE_NAMES``)."""
+_SCALE_NAMES = ("exp_avg_scale", "exp_avg_sq_scale")
 _nothing = contextlib.nullcontext
 
 
@@ -69,8 +78,10 @@ class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
                  compute: ComputeShards, grads: GradReducer, copies: Copies, *,
                  nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
-                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None):
+                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
+                 state_dtype: str = "fp32", rank: int = 0):
         self.layout = layout
+        self.state_dtype = kernels.compact.check_state_dtype(state_dtype)
         self.config = config
         self.tier = placement.master.tier
         self.lr = config.lr
@@ -81,14 +92,21 @@ class OffloadOptimizer:
         self._copies = copies
         self._timeline = timeline
         self._on_device = placement.optimizer_on_device
+        if state_dtype != "fp32" and self._on_device and placement.device.type != "cpu":
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.state_dtype is {state_dtype!r}, but the optimizer states are "
+                f"on {placement.device} (offload_optimizer.device 'none'), where torch's fused AdamW keeps fp32 "
+                f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
+        self._rank = rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
         self._write_in_place = placement.compute_shard_in_optimizer_memory
         # new compute shards that cross between memories are staged in host buffers pinned like the gradients
         self._scratch_pinned = placement.grads.pinned and not self._write_in_place
         memory_tier = "device" if self.tier == "device" else "host"
         self._memory_tier = memory_tier
-        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state
+        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state_layout tensor
         self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
+        self._block_offset: dict[int, int] = {}     # sub-group index -> its first block in the scale tensors (int8)
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
@@ -102,17 +120,13 @@ class OffloadOptimizer:
             numel = layout.largest_sub_group_numel
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
             for _ in range(max(2, buffer_count) if pipeline else 1):
-                states = {name: tiers.empty("host", numel, torch.float32) for name in STATE_NAMES}
+                states = {t.name: tiers.empty("host", t.numel, t.dtype) for t in self._state_layout(numel)}
                 compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
                 self._staging.append(_Staging(states, compute_staging, []))
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
-            for group in layout.sub_groups:
-                self._memory_offset[group.index] = group.start
-            for name in STATE_NAMES:
-                self._states[name] = tiers.empty(memory_tier, layout.trainable_numel, torch.float32)
-                self._states[name].zero_()
+            self._allocate_memory_states(memory_tier, layout.sub_groups)
         self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
 
@@ -120,26 +134,56 @@ class OffloadOptimizer:
         """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
         (with no budget, none do: ``device: nvme`` then means NVMe).
 
-        Every sub-group kept saves its 24 bytes an element of I/O per step; among those that fit, the ones the
-        step reads first are kept (no I/O can hide their reads): the last sub-groups when the step runs during
-        backward (which finishes them first), else the first ones."""
+        Every sub-group kept saves twice its state bytes (24 an element in fp32) of I/O per step; among those
+        that fit, the ones the step reads first are kept (no I/O can hide their reads): the last sub-groups
+        when the step runs during backward (which finishes them first), else the first ones."""
         order = sorted(self.layout.sub_groups, key=lambda g: -g.index if backward_order else g.index)
-        kept, total = [], 0
+        kept, total, total_nbytes = [], 0, 0
         for group in order:
-            fits = (total + group.numel) * len(STATE_NAMES) * 4 <= room_nbytes
+            nbytes = kernels.state_nbytes(self.state_dtype, group.numel)
+            fits = total_nbytes + nbytes <= room_nbytes
             if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
                 kept.append(group)
                 total += group.numel
+                total_nbytes += nbytes
         if not kept:
             return
-        for group in sorted(kept, key=lambda g: g.index):
-            self._memory_offset[group.index] = sum(g.numel for g in kept if g.index < group.index)
-        for name in STATE_NAMES:
-            self._states[name] = self._tiers.empty("host", total, torch.float32)
-            self._states[name].zero_()
+        self._allocate_memory_states("host", kept)
         logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
                     "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
                     sum(g.numel for g in self.layout.sub_groups))
+
+    def _state_layout(self, numel: int):
+        return kernels.state_layout(self.state_dtype, numel)
+
+    def _allocate_memory_states(self, tier: str, groups) -> None:
+        """One zeroed flat tensor per state tensor for ``groups``, each sub-group at its offset (scales at
+        their own block offsets, so every sub-group's blocks start with it)."""
+        numel = blocks = 0
+        for group in sorted(groups, key=lambda g: g.index):
+            self._memory_offset[group.index], self._block_offset[group.index] = numel, blocks
+            numel += group.numel
+            blocks += kernels.compact.num_blocks(group.numel)
+        for spec in self._state_layout(numel):
+            self._states[spec.name] = self._tiers.empty(tier, blocks if spec.name in _SCALE_NAMES else numel, spec.dtype)
+            self._states[spec.name].zero_()
+
+    def _memory_states(self, group: SubGroup, names=None) -> dict[str, torch.Tensor]:
+        """Views of a sub-group's state tensors in memory (``names``: those only)."""
+        views = {}
+        for spec in self._state_layout(group.numel):
+            if names is None or spec.name in names:
+                start = (self._block_offset if spec.name in _SCALE_NAMES else self._memory_offset)[group.index]
+                views[spec.name] = self._states[spec.name][start:start + spec.numel]
+        return views
+
+    def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
+        return {spec.name: states[spec.name][:spec.numel] for spec in self._state_layout(group.numel)}
+
+    def _seed(self, group: SubGroup) -> int:
+        """The stochastic-rounding seed of one sub-group: its own on every rank, the same in a resumed run."""
+        return (self._rank << 32) | group.index
 
     def in_memory(self, group: SubGroup) -> bool:
         return group.index in self._memory_offset
@@ -174,7 +218,7 @@ class OffloadOptimizer:
                 self._store.write(f"master.{group.index}", master).wait()
             else:
                 for slot in group.slots:
-                    self._write_memory_state("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
+                    self._write_memory_tensor("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -197,14 +241,26 @@ class OffloadOptimizer:
         to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
         tier. Returns the NVMe writes still in flight."""
         cfg = self.config
+        states = self._group_states(group, states)
         grads = self._grads.wait_sub_group(group)
         out = self._compute_out(group, scratch)
+        hyper = dict(step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                     param_out=out)
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
-            self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], step=self.step_count,
-                       lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
-                       param_out=out)
-        return self._deliver_compute(group, out)
+            if self.state_dtype == "fp32":
+                self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
+            else:  # the compact form read, updated and written back in the kernel's one pass
+                kernels.adam_step_compact(states["master"], grads, states["exp_avg"], states["exp_avg_sq"],
+                                          state_dtype=self.state_dtype, seed=self._seed(group),
+                                          exp_avg_scale=states.get("exp_avg_scale"),
+                                          exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
+        writes = self._deliver_compute(group, out)
+        if not self.in_memory(group):
+            # A staged sub-group: the caller writes back STATE_NAMES; the int8 block scales go with the update.
+            writes += [self._store.write(f"{name}.{group.index}", states[name]) for name in _SCALE_NAMES
+                       if name in states]
+        return writes
 
     def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
         """Where the kernel writes the sub-group's new compute shards."""
@@ -336,17 +392,14 @@ class OffloadOptimizer:
 
     def _update_in_memory(self, group: SubGroup) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        start = self._memory_offset[group.index]
-        states = {name: t[start:start + group.numel] for name, t in self._states.items()}
-        for handle in self._update(group, states, None):
+        for handle in self._update(group, self._memory_states(group), None):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
         handles = []
-        for name in STATE_NAMES:
-            buffer = staging.states[name][:group.numel]
+        for name, buffer in self._group_states(group, staging.states).items():
             if name != "master" and self.step_count == 1:
-                buffer.zero_()  # moments start at zero: nothing on disk yet
+                buffer.zero_()  # moments (codes and scales) start at zero: nothing on disk yet
                 continue
             handles.append(self._store.read(f"{name}.{group.index}", buffer, urgent=urgent))
         return handles
@@ -359,12 +412,20 @@ class OffloadOptimizer:
         """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (fp32, group.numel)."""
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
-        if self.in_memory(group):
-            self._read_memory_state(name, group, out)
-        elif name != "master" and self.step_count == 0:
+        if not self.in_memory(group) and name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
+        elif self.state_dtype == "fp32":
+            if self.in_memory(group):
+                self._read_memory_tensor(name, group, out)
+            else:
+                self._store.read(f"{name}.{group.index}", out).wait()
         else:
-            self._store.read(f"{name}.{group.index}", out).wait()
+            parts = self._read_parts(group, kernels.compact.state_parts(self.state_dtype, name))
+            try:
+                out.copy_(kernels.compact.state_to_fp32(self.state_dtype, name, parts))
+            finally:
+                for tensor in parts.values():
+                    self._tiers.free("host", tensor)
 
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group (loading a checkpoint)."""
@@ -373,23 +434,51 @@ class OffloadOptimizer:
         if values.numel() != group.numel or values.dtype != torch.float32:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
-        if self.in_memory(group):
-            self._write_memory_state(name, group, values)
+        if self.state_dtype == "fp32":
+            parts = {name: values.contiguous()}
         else:
-            self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
+            parts = kernels.compact.state_from_fp32(self.state_dtype, name, values)
+        for part, tensor in parts.items():
+            if self.in_memory(group):
+                self._write_memory_tensor(part, group, tensor)
+            else:
+                self._store.write(f"{part}.{group.index}", tensor).wait()
 
-    def _read_memory_state(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
-        start = self._memory_offset[group.index]
-        source = self._states[name][start:start + out_host.numel()]
+    def _read_parts(self, group: SubGroup, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """A sub-group's state tensors ``names`` in its compact form, in new host buffers (the caller frees them)."""
+        parts = {}
+        try:
+            for spec in self._state_layout(group.numel):
+                if spec.name not in names:
+                    continue
+                parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
+                if self.in_memory(group):
+                    self._read_memory_tensor(spec.name, group, buffer)
+                else:
+                    self._store.read(f"{spec.name}.{group.index}", buffer).wait()
+        except BaseException:
+            for tensor in parts.values():
+                self._tiers.free("host", tensor)
+            raise
+        return parts
+
+    def _memory_view(self, name: str, group: SubGroup, at: int, numel: int) -> torch.Tensor:
+        start = (self._block_offset if name in _SCALE_NAMES else self._memory_offset)[group.index] + at
+        return self._states[name][start:start + numel]
+
+    def _read_memory_tensor(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
+        """Copy the start of one of a sub-group's state tensors in memory into host ``out_host`` (same dtype)."""
+        source = self._memory_view(name, group, 0, out_host.numel())
         if self._on_device:
             self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
         else:
             out_host.copy_(source)
 
-    def _write_memory_state(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
-        """Write host values into a sub-group's state in memory, ``at`` elements into the sub-group."""
-        start = self._memory_offset[group.index] + at
-        target = self._states[name][start:start + values_host.numel()]
+    def _write_memory_tensor(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
+        """Write host values into one of a sub-group's state tensors in memory, ``at`` elements into it (fp32
+        masters are rounded to nearest into a bf16 master)."""
+        target = self._memory_view(name, group, at, values_host.numel())
+        values_host = values_host.to(target.dtype)
         if self._on_device:
             self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
         else:
