@@ -10,8 +10,10 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
 * the **compute shard** (2 bytes/element in bf16/fp16, 4 in fp32) rests in the
   ``offload_param`` tier (none -> device, cpu -> host, nvme -> nvme; with nvme
   the first ``max_in_cpu`` elements stay in host memory);
-* the fp32 **master** (4 B) and the Adam **moments** ``exp_avg`` +
-  ``exp_avg_sq`` (8 B) rest in the ``offload_optimizer`` tier;
+* the **master** and the Adam **moments** ``exp_avg`` + ``exp_avg_sq`` rest in
+  the ``offload_optimizer`` tier, in the form ``state_dtype`` says: fp32 (4 B
+  + 8 B), bf16 (2 B + 4 B) or int8 (a bf16 master, 2 B, + one byte a moment
+  and an fp32 scale per block of 256: ~2.03 B);
 * the **gradient** shard rests in host memory when the optimizer is offloaded
   (cpu or nvme), on the device otherwise; in compute precision with one
   micro-batch per step (bf16/fp32), in fp32 when it accumulates over several
@@ -37,7 +39,7 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
   CPU-only machine shards land in place: no buffers);
 * with the optimizer on NVMe, host **staging** holds ``offload_optimizer.buffer_count``
   sets (at least two; one without pipelining) of one sub-group's master, both
-  moments (12 B) and new compute shard; with the compute shard on NVMe but the optimizer in memory, one
+  moments (12 B in fp32) and new compute shard; with the compute shard on NVMe but the optimizer in memory, one
   sub-group of compute bytes of scratch;
 * **activations** (device, only when the model's shape is known): what
   autograd keeps for one micro-batch without activation checkpointing. The
@@ -55,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from itertools import product
 
-from infinity.host_budget import STATE_BYTES, staged_sub_group_numel, transient_reserve_nbytes
+from infinity.host_budget import state_bytes_per_numel, state_nbytes, staged_sub_group_numel, transient_reserve_nbytes
 from infinity.layout import ALIGN_NUMEL
 
 __all__ = [
@@ -117,6 +119,7 @@ def estimate(
     host_memory_budget: int | None = None,
     optimizer_max_in_cpu: int | None = None,
     overlap_step: bool = False,
+    state_dtype: str = "fp32",
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -132,11 +135,13 @@ def estimate(
     With ``host_memory_budget`` (bytes) the engine's plan within it is followed: NVMe staging capped by the
     budget, compute shards and then optimizer sub-groups configured for NVMe kept in host memory while they
     fit (``optimizer_max_in_cpu`` elements at most), the step's first reads first (``overlap_step``: the last
-    sub-groups). Without it, ``nvme`` means NVMe.
+    sub-groups). Without it, ``nvme`` means NVMe. ``state_dtype``: the optimizer states' form (fp32, bf16,
+    int8; ``zero_optimization.offload_optimizer.state_dtype``).
     """
     _check_choice("offload_param", offload_param, OFFLOAD_CHOICES)
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_CHOICES)
     _check_choice("precision", precision, tuple(_COMPUTE_BYTES))
+    _check_choice("state_dtype", state_dtype, ("fp32", "bf16", "int8"))
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     sub_group_size, max_in_cpu = int(sub_group_size), int(max_in_cpu)
@@ -148,7 +153,7 @@ def estimate(
         if host_memory_budget is not None and offload_optimizer == "nvme":
             sub_group_size = staged_sub_group_numel(sub_group_size, largest_shard_numel=max(shards, default=0),
                                                     budget_nbytes=host_memory_budget, sets=sets,
-                                                    bytes_per_numel=STATE_BYTES + _COMPUTE_BYTES[precision])
+                                                    bytes_per_numel=state_bytes_per_numel(state_dtype) + _COMPUTE_BYTES[precision])
         shard_numel = sum(shards)
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
@@ -183,8 +188,9 @@ def estimate(
         tiers["nvme"]["compute_shard"] += (flat_numel - host_cached) * cbytes
     else:
         tiers[param_tier]["compute_shard"] += flat_numel * cbytes
-    tiers[optim_tier]["master"] += flat_numel * 4
-    tiers[optim_tier]["moments"] += flat_numel * 8
+    master_bytes = 4 if state_dtype == "fp32" else 2
+    tiers[optim_tier]["master"] += flat_numel * master_bytes
+    tiers[optim_tier]["moments"] += state_nbytes(state_dtype, flat_numel) - flat_numel * master_bytes
     # gradients stay in compute precision when nothing accumulates in them (one micro-batch a step, no fp16
     # unscaling); else fp32
     lossless = gradient_accumulation_steps == 1 and precision != "fp16" and not (gpu and offload_optimizer == "none")
@@ -211,7 +217,7 @@ def estimate(
         in_flight = math.ceil((largest + ahead) / world_size)
         tiers["host"]["param_io_buffers"] += min(buffer_count * per_buffer, in_flight, flat_numel) * cbytes
     if offload_optimizer == "nvme":
-        tiers["host"]["optimizer_staging"] += sets * largest_sub_group * (12 + cbytes)
+        tiers["host"]["optimizer_staging"] += sets * (state_nbytes(state_dtype, largest_sub_group) + largest_sub_group * cbytes)
     elif offload_param == "nvme" and host_cached < flat_numel:
         tiers["host"]["optimizer_staging"] += largest_sub_group * cbytes
     elif gpu and offload_param == "none" and offload_optimizer == "cpu":
@@ -223,7 +229,7 @@ def estimate(
         _plan_within_budget(tiers, host_memory_budget, gpu=gpu, cbytes=cbytes, sub_groups=sub_groups,
                             largest_shard=math.ceil(largest / world_size), offload_param=offload_param,
                             offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
-                            overlap_step=overlap_step)
+                            overlap_step=overlap_step, state_dtype=state_dtype)
 
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
@@ -247,6 +253,7 @@ def estimate(
             "gradient_accumulation_steps": gradient_accumulation_steps,
             "gpu": gpu,
             "host_memory_budget": host_memory_budget,
+            "state_dtype": state_dtype,
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
@@ -276,7 +283,7 @@ def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
 
 def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub_groups: list[int], largest_shard: int,
                         offload_param: str, offload_optimizer: str, optimizer_max_in_cpu: int | None,
-                        overlap_step: bool) -> None:
+                        overlap_step: bool, state_dtype: str = "fp32") -> None:
     """The engine's plan (``infinity.host_budget``): what exceeds the budget of the parameter cache goes back
     to NVMe, then optimizer sub-groups on NVMe come to host memory while they fit."""
     largest_sub_group = max(sub_groups, default=0)
@@ -293,14 +300,17 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
         tiers["nvme"]["compute_shard"] += back
     if offload_optimizer == "nvme" and optimizer_max_in_cpu != 0:
         room = budget - charged() - reserve
-        kept = 0
+        kept = kept_nbytes = 0
         for numel in (reversed(sub_groups) if overlap_step else sub_groups):
-            fits = (kept + numel) * STATE_BYTES <= room
+            nbytes = state_nbytes(state_dtype, numel)
+            fits = kept_nbytes + nbytes <= room
             if fits and (optimizer_max_in_cpu is None or kept + numel <= optimizer_max_in_cpu):
                 kept += numel
-        for kind, per in (("master", 4), ("moments", 8)):
-            tiers["nvme"][kind] -= kept * per
-            tiers["host"][kind] += kept * per
+                kept_nbytes += nbytes
+        master = kept * (4 if state_dtype == "fp32" else 2)
+        for kind, nbytes in (("master", master), ("moments", kept_nbytes - master)):
+            tiers["nvme"][kind] -= nbytes
+            tiers["host"][kind] += nbytes
 
 
 def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config; flags given override it")
     eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
     eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
+    eng.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
+                     help="form of master + moments in every tier: fp32 (12 B an element), bf16 (6 B), int8 "
+                          "(~4.03 B) (default fp32, or the config's offload_optimizer.state_dtype)")
     eng.add_argument("--nvme-path", metavar="DIR", help="folder for swap files (default: a private temporary folder, removed at exit)")
     eng.add_argument("--host-memory", metavar="SIZE", type=_host_memory,
                      help="host-memory budget of each rank: bytes (8GiB) or a fraction of the available memory "
@@ -149,6 +152,8 @@ class Plan:
     """--save-dir, --keep-last and the checkpoint to resume from."""
     swap: SwapLocation | None = None
     """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
+    state_dtype: str = "fp32"
+    """The optimizer states' form (``zero_optimization.offload_optimizer.state_dtype``), as the config resolves it."""
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -260,6 +265,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
             block["nvme_path"] = args.nvme_path
         zero[key] = block
         offload[key] = block["device"]
+    if getattr(args, "optimizer_state_dtype", None) is not None:
+        zero["offload_optimizer"]["state_dtype"] = args.optimizer_state_dtype
     # `--offload-* nvme` means the disk: nothing kept in host memory unless the config says otherwise.
     # With --host-memory, NVMe is a spill tier under that budget: the engine keeps in host memory what fits.
     if args.host_memory is None:
@@ -341,7 +348,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from infinity.config import InfinityConfig
 
     # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
-    plan.not_applicable = InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH)).not_applicable
+    resolved = InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH))
+    plan.not_applicable = resolved.not_applicable
+    plan.state_dtype = resolved.zero.offload_optimizer.state_dtype
     return plan
 
 
@@ -461,7 +470,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
         f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
-        + (f" ({plan.nvme_path})" if plan.nvme_path else ""))
+        + (f" ({plan.nvme_path})" if plan.nvme_path else "") + f"; optimizer states {plan.state_dtype}")
     if plan.swap is not None and plan.swap.note:
         say(f"  {plan.swap.note}")
         if plan.swap.buffered and is_main:
@@ -573,6 +582,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "precision": plan.precision,
         "offload_param": plan.offload_param,
         "offload_optimizer": plan.offload_optimizer,
+        "optimizer_state_dtype": plan.state_dtype,
         "lr_schedule": plan.monitor.lr_schedule,
         "metrics_file": str(monitor.log.path) if monitor.log else None,
     }
