@@ -168,14 +168,10 @@ class OffloadOptimizer:
             self._states[spec.name] = self._tiers.empty(tier, blocks if spec.name in _SCALE_NAMES else numel, spec.dtype)
             self._states[spec.name].zero_()
 
-    def _memory_states(self, group: SubGroup, names=None) -> dict[str, torch.Tensor]:
-        """Views of a sub-group's state tensors in memory (``names``: those only)."""
-        views = {}
-        for spec in self._state_layout(group.numel):
-            if names is None or spec.name in names:
-                start = (self._block_offset if spec.name in _SCALE_NAMES else self._memory_offset)[group.index]
-                views[spec.name] = self._states[spec.name][start:start + spec.numel]
-        return views
+    def _memory_states(self, group: SubGroup) -> dict[str, torch.Tensor]:
+        """Views of a sub-group's state tensors in memory."""
+        return {spec.name: self._memory_view(spec.name, group, 0, spec.numel)
+                for spec in self._state_layout(group.numel)}
 
     def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
