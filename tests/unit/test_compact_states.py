@@ -1,0 +1,303 @@
+"""Compact optimizer states in the engine (issue 13): ``offload_optimizer.state_dtype`` bf16 and int8 follow
+the kernel's reference step exactly, give the same bits on NVMe as in host memory, move the compact bytes,
+convert through checkpoints into any other state dtype, and bad values are refused by name."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+import infinity
+from helpers import TinyGPT, engine_config, gpt_batches
+from infinity import kernels
+from infinity.config import InfinityConfig
+from infinity.estimate import estimate
+
+LR = 3e-3
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    return TinyGPT(), gpt_batches(STEPS + 2, batch=2)
+
+
+def _config(tmp_path, state_dtype: str, *, optimizer: str = "cpu", **zero_extra) -> dict:
+    config = engine_config(param="cpu", optimizer=optimizer, nvme_path=str(tmp_path), accum=1, clip=0.0, lr=LR,
+                           **zero_extra)
+    config["zero_optimization"]["offload_optimizer"]["state_dtype"] = state_dtype
+    return config
+
+
+def _states(engine) -> dict:
+    out = {}
+    for group in engine.layout.sub_groups:
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            values = torch.empty(group.numel)
+            engine.optimizer.read_state(name, group, values)
+            out[name, group.index] = values
+    return out
+
+
+def _train(engine, batches) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_the_engine_steps_as_the_reference_kernel(gpt, tmp_path, state_dtype):
+    """One sub-group: the engine's trajectory is plain PyTorch's forward and backward with the torch reference
+    of the compact step on the flat master, bit for bit."""
+    model, batches = gpt
+    config = _config(tmp_path, state_dtype, sub_group_size=10**6)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    try:
+        (group,) = engine.layout.sub_groups
+        slots = [(s, s.offset - group.start) for s in group.slots]
+        got = _train(engine, batches[:STEPS])
+        got_states = _states(engine)
+    finally:
+        engine.close()
+
+    reference = copy.deepcopy(model)
+    params = dict(reference.named_parameters())
+    flat = torch.zeros(group.numel)
+    for slot, at in slots:
+        flat[at:at + slot.shard_numel][:slot.numel] = params[slot.name].detach().reshape(-1)
+    state = kernels.compact.from_fp32(state_dtype, flat, torch.zeros_like(flat), torch.zeros_like(flat))
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key].zero_()
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        if key in state:
+            state[key].zero_()
+    cfg = config["optimizer"]["params"]
+    expected = []
+    for step, batch in enumerate(batches[:STEPS], start=1):
+        reference.zero_grad(set_to_none=True)
+        loss = reference(*batch)
+        loss.backward()
+        expected.append(loss.item())
+        grad = torch.zeros(group.numel)
+        for slot, at in slots:
+            grad[at:at + slot.numel] = params[slot.name].grad.reshape(-1)
+        kernels.adam_step_compact_reference(
+            state["master"], grad, state["exp_avg"], state["exp_avg_sq"], state_dtype=state_dtype, step=step, lr=LR,
+            beta1=cfg["betas"][0], beta2=cfg["betas"][1], eps=cfg["eps"], weight_decay=cfg["weight_decay"],
+            seed=0, exp_avg_scale=state.get("exp_avg_scale"), exp_avg_sq_scale=state.get("exp_avg_sq_scale"))
+        with torch.no_grad():  # the new compute shards: the (bf16) master in the compute precision
+            for slot, at in slots:
+                params[slot.name].copy_(state["master"][at:at + slot.numel].view_as(params[slot.name]))
+    fp32 = kernels.compact.to_fp32(state_dtype, state)
+    assert got == expected
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(got_states[name, 0], fp32[name]), name
+
+
+def test_compact_states_stay_close_to_fp32_adamw(gpt, tmp_path):
+    """Against fp32 states (torch's AdamW numerics): a few steps move the losses by a fraction of a percent."""
+    model, batches = gpt
+    losses = {}
+    for state_dtype in ("fp32", "bf16", "int8"):
+        engine = infinity.initialize(copy.deepcopy(model), _config(tmp_path, state_dtype))
+        try:
+            losses[state_dtype] = _train(engine, batches[:STEPS])
+        finally:
+            engine.close()
+    for state_dtype in ("bf16", "int8"):
+        assert losses[state_dtype][0] == losses["fp32"][0]
+        for a, b in zip(losses[state_dtype], losses["fp32"]):
+            assert abs(a / b - 1) < 5e-3, (state_dtype, losses)
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_nvme_and_host_memory_give_the_same_bits(gpt, tmp_path, state_dtype, overlap):
+    model, batches = gpt
+    results = []
+    for optimizer in ("cpu", "nvme"):
+        (tmp_path / optimizer).mkdir()
+        # sub-groups of whole shards above the largest one: the same layout on both tiers
+        config = _config(tmp_path / optimizer, state_dtype, optimizer=optimizer, sub_group_size=4096,
+                         overlap_step_with_backward=overlap)
+        engine = infinity.initialize(copy.deepcopy(model), config)
+        try:
+            assert optimizer == "cpu" or engine.optimizer.swapped_groups == list(engine.layout.sub_groups)
+            results.append((_train(engine, batches[:STEPS]), _states(engine), engine.full_state_dict()))
+        finally:
+            engine.close()
+    (losses_a, states_a, full_a), (losses_b, states_b, full_b) = results
+    assert losses_a == losses_b
+    for key in states_a:
+        assert torch.equal(states_a[key], states_b[key]), key
+    for key in full_a:
+        assert torch.equal(full_a[key], full_b[key]), key
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_nvme_bytes_per_step_are_the_compact_bytes(gpt, tmp_path, state_dtype):
+    """Each step reads every sub-group's states once (and writes them back): 12, 6 or ~4.03 bytes an element."""
+    model, batches = gpt
+    engine = infinity.initialize(copy.deepcopy(model), _config(tmp_path, state_dtype, optimizer="nvme"))
+    try:
+        expected = sum(kernels.state_nbytes(state_dtype, g.numel) for g in engine.layout.sub_groups)
+        read = written = 0
+        for i, batch in enumerate(batches[:STEPS]):
+            engine.backward(engine(*batch))
+            engine.step()
+            nvme = engine.step_metrics()["tiers"]["nvme"]
+            if i:  # the first step reads only the masters (moments start at zero)
+                assert nvme["bytes_read"] == expected
+            read += nvme["bytes_read"]
+            written += nvme["bytes_written"]
+        engine.optimizer.flush()
+        written += engine.tiers.snapshot()["nvme"]["bytes_written"] - engine._last_counters["tiers"]["nvme"]["bytes_written"]
+    finally:
+        engine.close()
+    masters = sum(kernels.state_layout(state_dtype, g.numel)[0].nbytes for g in engine.layout.sub_groups)
+    assert read == masters + (STEPS - 1) * expected
+    assert written == STEPS * expected  # every step's states (the initial masters went before the first window)
+    assert expected / sum(12 * g.numel for g in engine.layout.sub_groups) == pytest.approx(
+        kernels.state_bytes_per_element(state_dtype) / 12, rel=1e-3)
+
+
+def test_a_checkpoint_moves_between_state_dtypes(gpt, tmp_path):
+    """Saved with bf16 states: loads into fp32 (exactly the bf16 values), into int8 (their int8 form) and into
+    bf16 (resuming bit for bit); each goes on training."""
+    model, batches = gpt
+    layout = dict(sub_group_size=4096)  # the same sub-groups in memory and on NVMe (int8 blocks line up)
+    src = infinity.initialize(copy.deepcopy(model), _config(tmp_path, "bf16", **layout))
+    try:
+        _train(src, batches[:2])
+        src.save_checkpoint(tmp_path / "ckpt")
+        saved = _states(src)
+        uninterrupted = _train(src, batches[2:STEPS])
+    finally:
+        src.close()
+    for state_dtype in ("fp32", "int8", "bf16"):
+        (tmp_path / state_dtype).mkdir()
+        dst = infinity.initialize(copy.deepcopy(model),
+                                  _config(tmp_path / state_dtype, state_dtype, optimizer="nvme", **layout))
+        try:
+            dst.load_checkpoint(tmp_path / "ckpt")
+            loaded = _states(dst)
+            for key, values in saved.items():
+                name = key[0]
+                want = kernels.compact.state_to_fp32(
+                    state_dtype, name, kernels.compact.state_from_fp32(state_dtype, name, values))
+                assert torch.equal(loaded[key], want), (state_dtype, key)
+            resumed = _train(dst, batches[2:STEPS])
+        finally:
+            dst.close()
+        assert all(map(torch.isfinite, map(torch.tensor, resumed)))
+        if state_dtype == "bf16":
+            assert resumed == uninterrupted
+
+
+def test_an_int8_checkpoint_round_trips_exactly(gpt, tmp_path):
+    """int8 states saved as fp32 and loaded into int8 at the same layout are the same codes and scales."""
+    model, batches = gpt
+    src = infinity.initialize(copy.deepcopy(model), _config(tmp_path, "int8"))
+    dst = infinity.initialize(copy.deepcopy(model), _config(tmp_path, "int8"))
+    try:
+        _train(src, batches[:2])
+        src.save_checkpoint(tmp_path / "ckpt")
+        dst.load_checkpoint(tmp_path / "ckpt")
+        for name, tensor in src.optimizer._states.items():
+            assert torch.equal(tensor, dst.optimizer._states[name]), name
+        assert _train(src, batches[2:STEPS]) == _train(dst, batches[2:STEPS])
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_the_host_budget_counts_the_compact_bytes(gpt, tmp_path):
+    """NVMe as a spill tier: under one budget, int8 states keep more sub-groups in host memory than fp32 ones."""
+    model, _ = gpt
+    kept = {}
+    for state_dtype in ("fp32", "int8"):
+        config = _config(tmp_path, state_dtype, optimizer="nvme", sub_group_size=4096)
+        del config["zero_optimization"]["offload_optimizer"]["max_in_cpu"]
+        config["zero_optimization"]["host_memory_budget"] = 1 << 20  # fp32 states do not all fit, int8 ones do
+        engine = infinity.initialize(copy.deepcopy(model), config)
+        try:
+            kept[state_dtype] = engine.optimizer.resident_numel
+            staging = engine.optimizer._staging[0].states
+            assert sum(t.numel() * t.element_size() for t in staging.values()) == kernels.state_nbytes(
+                state_dtype, engine.layout.largest_sub_group_numel)
+        finally:
+            engine.close()
+    assert 0 < kept["fp32"] < kept["int8"]
+
+
+def test_estimate_knows_the_compact_sizes():
+    numels = [4096] * 10
+    sizes = {d: estimate(param_numels=numels, offload_optimizer="nvme", state_dtype=d)["tiers"]
+             for d in ("fp32", "bf16", "int8")}
+    assert sizes["fp32"]["nvme"]["master"] == 4 * 40960 and sizes["fp32"]["nvme"]["moments"] == 8 * 40960
+    assert sizes["bf16"]["nvme"]["master"] == 2 * 40960 and sizes["bf16"]["nvme"]["moments"] == 4 * 40960
+    assert sizes["int8"]["nvme"]["master"] == 2 * 40960
+    assert sizes["int8"]["nvme"]["moments"] == 2 * 40960 + 8 * 40960 // 256
+    assert sizes["int8"]["host"]["optimizer_staging"] < sizes["bf16"]["host"]["optimizer_staging"] < \
+        sizes["fp32"]["host"]["optimizer_staging"]
+    with pytest.raises(ValueError, match="state_dtype"):
+        estimate(param_numels=numels, state_dtype="fp8")
+
+
+def test_the_key_and_its_deepspeed_spelling():
+    def state_dtype(raw):
+        return InfinityConfig.from_deepspeed(raw).zero.offload_optimizer.state_dtype
+
+    assert state_dtype({}) == "fp32"
+    assert state_dtype({"zero_optimization": {"offload_optimizer": {"device": "cpu", "state_dtype": "int8"}}}) == "int8"
+    assert state_dtype({"bf16": {"enabled": True, "bf16_optimizer_states": True}}) == "bf16"
+    assert state_dtype({"bf16": {"enabled": True, "bf16_optimizer_states": True},
+                        "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}}) == "bf16"
+    assert state_dtype({"bf16": {"enabled": True, "bf16_optimizer_states": False}}) == "fp32"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"zero_optimization": {"offload_optimizer": {"state_dtype": "fp8"}}},
+     "zero_optimization.offload_optimizer.state_dtype must be one of 'fp32', 'bf16', 'int8', got 'fp8'"),
+    ({"zero_optimization": {"offload_optimizer": {"state_dtype": 8}}}, "offload_optimizer.state_dtype"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": "yes"}}, "bf16.bf16_optimizer_states must be true or false"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True},
+      "zero_optimization": {"offload_optimizer": {"state_dtype": "int8"}}}, "give one of them"),
+])
+def test_bad_values_are_refused_by_name(raw, message):
+    with pytest.raises(ValueError, match=message):
+        InfinityConfig.from_deepspeed(raw)
+
+
+def test_compact_states_on_a_gpu_are_refused_naming_the_key():
+    """torch's fused AdamW keeps fp32 states: with the optimizer on a CUDA device, a compact form is refused."""
+    from infinity.offload_optimizer import OffloadOptimizer
+
+    placement = types.SimpleNamespace(master=types.SimpleNamespace(tier="device"), optimizer_on_device=True,
+                                      device=torch.device("cuda", 0), compute_shard_in_optimizer_memory=True,
+                                      grads=types.SimpleNamespace(pinned=False))
+    with pytest.raises(ValueError, match="offload_optimizer.state_dtype is 'int8'.*'cpu' or 'nvme'"):
+        OffloadOptimizer(types.SimpleNamespace(sub_groups=()), InfinityConfig().optimizer, placement, None, None,
+                         None, None, state_dtype="int8")
+
+
+def test_train_says_the_state_dtype_and_refuses_a_bad_one(fresh_cwd, capsys):
+    from infinity.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "tiny", "--optimizer-state-dtype", "fp8"])
+    assert "--optimizer-state-dtype" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--micro-batch", "1", "--seq-len", "16", "--max-bytes", "200000",
+                 "--offload-param", "cpu", "--offload-optimizer", "cpu", "--optimizer-state-dtype", "int8",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer states int8" in out
+    assert '"optimizer_state_dtype": "int8"' in out
