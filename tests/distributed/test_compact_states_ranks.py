@@ -1,0 +1,77 @@
+"""Compact optimizer states at world size 2: int8 states on NVMe resume bit for bit (each rank's
+stochastic rounding draws its own bits, the same after a resume), and the checkpoint reshards to one
+rank with bf16 states, converting."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from helpers import TinyGPT, engine_config, gpt_batches, rank_slice, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _setup(nvme: str, state_dtype: str):
+    Path(nvme).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(6, batch=4)
+    config = engine_config(param="cpu", optimizer="nvme", nvme_path=nvme, accum=1, clip=0.0, lr=3e-3,
+                           sub_group_size=4096)
+    config["zero_optimization"]["offload_optimizer"]["state_dtype"] = state_dtype
+    return model, batches, config
+
+
+def _train(engine, batches, rank: int, world_size: int) -> list[float]:
+    losses = []
+    for batch in batches:
+        loss = engine(*rank_slice(batch, rank, world_size))
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().reshape(1)
+        engine.comm.all_reduce_sum(value)
+        losses.append(value.item() / world_size)
+    return losses
+
+
+def _two_ranks(rank, world_size, save_dir):
+    save_dir = Path(save_dir)
+    model, batches, config = _setup(str(save_dir.parent / "nvme"), "int8")
+    out = {}
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    _train(engine, batches[:3], rank, world_size)
+    engine.save_checkpoint(save_dir, tag="half")
+    out["state_at_save"] = engine.full_state_dict()
+    out["rest"] = _train(engine, batches[3:], rank, world_size)
+    out["final"] = engine.full_state_dict()
+    engine.close()
+    resumed = infinity.initialize(copy.deepcopy(model), config)
+    resumed.load_checkpoint(save_dir)
+    out["rest_resumed"] = _train(resumed, batches[3:], rank, world_size)
+    out["final_resumed"] = resumed.full_state_dict()
+    resumed.close()
+    return out
+
+
+def test_int8_states_resume_bitwise_at_two_ranks_and_reshard_to_one_in_bf16(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    ranks = run_ranks(_two_ranks, str(save_dir))
+    for r in ranks:
+        assert r["rest_resumed"] == r["rest"]
+        for key in r["final"]:
+            assert torch.equal(r["final_resumed"][key], r["final"][key]), key
+
+    model, batches, config = _setup(str(tmp_path / "nvme1"), "bf16")
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    try:
+        engine.load_checkpoint(save_dir)
+        for key, value in engine.full_state_dict().items():  # masters: the int8 run's bf16 masters, exactly
+            assert torch.equal(value, ranks[0]["state_at_save"][key]), key
+        rest = _train(engine, batches[3:], 0, 1)
+    finally:
+        engine.close()
+    assert all(abs(a / b - 1) < 0.02 for a, b in zip(rest, ranks[0]["rest"])), (rest, ranks[0]["rest"])
