@@ -418,7 +418,7 @@ class OffloadOptimizer:
         else:
             parts = self._read_parts(group, kernels.compact.state_parts(self.state_dtype, name))
             try:
-                out.copy_(kernels.compact.state_to_fp32(self.state_dtype, name, parts))
+                kernels.compact.state_to_fp32_into(self.state_dtype, name, parts, out)
             finally:
                 for tensor in parts.values():
                     self._tiers.free("host", tensor)
@@ -431,14 +431,22 @@ class OffloadOptimizer:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
         if self.state_dtype == "fp32":
-            parts = {name: values.contiguous()}
-        else:
-            parts = kernels.compact.state_from_fp32(self.state_dtype, name, values)
-        for part, tensor in parts.items():
-            if self.in_memory(group):
-                self._write_memory_tensor(part, group, tensor)
-            else:
-                self._store.write(f"{part}.{group.index}", tensor).wait()
+            parts, buffers = {name: values.contiguous()}, {}
+        else:  # converted into host buffers a chunk at a time (bounded temporaries)
+            names = kernels.compact.state_parts(self.state_dtype, name)
+            parts = buffers = {spec.name: self._tiers.empty("host", spec.numel, spec.dtype)
+                               for spec in self._state_layout(group.numel) if spec.name in names}
+        try:
+            if buffers:
+                kernels.compact.state_from_fp32_into(self.state_dtype, name, values, buffers)
+            for part, tensor in parts.items():
+                if self.in_memory(group):
+                    self._write_memory_tensor(part, group, tensor)
+                else:
+                    self._store.write(f"{part}.{group.index}", tensor).wait()
+        finally:
+            for tensor in buffers.values():
+                self._tiers.free("host", tensor)
 
     def _read_parts(self, group: SubGroup, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """A sub-group's state tensors ``names`` in its compact form, in new host buffers (the caller frees them)."""

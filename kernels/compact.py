@@ -413,6 +413,35 @@ def state_to_fp32(state_dtype: str, name: str, parts: dict[str, torch.Tensor]) -
     return dequantize_exp_avg(value, scales) if name == "exp_avg" else dequantize_exp_avg_sq(value, scales)
 
 
+CONVERT_CHUNK_NUMEL = 1 << 20
+"""Elements converted at a time by the ``_into`` conversions (whole blocks), which bounds their temporaries."""
+
+
+@torch.no_grad()
+def state_to_fp32_into(state_dtype: str, name: str, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """:func:`state_to_fp32` into ``out`` (flat fp32), a chunk of :data:`CONVERT_CHUNK_NUMEL` at a time."""
+    names = state_parts(state_dtype, name)
+    for lo in range(0, out.numel(), CONVERT_CHUNK_NUMEL):
+        hi = min(lo + CONVERT_CHUNK_NUMEL, out.numel())
+        chunk = {names[0]: parts[names[0]][lo:hi]}
+        if len(names) > 1:
+            chunk[names[1]] = parts[names[1]][lo // BLOCK_NUMEL:num_blocks(hi)]
+        out[lo:hi].copy_(state_to_fp32(state_dtype, name, chunk))
+
+
+@torch.no_grad()
+def state_from_fp32_into(state_dtype: str, name: str, values: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
+    """:func:`state_from_fp32` into ``parts`` (the tensors ``state_parts`` names, sized by ``state_layout``), a
+    chunk of :data:`CONVERT_CHUNK_NUMEL` at a time (whole blocks: the same scales as the whole)."""
+    names = state_parts(state_dtype, name)
+    for lo in range(0, values.numel(), CONVERT_CHUNK_NUMEL):
+        hi = min(lo + CONVERT_CHUNK_NUMEL, values.numel())
+        chunk = state_from_fp32(state_dtype, name, values[lo:hi])
+        parts[names[0]][lo:hi].copy_(chunk[names[0]])
+        if len(names) > 1:
+            parts[names[1]][lo // BLOCK_NUMEL:num_blocks(hi)].copy_(chunk[names[1]])
+
+
 def convert(state: dict[str, torch.Tensor], from_dtype: str, to_dtype: str) -> dict[str, torch.Tensor]:
     """A state in ``from_dtype``'s form converted to ``to_dtype``'s (through fp32)."""
     fp32 = to_fp32(from_dtype, state)

@@ -301,3 +301,23 @@ def test_train_says_the_state_dtype_and_refuses_a_bad_one(fresh_cwd, capsys):
     out = capsys.readouterr().out
     assert "optimizer states int8" in out
     assert '"optimizer_state_dtype": "int8"' in out
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_conversions_a_chunk_at_a_time_equal_the_whole(monkeypatch, state_dtype):
+    """read_state/write_state convert a sub-group in chunks of whole blocks (bounded temporaries): the same bits."""
+    compact = kernels.compact
+    monkeypatch.setattr(compact, "CONVERT_CHUNK_NUMEL", 2 * compact.BLOCK_NUMEL)
+    g = torch.Generator().manual_seed(0)
+    n = 5 * compact.BLOCK_NUMEL + 17
+    values = {"master": torch.randn(n, generator=g), "exp_avg": torch.randn(n, generator=g) * 1e-3,
+              "exp_avg_sq": torch.rand(n, generator=g) ** 4 * 1e-6}
+    for name, x in values.items():
+        whole = compact.state_from_fp32(state_dtype, name, x)
+        parts = {key: torch.empty_like(t) for key, t in whole.items()}
+        compact.state_from_fp32_into(state_dtype, name, x, parts)
+        for key in whole:
+            assert torch.equal(parts[key], whole[key]), (name, key)
+        out = torch.empty(n)
+        compact.state_to_fp32_into(state_dtype, name, parts, out)
+        assert torch.equal(out, compact.state_to_fp32(state_dtype, name, whole)), name
