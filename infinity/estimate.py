@@ -83,6 +83,7 @@ KINDS = (
     "moments",
     "param_io_buffers",
     "optimizer_staging",
+    "step_undo",
     "activations",
 )
 
@@ -117,6 +118,7 @@ def estimate(
     host_memory_budget: int | None = None,
     optimizer_max_in_cpu: int | None = None,
     overlap_step: bool = False,
+    step_undo: bool = False,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -133,6 +135,9 @@ def estimate(
     budget, compute shards and then optimizer sub-groups configured for NVMe kept in host memory while they
     fit (``optimizer_max_in_cpu`` elements at most), the step's first reads first (``overlap_step``: the last
     sub-groups). Without it, ``nvme`` means NVMe.
+
+    ``step_undo``: the step overlaps backward and may be undone (clipping or fp16): swapped optimizer states
+    take a second extent on NVMe, and in-memory ones an undo copy where the budget leaves room for it.
     """
     _check_choice("offload_param", offload_param, OFFLOAD_CHOICES)
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_CHOICES)
@@ -225,6 +230,9 @@ def estimate(
                             offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
                             overlap_step=overlap_step)
 
+    if step_undo:
+        _add_step_undo(tiers, host_memory_budget, gpu=gpu, optim_memory=optim_memory)
+
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
     return {
@@ -301,6 +309,20 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
         for kind, per in (("master", 4), ("moments", 8)):
             tiers["nvme"][kind] -= kept * per
             tiers["host"][kind] += kept * per
+
+
+def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, optim_memory: str) -> None:
+    """What undoing a speculative step needs (``infinity.overlapped_step``): the other side of every swapped
+    sub-group's state keys, and one copy of the states in memory when the budget has room for it."""
+    tiers["nvme"]["step_undo"] += tiers["nvme"]["master"] + tiers["nvme"]["moments"]
+    memory_tier = "host" if optim_memory == "host" else "device"
+    in_memory = tiers[memory_tier]["master"] + tiers[memory_tier]["moments"]
+    charged_to_host = memory_tier == "host" or not gpu
+    if budget is not None and charged_to_host:
+        device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
+        if sum(tiers["host"].values()) + device + in_memory > budget:
+            return  # no room: those sub-groups wait for the norm instead
+    tiers[memory_tier]["step_undo"] += in_memory
 
 
 def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:

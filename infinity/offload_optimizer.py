@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +32,7 @@ from infinity.config import OptimizerConfig
 from infinity.copies import CopyDone, Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
+from infinity.overlapped_step import OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
@@ -69,7 +68,8 @@ class OffloadOptimizer:
     def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
                  compute: ComputeShards, grads: GradReducer, copies: Copies, *,
                  nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
-                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None):
+                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
+                 step_undo: bool = False):
         self.layout = layout
         self.config = config
         self.tier = placement.master.tier
@@ -93,10 +93,15 @@ class OffloadOptimizer:
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
         self._host_scratch: torch.Tensor | None = None
+        self._grad_scratch: torch.Tensor | None = None
+        self._grad_scratch_tier = "host"
         self._device_scratch: torch.Tensor | None = None
         self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
         self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
-        self._overlap: _OverlappedStep | None = None
+        self._overlap: OverlappedStep | None = None
+        self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
+        self._undo: dict[str, torch.Tensor] = {}  # in-memory states before a speculative update (lazily made)
+        self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
@@ -115,6 +120,8 @@ class OffloadOptimizer:
                 self._states[name].zero_()
         self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        if step_undo:
+            self._make_room_to_undo()
 
     def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
         """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
@@ -171,7 +178,7 @@ class OffloadOptimizer:
                 master.zero_()
                 for slot in group.slots:
                     master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
-                self._store.write(f"master.{group.index}", master).wait()
+                self._store.write(self._key("master", group), master).wait()
             else:
                 for slot in group.slots:
                     self._write_memory_state("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
@@ -183,21 +190,25 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
+        self._apply(grad_coef, self.layout.sub_groups)
+
+    def _apply(self, grad_coef: float, groups: list[SubGroup]) -> None:
+        """Update ``groups`` with the gradients scaled by ``grad_coef`` (this step's count already taken)."""
         if grad_coef != 1.0:
             self._grads.wait_all().mul_(grad_coef)
-        if self.tier == "nvme":
-            self._step_nvme()
-        else:
-            for group in self.layout.sub_groups:
-                self._update_in_memory(group)
+        self._update_pipelined([g for g in groups if not self.in_memory(g)], [g for g in groups if self.in_memory(g)])
         self.finish_compute_copies()
 
-    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
+    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
+                grad_coef: float = 1.0) -> list[IOHandle]:
         """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
         to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
-        tier. Returns the NVMe writes still in flight."""
+        tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
+        Returns the NVMe writes still in flight."""
         cfg = self.config
         grads = self._grads.wait_sub_group(group)
+        if grad_coef != 1.0:
+            grads = self._scaled_grads(grads, grad_coef)
         out = self._compute_out(group, scratch)
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
             self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], step=self.step_count,
@@ -275,10 +286,9 @@ class OffloadOptimizer:
         else:
             self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
 
-    def _step_nvme(self) -> None:
-        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done. The
-        sub-groups resting in host memory are updated while the first read is in flight."""
-        groups = self.swapped_groups
+    def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup]) -> None:
+        """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
+        writes are done. The ``in_memory`` sub-groups are updated while the first read is in flight."""
         sets = self._staging
         reads: dict[int, list[IOHandle]] = {}
         if groups:
@@ -286,9 +296,8 @@ class OffloadOptimizer:
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
             reads[0] = self._read_states(groups[0], sets[0])
-        for group in self.layout.sub_groups:
-            if self.in_memory(group):
-                self._update_in_memory(group)
+        for group in in_memory:
+            self._update_in_memory(group)
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -299,7 +308,7 @@ class OffloadOptimizer:
                 reads[i + 1] = self._read_states(groups[i + 1], following)
             states = {name: t[:group.numel] for name, t in staging.states.items()}
             staging.writes.extend(self._update(group, states, staging.compute))
-            staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
+            staging.writes.extend(self._store.write(self._key(name, group), states[name]) for name in STATE_NAMES)
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
                 reads[i + 1] = self._read_states(groups[i + 1], staging)
@@ -317,28 +326,145 @@ class OffloadOptimizer:
         """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
         return self._overlap is not None and self._overlap.started
 
-    def begin_overlapped_step(self) -> None:
-        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final."""
+    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> None:
+        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final, under
+        ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        self._overlap = _OverlappedStep(self)
+        self._overlap = OverlappedStep(self, check)
 
     def slot_grad_final(self, slot) -> None:
         """The gradient reducer's callback: ``slot``'s gradient is final for this step."""
         self._overlap.slot_final(slot, self._group_of_slot[slot.index])
 
-    def finish_overlapped_step(self) -> int:
-        """Update the sub-groups still waiting (parameters that got no gradient) and wait for all updates;
-        returns how many sub-groups were ready before backward ended."""
-        overlap, self._overlap = self._overlap, None
-        during_backward = overlap.finish()
-        self.finish_compute_copies()
-        return during_backward
+    def finish_backward_updates(self) -> int:
+        """Wait for the worker: every sub-group's squared norm is known and its speculative update done.
+        Returns how many sub-groups were updated while backward still ran."""
+        return self._overlap.finish()
 
-    def _update_in_memory(self, group: SubGroup) -> None:
+    def settle_overlapped_step(self, grad_coef: float, skipped: bool) -> str:
+        """End an overlapped step with the coefficient the gradients really get: its speculative updates stand
+        when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
+        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
+        overlap, self._overlap = self._overlap, None
+        if not skipped and grad_coef == overlap.check.grad_coef:
+            if overlap.check.needs_norm:  # its swapped sub-groups were written to their other side
+                self._side.symmetric_difference_update(g.index for g in overlap.speculated if not self.in_memory(g))
+            self._apply(grad_coef, overlap.deferred)
+            return "committed"
+        # The new states were never published: a swapped sub-group's old states are still under its
+        # current keys, and in-memory ones come back from the undo buffer.
+        for group in overlap.speculated:
+            if self.in_memory(group):
+                self._restore_undo(group)
+        if overlap.speculated:
+            self.rollbacks += 1
+            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
+                        self.step_count, len(overlap.speculated), "fp16 overflow" if skipped else "gradients clipped",
+                        self.rollbacks)
+        if skipped:
+            self.step_count -= 1
+            for group in overlap.speculated:
+                self._restore_compute(group)
+            self.finish_compute_copies()
+            return "skipped"
+        self._apply(grad_coef, self.layout.sub_groups)
+        return "redone"
+
+    def abandon_overlapped_step(self) -> None:
+        """Closing mid-step: stop the worker and undo what it updated."""
+        if self._overlap is None:
+            return
+        self._overlap.finish()
+        self.settle_overlapped_step(0.0, skipped=True)
+
+    # -- speculation: undoing an update ------------------------------------------
+    def can_undo(self, group: SubGroup, check: StepCheck) -> bool:
+        """Whether ``group`` may be updated before ``check``'s outcome is known."""
+        if not check.needs_norm or not self.in_memory(group):
+            return True  # nothing to undo, or a swapped sub-group (its old states stay on NVMe)
+        return bool(self._undo)
+
+    def _make_room_to_undo(self) -> None:
+        """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
+        keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
+        room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
+        what ``estimate`` says and a full disk fails here, not mid-run."""
+        for group in self.swapped_groups:
+            for name in STATE_NAMES:
+                self._store.reserve(self._key(name, group, other_side=True), group.numel * 4)
+        if not self._states:
+            return
+        numel = self._states["master"].numel()
+        room = self._tiers.stats[self._state_memory_tier].room_nbytes()
+        if room is not None and room < len(STATE_NAMES) * numel * 4:
+            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
+                        "states; their updates wait for the global norm", self._state_memory_tier)
+            return
+        self._undo = {name: self._tiers.empty(self._state_memory_tier, numel, torch.float32) for name in STATE_NAMES}
+        logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
+                    len(STATE_NAMES) * numel * 4 / 2**20, self._state_memory_tier)
+
+    @property
+    def _state_memory_tier(self) -> str:
+        return "host" if self.tier == "nvme" else self._memory_tier
+
+    def _restore_undo(self, group: SubGroup) -> None:
+        start = self._memory_offset[group.index]
+        for name, values in self._states.items():
+            values[start:start + group.numel].copy_(self._undo[name][start:start + group.numel])
+
+    def _restore_compute(self, group: SubGroup) -> None:
+        """After an undone update: the compute shards again from the master (the kernel writes them as its
+        round-to-nearest cast, so this is the value they had)."""
+        if self.in_memory(group):
+            start = self._memory_offset[group.index]
+            master, staging = self._states["master"][start:start + group.numel], None
+        else:
+            staging = self._staging[0]
+            staging.wait_writes()  # its buffers are about to be overwritten by the read
+            master = staging.states["master"][:group.numel]
+            self._store.read(self._key("master", group), master).wait()
+        out = self._compute_out(group, staging.compute if staging is not None else None)
+        out.copy_(master)
+        for handle in self._deliver_compute(group, out):
+            handle.wait()
+
+    def _key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
+        """The swap key of a state: each swapped sub-group has two, so a speculative update never overwrites
+        the states it may have to return to."""
+        second = (group.index in self._side) != other_side
+        return f"{name}.{group.index}" + (".b" if second else "")
+
+    def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
+        """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
+        may be undone); the same rounding as scaling the slices in place."""
+        if self._grad_scratch is None:
+            self._grad_scratch_tier = "device" if self._on_device else "host"
+            self._grad_scratch = self._tiers.empty(self._grad_scratch_tier, self.layout.largest_sub_group_numel,
+                                                   grads.dtype)
+        return torch.mul(grads, grad_coef, out=self._grad_scratch[:grads.numel()])
+
+    def update_in_memory(self, group: SubGroup, check: StepCheck) -> None:
+        """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
+        if check.needs_norm:
+            start = self._memory_offset[group.index]
+            for name, values in self._states.items():
+                self._undo[name][start:start + group.numel].copy_(values[start:start + group.numel])
+        self._update_in_memory(group, grad_coef=check.grad_coef)
+
+    def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck) -> None:
+        """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
+        may not stand, the new states go to the other side of its keys."""
+        states = {name: t[:group.numel] for name, t in staging.states.items()}
+        staging.writes.extend(self._update(group, states, staging.compute, grad_coef=check.grad_coef))
+        staging.writes.extend(self._store.write(self._key(name, group, other_side=check.needs_norm), states[name])
+                              for name in STATE_NAMES)
+
+    def _update_in_memory(self, group: SubGroup, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
         start = self._memory_offset[group.index]
         states = {name: t[start:start + group.numel] for name, t in self._states.items()}
-        for handle in self._update(group, states, None):
+        for handle in self._update(group, states, None, grad_coef=grad_coef):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -348,7 +474,7 @@ class OffloadOptimizer:
             if name != "master" and self.step_count == 1:
                 buffer.zero_()  # moments start at zero: nothing on disk yet
                 continue
-            handles.append(self._store.read(f"{name}.{group.index}", buffer, urgent=urgent))
+            handles.append(self._store.read(self._key(name, group), buffer, urgent=urgent))
         return handles
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
@@ -364,7 +490,7 @@ class OffloadOptimizer:
         elif name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
         else:
-            self._store.read(f"{name}.{group.index}", out).wait()
+            self._store.read(self._key(name, group), out).wait()
 
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group (loading a checkpoint)."""
@@ -376,7 +502,7 @@ class OffloadOptimizer:
         if self.in_memory(group):
             self._write_memory_state(name, group, values)
         else:
-            self._store.write(f"{name}.{group.index}", values.contiguous()).wait()
+            self._store.write(self._key(name, group), values.contiguous()).wait()
 
     def _read_memory_state(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
         start = self._memory_offset[group.index]
@@ -404,12 +530,16 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        grads = self._grads.wait_all()
-        return float(grads.double().pow(2).sum()) if grads.numel() < 1 << 24 else float(
-            sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (an overlapped step
+        took them as backward finished each), so both kinds of step agree to the bit."""
+        if self._overlap is not None:
+            return self._overlap.sq_norm()
+        return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
-    def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self._grads.wait_all()).all())
+    def sub_group_sq_norm(self, group: SubGroup) -> float:
+        """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
+        grads = self._grads.wait_sub_group(group)
+        return float(sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
@@ -435,116 +565,12 @@ class OffloadOptimizer:
         if self._device_scratch is not None:
             self._tiers.free("device", self._device_scratch)
             self._device_scratch = None
-
-
-class _OverlappedStep:
-    """A worker thread that updates sub-groups in the order their gradients become final.
-
-    With the states on NVMe it also reads ahead: backward finishes sub-groups from the last layer to
-    the first, so while one sub-group is updated, the states of the highest-numbered one still
-    waiting are read into the other buffer set (states do not depend on gradients). A guess that
-    turns out wrong costs nothing but the read; the sub-group then reads on arrival.
-    """
-
-    def __init__(self, optimizer: OffloadOptimizer):
-        self._optimizer = optimizer
-        self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
-        self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
-        self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
-        self._error: BaseException | None = None
-        self._read_ahead: dict[int, tuple[_Staging, list[IOHandle]]] = {}  # worker only
-        self._free_sets: list[_Staging] = list(optimizer._staging)          # worker only
-        self.updated = 0
-        self.started = False  # a sub-group's gradients were final: updates with this lr have begun
-        self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
-        self._worker.start()
-
-    def slot_final(self, slot, group: SubGroup) -> None:
-        with self._lock:
-            waiting = self._waiting.get(group.index)
-            if waiting is None:
-                return
-            waiting.discard(slot.index)
-            if waiting:
-                return
-            del self._waiting[group.index]
-        self.started = True
-        self._ready.put(group)
-
-    def finish(self) -> int:
-        """Returns how many sub-groups were updated while backward still ran."""
-        during_backward = self.updated + self._ready.qsize()
-        groups = self._optimizer.layout.sub_groups
-        with self._lock:
-            left, self._waiting = sorted(self._waiting), {}
-        for index in left:
-            self._ready.put(groups[index])
-        self._ready.put(None)
-        self._worker.join()
-        if self._error is not None:
-            raise self._error
-        return during_backward
-
-    def _run(self) -> None:
-        optimizer = self._optimizer
-        self._guarded(self._read_next_ahead)
-        while (group := self._ready.get()) is not None:
-            if self._error is not None:
-                continue  # drain; finish() raises the first error
-            self._guarded(lambda: optimizer._update_in_memory(group) if optimizer.in_memory(group)
-                          else self._update(group))
-            self.updated += 1
-        for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
-            for handle in reads:
-                self._guarded(handle.wait)
-        self._read_ahead.clear()
-
-    def _guarded(self, action) -> None:
-        try:
-            action()
-        except BaseException as err:  # handed to the main thread by finish()
-            self._error = self._error or err
-
-    def _update(self, group: SubGroup) -> None:
-        optimizer = self._optimizer
-        entry = self._read_ahead.pop(group.index, None)
-        if entry is None:
-            if not self._free_sets:  # every set holds a wrong guess: give the oldest back
-                _, (staging, reads) = self._read_ahead.popitem()
-                for handle in reads:
-                    handle.wait()
-                self._free_sets.append(staging)
-            staging = self._take_set()
-            reads = optimizer._read_states(group, staging)
-        else:
-            staging, reads = entry
-        for handle in reads:
-            handle.wait()
-        states = {name: t[:group.numel] for name, t in staging.states.items()}
-        staging.writes.extend(optimizer._update(group, states, staging.compute))
-        staging.writes.extend(optimizer._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
-        self._free_sets.append(staging)
-        self._read_next_ahead()
-
-    def _read_next_ahead(self) -> None:
-        """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
-
-        The reads are not urgent: they queue behind the parameter reads that compute waits for."""
-        groups = self._optimizer.layout.sub_groups
-        with self._lock:
-            candidates = [i for i in sorted(self._waiting, reverse=True)
-                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
-        for index in candidates:
-            if len(self._free_sets) < 2:
-                return
-            group = self._optimizer.layout.sub_groups[index]
-            staging = self._take_set()
-            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False))
-
-    def _take_set(self) -> _Staging:
-        staging = self._free_sets.pop(0)
-        staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
-        return staging
+        if self._grad_scratch is not None:
+            self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
+            self._grad_scratch = None
+        for tensor in self._undo.values():
+            self._tiers.free(self._state_memory_tier, tensor)
+        self._undo.clear()
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:
