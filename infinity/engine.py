@@ -339,6 +339,12 @@ class Engine:
         return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
                          speculate=self._last_step_outcome != "rejected")
 
+    def _cancel_unused_overlap(self) -> None:
+        """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
+        did not back-propagate, say): nothing was updated, so the step is taken back."""
+        if self.optimizer.overlapping and not self._backward_pending and not self.optimizer.updates_started:
+            self.optimizer.cancel_overlapped_step()
+
     @property
     def step_in_progress(self) -> bool:
         """True from the forward of a boundary micro-batch (or its backward) until ``step()``."""
@@ -473,12 +479,14 @@ class Engine:
         """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
         from infinity.checkpoint import save_checkpoint
         self._ensure_open()
+        self._cancel_unused_overlap()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
+        self._cancel_unused_overlap()
         client_state = load_checkpoint(self, load_dir, tag=tag)
         self._apply_lr_schedule()
         return client_state

@@ -370,9 +370,18 @@ class OffloadOptimizer:
         self._apply(grad_coef, self.layout.sub_groups)
         return "redone"
 
+    def cancel_overlapped_step(self) -> None:
+        """Take back an overlapped step no gradient reached (its forward ran, its backward did not)."""
+        overlap, self._overlap = self._overlap, None
+        overlap.cancel()
+        self.step_count -= 1
+
     def abandon_overlapped_step(self) -> None:
         """Closing mid-step: stop the worker and undo what it updated."""
         if self._overlap is None:
+            return
+        if not self._overlap.started:
+            self.cancel_overlapped_step()
             return
         self._overlap.finish()
         self.settle_overlapped_step(0.0, skipped=True)

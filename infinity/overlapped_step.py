@@ -125,6 +125,14 @@ class OverlappedStep:
             raise self._error
         return sum(1 for group in self.speculated if group.index in final_in_backward)
 
+    def cancel(self) -> None:
+        """Stop the worker before any sub-group was handed to it (its reads ahead land first)."""
+        assert not self.started, "an overlapped step whose updates began cannot be cancelled"
+        self._ready.put(None)
+        self._worker.join()
+        if self._error is not None:
+            raise self._error
+
     def sq_norm(self) -> float:
         """The squared gradient norm of this rank's sub-groups, summed in sub-group order (after finish)."""
         return sum(self.sq_norms[g.index] for g in self._optimizer.layout.sub_groups)

@@ -104,6 +104,33 @@ def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, pa
         assert torch.equal(on_state[key], off_state[key]), key
 
 
+def test_a_forward_without_backward_leaves_no_step_behind(tmp_path):
+    """A boundary forward begins the overlapped step; when its loss is not back-propagated (non-finite, say),
+    a checkpoint still saves the last step's state, and training goes on exactly as if it had not run."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(4, batch=4)
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(tmp_path), accum=1, clip=1.0, lr=3e-3)
+    ref_losses, ref_state, _ = engine_train(model, config, batches, steps=4, accum=1)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    losses = []
+    try:
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                engine(x, y)  # a forward whose loss is dropped
+                engine.save_checkpoint(tmp_path / "ck")
+                assert engine.optimizer.step_count == 2
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    assert losses == ref_losses
+    for key in ref_state:
+        assert torch.equal(state[key], ref_state[key]), key
+
+
 class Branchy(nn.Module):
     """The order of the layers depends on the data: the fetch order changes from step to step.
 
