@@ -76,6 +76,27 @@ def tile_model(model: nn.Module, max_tile_numel: int) -> TilingPlan:
       (when nothing else references it) before the next one, so the extra
       memory is one layer.
     """
+    _check_arguments(model, max_tile_numel)
+    index = _ModuleIndex(model)
+    # Decide first, then replace one module at a time.
+    embeddings, tie_partners = _embeddings_to_tile(index, max_tile_numel)
+    linears = _linears_to_tile(index, max_tile_numel, skip=tie_partners)
+    # Hold no reference to the dense layers from here on, so each is freed once replaced.
+    index.order.clear()
+    created: dict[int, tuple[nn.Module, str | None]] = {}  # id(tiled module) -> (module, tied-to dense name)
+    for emb_id, head_ids in embeddings.items():
+        for tiled, tied_to in _tile_embedding(index, emb_id, head_ids, max_tile_numel):
+            created[id(tiled)] = (tiled, tied_to)
+    for lin_id in linears:
+        tiled = _tile_linear(index, lin_id, max_tile_numel)
+        created[id(tiled)] = (tiled, None)
+    plan = _plan_of(model, created)
+    if not plan.is_empty:
+        logger.info("tiling: %d layers tiled (max_tile_numel=%d)", len(plan.modules), max_tile_numel)
+    return plan
+
+
+def _check_arguments(model: nn.Module, max_tile_numel: int) -> None:
     if isinstance(max_tile_numel, bool) or not isinstance(max_tile_numel, int) or max_tile_numel < 1:
         raise ValueError(f"max_tile_numel must be a positive int, got {max_tile_numel!r}")
     if isinstance(model, (nn.Linear, nn.Embedding)) and model.weight.numel() > max_tile_numel:
@@ -85,62 +106,73 @@ def tile_model(model: nn.Module, max_tile_numel: int) -> TilingPlan:
             f"or build a TiledLinear/TiledEmbedding with from_dense()"
         )
 
-    # Where each module sits (a module registered twice sits in two places),
-    # and which modules own each parameter directly.
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    names: dict[int, str] = {}
-    order: list[nn.Module] = []
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for attr, child in parent._modules.items():
-            if child is None:
-                continue
-            if id(child) not in places:
-                places[id(child)] = []
-                names[id(child)] = f"{parent_name}.{attr}" if parent_name else attr
-                order.append(child)
-            if not any(p is parent and a == attr for p, a in places[id(child)]):
-                places[id(child)].append((parent, attr))
-    owners: dict[int, list[int]] = {}
-    for module in [model, *order]:
-        for param in module._parameters.values():
-            if param is not None and id(module) not in owners.setdefault(id(param), []):
-                owners[id(param)].append(id(module))
-    by_id = {id(m): m for m in order}
 
-    def shared_with(module: nn.Module, allowed: set[int]) -> list[str]:
+class _ModuleIndex:
+    """Where each submodule of a model sits (a module registered twice sits in
+    two places) and under which name, and which modules own each parameter
+    directly. Keyed by ``id``; ``order`` and ``by_id`` hold the modules."""
+
+    def __init__(self, model: nn.Module):
+        self.places: dict[int, list[tuple[nn.Module, str]]] = {}  # module id -> (parent, attribute) pairs
+        self.names: dict[int, str] = {}  # module id -> its first qualified name
+        self.order: list[nn.Module] = []  # the submodules, each once, in the model's order
+        for parent_name, parent in model.named_modules(remove_duplicate=False):
+            for attr, child in parent._modules.items():
+                if child is None:
+                    continue
+                if id(child) not in self.places:
+                    self.places[id(child)] = []
+                    self.names[id(child)] = f"{parent_name}.{attr}" if parent_name else attr
+                    self.order.append(child)
+                if not any(p is parent and a == attr for p, a in self.places[id(child)]):
+                    self.places[id(child)].append((parent, attr))
+        self.owners: dict[int, list[int]] = {}  # parameter id -> ids of the modules owning it directly
+        for module in [model, *self.order]:
+            for param in module._parameters.values():
+                if param is not None and id(module) not in self.owners.setdefault(id(param), []):
+                    self.owners[id(param)].append(id(module))
+        self.by_id: dict[int, nn.Module] = {id(m): m for m in self.order}
+
+    def name(self, module_id: int) -> str:
+        """The module's qualified name; ``<model>`` for the model itself."""
+        return self.names.get(module_id, "<model>")
+
+    def shared_with(self, module: nn.Module, allowed: set[int]) -> list[str]:
         """Names of the modules outside ``allowed`` that own one of ``module``'s parameters."""
         others = []
         for param in module._parameters.values():
             if param is not None:
-                others += [names.get(o, "<model>") for o in owners[id(param)] if o not in allowed]
+                others += [self.name(o) for o in self.owners[id(param)] if o not in allowed]
         return others
 
-    def oversized(module: nn.Module, kind: type) -> bool:
-        return isinstance(module, kind) and module.weight.numel() > max_tile_numel
+    def put(self, old_id: int, new: nn.Module) -> None:
+        """Register ``new`` everywhere the module ``old_id`` sits."""
+        for parent, attr in self.places[old_id]:
+            setattr(parent, attr, new)
+        logger.debug("tiling: %s -> %r", self.names[old_id], new)
 
-    # Decide first, then replace one module at a time.
+
+def _oversized(module: nn.Module, kind: type, max_tile_numel: int) -> bool:
+    return isinstance(module, kind) and module.weight.numel() > max_tile_numel
+
+
+def _embeddings_to_tile(index: _ModuleIndex, max_tile_numel: int) -> tuple[dict[int, list[int]], set[int]]:
+    """The oversized embeddings to tile, each with its tied heads' ids, and the
+    ids of every oversized embedding's tie partners (tiled as its heads, or left
+    untiled with it: either way not for the Linear pass). Warns for each
+    embedding left untiled."""
     embeddings: dict[int, list[int]] = {}  # embedding id -> its tied heads' ids
-    linears: list[int] = []
-    skipped: set[int] = set()  # decided: left untiled, or tiled as a tied head
-    for module in order:
-        if not oversized(module, nn.Embedding):
+    tie_partners: set[int] = set()
+    for module in index.order:
+        if not _oversized(module, nn.Embedding, max_tile_numel):
             continue
-        name = names[id(module)]
-        partners = [o for o in owners[id(module.weight)] if o != id(module)]
-        skipped.update(partners)
-        heads = [o for o in partners if isinstance(by_id.get(o), nn.Linear)]
-        why_not = _why_not_tileable(module) or next(
-            (f"its tied head {names[h]} cannot be tiled: {w}" for h in heads if (w := _why_not_tileable(by_id[h]))),
-            None,
-        )
-        if why_not is None:
-            others = shared_with(module, {id(module), *heads}) + [
-                n for h in heads for n in shared_with(by_id[h], {id(module), *heads})
-            ]
-            if others:
-                why_not = f"its parameters are shared with {', '.join(sorted(set(others)))}"
+        name = index.names[id(module)]
+        partners = [o for o in index.owners[id(module.weight)] if o != id(module)]
+        tie_partners.update(partners)
+        heads = [o for o in partners if isinstance(index.by_id.get(o), nn.Linear)]
+        why_not = _why_not_tileable_with_heads(index, module, heads)
         if why_not is not None:
-            tied = f" (nor its tied modules {', '.join(names.get(o, '<model>') for o in partners)})" if partners else ""
+            tied = f" (nor its tied modules {', '.join(index.name(o) for o in partners)})" if partners else ""
             logger.warning("tiling: %s left untiled%s: %s", name, tied, why_not)
             continue
         if module.embedding_dim > max_tile_numel:
@@ -149,51 +181,79 @@ def tile_model(model: nn.Module, max_tile_numel: int) -> TilingPlan:
                 f"(embedding_dim={module.embedding_dim}); embeddings are split by rows only"
             )
         embeddings[id(module)] = heads
-    for module in order:
-        if not oversized(module, nn.Linear) or id(module) in skipped:
+    return embeddings, tie_partners
+
+
+def _why_not_tileable_with_heads(index: _ModuleIndex, embedding: nn.Embedding, heads: list[int]) -> str | None:
+    """``None`` if ``embedding`` and its tied heads may be tiled together, else why not."""
+    why_not = _why_not_tileable(embedding)
+    if why_not is not None:
+        return why_not
+    for head in heads:
+        why_not = _why_not_tileable(index.by_id[head])
+        if why_not is not None:
+            return f"its tied head {index.names[head]} cannot be tiled: {why_not}"
+    group = {id(embedding), *heads}
+    others = index.shared_with(embedding, group) + [n for h in heads for n in index.shared_with(index.by_id[h], group)]
+    if others:
+        return f"its parameters are shared with {', '.join(sorted(set(others)))}"
+    return None
+
+
+def _linears_to_tile(index: _ModuleIndex, max_tile_numel: int, skip: set[int]) -> list[int]:
+    """The ids of the oversized Linears to tile, other than those in ``skip``.
+    Warns for each left untiled."""
+    linears: list[int] = []
+    for module in index.order:
+        if not _oversized(module, nn.Linear, max_tile_numel) or id(module) in skip:
             continue
         why_not = _why_not_tileable(module)
-        others = shared_with(module, {id(module)})
+        others = index.shared_with(module, {id(module)})
         if why_not is None and others:
             why_not = (
                 f"its parameters are shared with {', '.join(sorted(set(others)))} "
                 f"(only a head tied to an Embedding is tiled with its partner)"
             )
         if why_not is not None:
-            logger.warning("tiling: %s left untiled: %s", names[id(module)], why_not)
+            logger.warning("tiling: %s left untiled: %s", index.names[id(module)], why_not)
             continue
         linears.append(id(module))
+    return linears
 
-    # Hold no reference to the dense layers from here on, so each is freed once replaced.
-    order.clear()
-    module = None
 
-    def put(old_id: int, new: nn.Module) -> None:
-        for parent, attr in places[old_id]:
-            setattr(parent, attr, new)
-        logger.debug("tiling: %s -> %r", names[old_id], new)
+def _tile_embedding(
+    index: _ModuleIndex, emb_id: int, head_ids: list[int], max_tile_numel: int
+) -> list[tuple[nn.Module, str | None]]:
+    """Replace the embedding ``emb_id`` and its tied heads by their tiled forms;
+    return them, each with the dense name its weight is tied to (``None`` for
+    the embedding)."""
+    embedding = index.by_id.pop(emb_id)
+    rows_per_tile = max_tile_numel // embedding.embedding_dim
+    tiled_emb = TiledEmbedding.from_dense(embedding, splits=math.ceil(embedding.num_embeddings / rows_per_tile))
+    del embedding
+    created: list[tuple[nn.Module, str | None]] = [(tiled_emb, None)]
+    index.put(emb_id, tiled_emb)
+    for head_id in head_ids:
+        head = TiledTiedHead.from_dense(index.by_id[head_id], tiled_emb)
+        created.append((head, f"{index.names[emb_id]}.weight"))
+        index.put(head_id, head)
+        del index.by_id[head_id], head
+    return created
 
-    created: dict[int, tuple[nn.Module, str | None]] = {}  # id(tiled module) -> (module, tied-to dense name)
-    for emb_id, head_ids in embeddings.items():
-        embedding = by_id.pop(emb_id)
-        rows_per_tile = max_tile_numel // embedding.embedding_dim
-        tiled_emb = TiledEmbedding.from_dense(embedding, splits=math.ceil(embedding.num_embeddings / rows_per_tile))
-        del embedding
-        created[id(tiled_emb)] = (tiled_emb, None)
-        put(emb_id, tiled_emb)
-        for head_id in head_ids:
-            head = TiledTiedHead.from_dense(by_id[head_id], tiled_emb)
-            created[id(head)] = (head, f"{names[emb_id]}.weight")
-            put(head_id, head)
-            del by_id[head_id], head
-    for lin_id in linears:
-        linear = by_id.pop(lin_id)
-        out_splits, in_splits = _linear_splits(linear.out_features, linear.in_features, max_tile_numel)
-        tiled = TiledLinear.from_dense(linear, in_splits=in_splits, out_splits=out_splits)
-        del linear
-        created[id(tiled)] = (tiled, None)
-        put(lin_id, tiled)
 
+def _tile_linear(index: _ModuleIndex, lin_id: int, max_tile_numel: int) -> TiledLinear:
+    """Replace the Linear ``lin_id`` by its tiled form; return that."""
+    linear = index.by_id.pop(lin_id)
+    out_splits, in_splits = _linear_splits(linear.out_features, linear.in_features, max_tile_numel)
+    tiled = TiledLinear.from_dense(linear, in_splits=in_splits, out_splits=out_splits)
+    del linear
+    index.put(lin_id, tiled)
+    return tiled
+
+
+def _plan_of(model: nn.Module, created: dict[int, tuple[nn.Module, str | None]]) -> TilingPlan:
+    """The plan of the tiled modules in ``created`` (id -> (module, tied-to
+    dense name)), in the model's order, under every name each is registered."""
     tensors: list[TiledTensor] = []
     modules: dict[str, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
@@ -203,7 +263,4 @@ def tile_model(model: nn.Module, max_tile_numel: int) -> TilingPlan:
         entries = module.tensor_map(name) if tied_to is None else module.tensor_map(name, tied_to)
         tensors += entries
         modules[name] = f"{type(module).__name__}({module.extra_repr()})"
-    plan = TilingPlan(tensors, modules)
-    if not plan.is_empty:
-        logger.info("tiling: %d layers tiled (max_tile_numel=%d)", len(modules), max_tile_numel)
-    return plan
+    return TilingPlan(tensors, modules)
