@@ -39,7 +39,10 @@ class Backend(Protocol):
 
 class _Core:
     """The queue of requests and the worker threads; separate from :class:`AsyncIO` so that
-    the workers do not keep the public object alive (its finalizer closes the core)."""
+    the workers do not keep the public object alive (its finalizer closes the core).
+
+    ``backend`` is ``"libaio"`` (``lib`` from :func:`.aio_libaio.load`) or ``"threads"`` (``lib`` None).
+    """
 
     def __init__(self, backend, lib, block_size, queue_depth, thread_count, single_submit, overlap_events):
         self.backend = backend
@@ -211,9 +214,9 @@ class _Core:
         for t in self.workers:
             t.start()
 
-    def _run_worker(self, loop, *args) -> None:
+    def _run_worker(self, loop: Callable[[], None]) -> None:
         try:
-            loop(*args)
+            loop()
         except BaseException:  # a bug, not an I/O error (those end their request): fail loudly, not hang
             logger.exception("storage I/O worker %s died; failing the queued requests", threading.current_thread().name)
             with self.cond:
