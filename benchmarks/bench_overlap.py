@@ -12,6 +12,12 @@ medians.
 The last line is JSON with at least step_s, step_no_overlap_s,
 compute_floor_s and io_floor_s.
 
+With ``--gradient-clipping C`` the overlapped and sequential engines clip (the
+overlapped step speculates and is settled once the norm is known), and a fourth
+engine, overlapped without clipping, runs alongside: ``step_unclipped_s`` and
+``step_over_unclipped`` compare the two, and ``outcomes`` counts how the
+clipped overlapped steps ended (committed, redone, skipped).
+
     python benchmarks/bench_overlap.py                     # ~300M parameters
     python benchmarks/bench_overlap.py --layers 4 --steps 2  # a quick look
 """
@@ -40,7 +46,7 @@ PRECISION = {"name": "bf16"}
 """The compute precision of every engine here: --precision, default auto (the machine's fast one)."""
 
 
-def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) -> dict:
+def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int, clip: float = 0.0) -> dict:
     offload = "nvme" if nvme_path else "none"
     param = {"device": offload}
     optimizer = {"device": offload}
@@ -51,6 +57,7 @@ def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int) 
         "aio": dict(AIO),
         "bf16": {"enabled": PRECISION["name"] == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "gradient_clipping": clip,
         "zero_optimization": {
             "stage": 3, "offload_param": param, "offload_optimizer": optimizer, "sub_group_size": sub_group_size,
             "overlap_step_with_backward": overlap,
@@ -83,11 +90,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="measured steps of each engine")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
     parser.add_argument("--block-size", type=int, default=1 << 20, help="aio block size in bytes (default 1 MiB)")
     parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth (default 32)")
     parser.add_argument("--nvme-path", default=None, help="a directory on the NVMe tier (default: a temporary one)")
+    parser.add_argument("--gradient-clipping", type=float, default=0.0,
+                        help="clip the overlapped and sequential engines' gradients at this norm (default 0: off); "
+                             "adds an overlapped engine without clipping to compare with")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute precision (default auto: bf16 where the machine computes it fast, else fp32)")
     args = parser.parse_args()
@@ -114,19 +124,26 @@ def main() -> None:
         print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write {write_GBps:.2f} GB/s, "
               f"read {read_GBps:.2f} GB/s")
 
+        clip, size = args.gradient_clipping, args.sub_group_size
         engines = {
-            "floor": build(cfg, engine_config(None, overlap=True, sub_group_size=args.sub_group_size)),
-            "on": build(cfg, engine_config(nvme, overlap=True, sub_group_size=args.sub_group_size)),
-            "off": build(cfg, engine_config(nvme, overlap=False, sub_group_size=args.sub_group_size)),
+            "floor": build(cfg, engine_config(None, overlap=True, sub_group_size=size)),
+            "on": build(cfg, engine_config(nvme, overlap=True, sub_group_size=size, clip=clip)),
+            "off": build(cfg, engine_config(nvme, overlap=False, sub_group_size=size, clip=clip)),
         }
+        if clip > 0:
+            engines["unclipped"] = build(cfg, engine_config(nvme, overlap=True, sub_group_size=size))
         times = {name: [] for name in engines}
         metrics_on = None
+        outcomes: dict[str, int] = {}
         for i in range(args.warmup + args.steps):
-            for name, engine in engines.items():  # alternate, so the machine's noise hits all three alike
+            for name, engine in engines.items():  # alternate, so the machine's noise hits all alike
                 elapsed, metrics = one_step(engine, batch)
                 if i >= args.warmup:
                     times[name].append(elapsed)
                     metrics_on = metrics if name == "on" else metrics_on
+                if name == "on":
+                    outcome = metrics.get("overlapped_step", "none")
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
             print("  round {}: {}".format(i, ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items() if t))
                   if i >= args.warmup else f"  round {i}: warm-up", flush=True)
         for engine in engines.values():
@@ -153,9 +170,17 @@ def main() -> None:
         on / max(floor, io_floor) for on, floor in zip(times["on"], times["floor"]))
     result["speedup_over_no_overlap"] = statistics.median(off / on for on, off in zip(times["on"], times["off"]))
     result["step_over_floor_of_medians"] = result["step_s"] / max(result["compute_floor_s"], io_floor)
+    if clip > 0:
+        result.update(gradient_clipping=clip, step_unclipped_s=statistics.median(times["unclipped"]),
+                      step_over_unclipped=statistics.median(on / un for on, un in zip(times["on"], times["unclipped"])),
+                      outcomes=outcomes, grad_norm=metrics_on.get("grad_norm"))
     print(f"step, overlap on : {result['step_s']:.2f} s  ({result['step_over_floor']:.2f} x max(floors), median of "
           f"per-round ratios; target <= 1.15)")
     print(f"step, overlap off: {result['step_no_overlap_s']:.2f} s  ({result['speedup_over_no_overlap']:.2f} x slower)")
+    if clip > 0:
+        print(f"step, overlap on, no clipping: {result['step_unclipped_s']:.2f} s  (clipped / unclipped "
+              f"{result['step_over_unclipped']:.2f}, target <= 1.1); clipped steps: {outcomes}, last norm "
+              f"{result['grad_norm']:.3g}")
     print(f"compute floor    : {result['compute_floor_s']:.2f} s")
     print(f"I/O floor        : {result['io_floor_s']:.2f} s  ({nvme_tier['bytes_read'] / 1e9:.2f} GB read, "
           f"{nvme_tier['bytes_written'] / 1e9:.2f} GB written per step)")

@@ -23,6 +23,7 @@ from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
 from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
@@ -122,6 +123,7 @@ class Engine:
                                           buffer_count=budget.staging_sets, timeline=self.timeline,
                                           reserve_nbytes=reserve, backward_order=self.overlap_step,
                                           max_in_cpu=zero.offload_optimizer.max_in_cpu,
+                                          step_undo=self.overlap_step and self._step_may_be_undone(),
                                           state_dtype=zero.offload_optimizer.state_dtype, rank=self.comm.rank)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
@@ -164,21 +166,17 @@ class Engine:
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
         self._global_grad_norm: float | None = None
+        self._last_step_outcome = "clean"  # "rejected" when the last step clipped or overflowed
         self._apply_lr_schedule()
 
     def _overlap_allowed(self) -> bool:
-        """Overlapping the step with backward is exact unless every gradient must be seen before any update."""
-        if not self.config.zero.overlap_step_with_backward:
-            return False
-        reason = None
-        if self.config.gradient_clipping > 0:
-            reason = "gradient clipping needs the global gradient norm before any shard is updated"
-        elif self.config.precision == "fp16":
-            reason = "fp16 loss scaling must see every gradient (overflow check) before any shard is updated"
-        if reason:
-            logger.info("overlap_step_with_backward is off: %s; the step runs after backward", reason)
-            return False
-        return True
+        """Overlapping the step with backward stays exact with clipping and fp16 too: those steps speculate and
+        are settled once the norm is known (see :mod:`infinity.overlapped_step`)."""
+        return self.config.zero.overlap_step_with_backward
+
+    def _step_may_be_undone(self) -> bool:
+        """Clipping or fp16 loss scaling can reject a step's speculative updates."""
+        return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
 
     def _make_read_pool(self) -> HostBufferPool | None:
         """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
@@ -333,7 +331,20 @@ class Engine:
 
     def _begin_overlapped_step(self) -> None:
         if not self.optimizer.overlapping:
-            self.optimizer.begin_overlapped_step()
+            self.optimizer.begin_overlapped_step(self._step_check())
+
+    def _step_check(self) -> StepCheck:
+        """What the coming step's speculative updates assume: nothing clips and nothing overflows. A step that
+        follows one which clipped or overflowed likely does too, and waits for the norm instead."""
+        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
+                         speculate=self._last_step_outcome != "rejected")
+
+    def _cancel_unused_overlap(self) -> None:
+        """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
+        did not back-propagate, say): nothing was updated, so the step is taken back."""
+        if self.optimizer.overlapping and not self._backward_pending and not self.optimizer.updates_started:
+            self.optimizer.cancel_overlapped_step()
 
     @property
     def step_in_progress(self) -> bool:
@@ -357,37 +368,45 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             return
         self._global_grad_norm = None
-        if self.optimizer.overlapping:
-            start = time.perf_counter()
-            self._metrics["sub_groups_during_backward"] = self.optimizer.finish_overlapped_step()
-            self._metrics["optimizer_s"] = time.perf_counter() - start
-            for sharded in self.params:
-                sharded.mark_stale()
-            self._finish_step(skipped=False)
-            return
-        coef = 1.0
-        skipped = False
-        if self.loss_scaler is not None:
-            finite = torch.tensor([0.0 if self.optimizer.grads_finite() else 1.0])
-            self.comm.all_reduce_max(finite)
-            skipped = not self.loss_scaler.update(overflow=bool(finite.item()))
-            coef = 1.0 / self.loss_scaler.applied_scale
-        if not skipped:
-            norm = global_grad_norm(self.optimizer.grad_sq_norm(), self.comm) * coef
-            self._global_grad_norm = norm
-            self._metrics["grad_norm"] = norm
-            if self.config.gradient_clipping > 0:
-                clip = self.config.gradient_clipping / (norm + 1e-6)
-                coef *= min(clip, 1.0)
-            start = time.perf_counter()
+        start = time.perf_counter()
+        overlapped = self.optimizer.overlapping
+        if overlapped:
+            self._metrics["sub_groups_during_backward"] = self.optimizer.finish_backward_updates()
+        coef, skipped, clipped = self._gradient_coef()
+        self._last_step_outcome = "rejected" if skipped or clipped else "clean"
+        if overlapped:
+            self._metrics["overlapped_step"] = self.optimizer.settle_overlapped_step(coef, skipped)
+            self._metrics["rollbacks"] = self.optimizer.rollbacks
+        elif not skipped:
             self.optimizer.step(coef)
-            self._metrics["optimizer_s"] = time.perf_counter() - start
-            for sharded in self.params:
-                sharded.mark_stale()
-        else:
+        if skipped:
             logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
                         self.global_step, self.loss_scaler.scale)
+        else:
+            self._metrics["optimizer_s"] = time.perf_counter() - start
+        if overlapped or not skipped:  # compute shards changed (an undone update changed them back)
+            for sharded in self.params:
+                sharded.mark_stale()
         self._finish_step(skipped)
+
+    def _gradient_coef(self) -> tuple[float, bool, bool]:
+        """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is
+        skipped (fp16 overflow) and whether it clipped; the same for the overlapped step and the one after
+        backward."""
+        sq_norm = self.optimizer.grad_sq_norm()
+        coef, skipped = 1.0, False
+        if self.loss_scaler is not None:
+            overflow = torch.tensor([0.0 if math.isfinite(sq_norm) else 1.0])
+            self.comm.all_reduce_max(overflow)  # one rank's overflow skips the step on every rank
+            skipped = not self.loss_scaler.update(overflow=bool(overflow.item()))
+            coef = 1.0 / self.loss_scaler.applied_scale
+        if skipped:
+            return coef, True, False
+        norm = global_grad_norm(sq_norm, self.comm) * coef
+        self._global_grad_norm = norm
+        self._metrics["grad_norm"] = norm
+        clip = self.config.gradient_clipping / (norm + 1e-6) if self.config.gradient_clipping > 0 else 1.0
+        return coef * min(clip, 1.0), False, clip < 1.0
 
     def _finish_step(self, skipped: bool) -> None:
         self.reducer.zero()
@@ -436,8 +455,8 @@ class Engine:
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
-        engine names it; None before the first step, after a skipped fp16 step, and when the step ran
-        overlapped with backward (no norm is taken then)."""
+        engine names it; None before the first step and after a skipped fp16 step (an overlapped step takes
+        it too, from the sub-groups' norms as backward finished them)."""
         return self._global_grad_norm
 
     def step_metrics(self) -> dict:
@@ -461,12 +480,14 @@ class Engine:
         """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
         from infinity.checkpoint import save_checkpoint
         self._ensure_open()
+        self._cancel_unused_overlap()
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
+        self._cancel_unused_overlap()
         client_state = load_checkpoint(self, load_dir, tag=tag)
         self._apply_lr_schedule()
         return client_state
@@ -546,8 +567,7 @@ class Engine:
             raise errors[0]
 
     def _finish_overlap(self) -> None:
-        if self.optimizer.overlapping:
-            self.optimizer.finish_overlapped_step()
+        self.optimizer.abandon_overlapped_step()
 
     def _write_timeline(self) -> None:
         path = self.timeline.write()

@@ -85,6 +85,7 @@ KINDS = (
     "moments",
     "param_io_buffers",
     "optimizer_staging",
+    "step_undo",
     "activations",
 )
 
@@ -119,6 +120,7 @@ def estimate(
     host_memory_budget: int | None = None,
     optimizer_max_in_cpu: int | None = None,
     overlap_step: bool = False,
+    step_undo: bool = False,
     state_dtype: str = "fp32",
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
@@ -137,6 +139,9 @@ def estimate(
     fit (``optimizer_max_in_cpu`` elements at most), the step's first reads first (``overlap_step``: the last
     sub-groups). Without it, ``nvme`` means NVMe. ``state_dtype``: the optimizer states' form (fp32, bf16,
     int8; ``zero_optimization.offload_optimizer.state_dtype``).
+
+    ``step_undo``: the step overlaps backward and may be undone (clipping or fp16): swapped optimizer states
+    take a second extent on NVMe, and in-memory ones an undo copy where the budget leaves room for it.
     """
     _check_choice("offload_param", offload_param, OFFLOAD_CHOICES)
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_CHOICES)
@@ -231,6 +236,9 @@ def estimate(
                             offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
                             overlap_step=overlap_step, state_dtype=state_dtype)
 
+    if step_undo:
+        _add_step_undo(tiers, host_memory_budget, gpu=gpu, optim_memory=optim_memory)
+
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
     return {
@@ -311,6 +319,20 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
         for kind, nbytes in (("master", master), ("moments", kept_nbytes - master)):
             tiers["nvme"][kind] -= nbytes
             tiers["host"][kind] += nbytes
+
+
+def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, optim_memory: str) -> None:
+    """What undoing a speculative step needs (``infinity.overlapped_step``): the other side of every swapped
+    sub-group's state keys, and one copy of the states in memory when the budget has room for it."""
+    tiers["nvme"]["step_undo"] += tiers["nvme"]["master"] + tiers["nvme"]["moments"]
+    memory_tier = "host" if optim_memory == "host" else "device"
+    in_memory = tiers[memory_tier]["master"] + tiers[memory_tier]["moments"]
+    charged_to_host = memory_tier == "host" or not gpu
+    if budget is not None and charged_to_host:
+        device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
+        if sum(tiers["host"].values()) + device + in_memory > budget:
+            return  # no room: those sub-groups wait for the norm instead
+    tiers[memory_tier]["step_undo"] += in_memory
 
 
 def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:

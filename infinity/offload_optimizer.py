@@ -29,8 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import queue
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +39,7 @@ from infinity.config import OptimizerConfig
 from infinity.copies import CopyDone, Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
+from infinity.overlapped_step import OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
@@ -79,7 +78,7 @@ class OffloadOptimizer:
                  compute: ComputeShards, grads: GradReducer, copies: Copies, *,
                  nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
                  reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
-                 state_dtype: str = "fp32", rank: int = 0):
+                 step_undo: bool = False, state_dtype: str = "fp32", rank: int = 0):
         self.layout = layout
         self.state_dtype = kernels.compact.check_state_dtype(state_dtype)
         self.config = config
@@ -111,10 +110,15 @@ class OffloadOptimizer:
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
         self._host_scratch: torch.Tensor | None = None
+        self._grad_scratch: torch.Tensor | None = None
+        self._grad_scratch_tier = "host"
         self._device_scratch: torch.Tensor | None = None
         self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
         self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
-        self._overlap: _OverlappedStep | None = None
+        self._overlap: OverlappedStep | None = None
+        self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
+        self._undo: dict[str, torch.Tensor] = {}  # in-memory states before a speculative update (lazily made)
+        self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
@@ -129,6 +133,8 @@ class OffloadOptimizer:
             self._allocate_memory_states(memory_tier, layout.sub_groups)
         self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        if step_undo:
+            self._make_room_to_undo()
 
     def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
         """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
@@ -168,9 +174,9 @@ class OffloadOptimizer:
             self._states[spec.name] = self._tiers.empty(tier, blocks if spec.name in _SCALE_NAMES else numel, spec.dtype)
             self._states[spec.name].zero_()
 
-    def _memory_states(self, group: SubGroup) -> dict[str, torch.Tensor]:
-        """Views of a sub-group's state tensors in memory."""
-        return {spec.name: self._memory_view(spec.name, group, 0, spec.numel)
+    def _memory_states(self, group: SubGroup, tensors: "dict[str, torch.Tensor] | None" = None) -> dict[str, torch.Tensor]:
+        """Views of a sub-group's state tensors in memory (in ``tensors``, laid out as the states: the undo copy)."""
+        return {spec.name: self._memory_view(spec.name, group, 0, spec.numel, tensors)
                 for spec in self._state_layout(group.numel)}
 
     def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,7 +217,7 @@ class OffloadOptimizer:
                 master.zero_()
                 for slot in group.slots:
                     master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
-                self._store.write(f"master.{group.index}", master).wait()
+                self._store.write(self._key("master", group), master).wait()
             else:
                 for slot in group.slots:
                     self._write_memory_tensor("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
@@ -223,22 +229,26 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
+        self._apply(grad_coef, self.layout.sub_groups)
+
+    def _apply(self, grad_coef: float, groups: list[SubGroup]) -> None:
+        """Update ``groups`` with the gradients scaled by ``grad_coef`` (this step's count already taken)."""
         if grad_coef != 1.0:
             self._grads.wait_all().mul_(grad_coef)
-        if self.tier == "nvme":
-            self._step_nvme()
-        else:
-            for group in self.layout.sub_groups:
-                self._update_in_memory(group)
+        self._update_pipelined([g for g in groups if not self.in_memory(g)], [g for g in groups if self.in_memory(g)])
         self.finish_compute_copies()
 
-    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None") -> list[IOHandle]:
+    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
+                grad_coef: float = 1.0) -> list[IOHandle]:
         """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
         to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
-        tier. Returns the NVMe writes still in flight."""
+        tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
+        Returns the NVMe writes still in flight."""
         cfg = self.config
         states = self._group_states(group, states)
         grads = self._grads.wait_sub_group(group)
+        if grad_coef != 1.0:
+            grads = self._scaled_grads(grads, grad_coef)
         out = self._compute_out(group, scratch)
         hyper = dict(step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
@@ -251,12 +261,7 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        writes = self._deliver_compute(group, out)
-        if not self.in_memory(group):
-            # A staged sub-group: the caller writes back STATE_NAMES; the int8 block scales go with the update.
-            writes += [self._store.write(f"{name}.{group.index}", states[name]) for name in _SCALE_NAMES
-                       if name in states]
-        return writes
+        return self._deliver_compute(group, out)
 
     def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
         """Where the kernel writes the sub-group's new compute shards."""
@@ -327,10 +332,9 @@ class OffloadOptimizer:
         else:
             self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
 
-    def _step_nvme(self) -> None:
-        """Sub-group i+1 is read while i is updated; a buffer set is reused once its writes are done. The
-        sub-groups resting in host memory are updated while the first read is in flight."""
-        groups = self.swapped_groups
+    def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup]) -> None:
+        """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
+        writes are done. The ``in_memory`` sub-groups are updated while the first read is in flight."""
         sets = self._staging
         reads: dict[int, list[IOHandle]] = {}
         if groups:
@@ -338,9 +342,8 @@ class OffloadOptimizer:
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
             reads[0] = self._read_states(groups[0], sets[0])
-        for group in self.layout.sub_groups:
-            if self.in_memory(group):
-                self._update_in_memory(group)
+        for group in in_memory:
+            self._update_in_memory(group)
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -349,9 +352,9 @@ class OffloadOptimizer:
             if i + 1 < len(groups) and following is not staging:
                 following.wait_writes()
                 reads[i + 1] = self._read_states(groups[i + 1], following)
-            states = {name: t[:group.numel] for name, t in staging.states.items()}
+            states = self._group_states(group, staging.states)
             staging.writes.extend(self._update(group, states, staging.compute))
-            staging.writes.extend(self._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
+            staging.writes.extend(self._store.write(self._key(name, group), t) for name, t in states.items())
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
                 reads[i + 1] = self._read_states(groups[i + 1], staging)
@@ -369,26 +372,152 @@ class OffloadOptimizer:
         """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
         return self._overlap is not None and self._overlap.started
 
-    def begin_overlapped_step(self) -> None:
-        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final."""
+    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> None:
+        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final, under
+        ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        self._overlap = _OverlappedStep(self)
+        self._overlap = OverlappedStep(self, check)
 
     def slot_grad_final(self, slot) -> None:
         """The gradient reducer's callback: ``slot``'s gradient is final for this step."""
         self._overlap.slot_final(slot, self._group_of_slot[slot.index])
 
-    def finish_overlapped_step(self) -> int:
-        """Update the sub-groups still waiting (parameters that got no gradient) and wait for all updates;
-        returns how many sub-groups were ready before backward ended."""
-        overlap, self._overlap = self._overlap, None
-        during_backward = overlap.finish()
-        self.finish_compute_copies()
-        return during_backward
+    def finish_backward_updates(self) -> int:
+        """Wait for the worker: every sub-group's squared norm is known and its speculative update done.
+        Returns how many sub-groups were updated while backward still ran."""
+        return self._overlap.finish()
 
-    def _update_in_memory(self, group: SubGroup) -> None:
+    def settle_overlapped_step(self, grad_coef: float, skipped: bool) -> str:
+        """End an overlapped step with the coefficient the gradients really get: its speculative updates stand
+        when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
+        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
+        overlap, self._overlap = self._overlap, None
+        if not skipped and grad_coef == overlap.check.grad_coef:
+            if overlap.check.needs_norm:  # its swapped sub-groups were written to their other side
+                self._side.symmetric_difference_update(g.index for g in overlap.speculated if not self.in_memory(g))
+            self._apply(grad_coef, overlap.deferred)
+            return "committed"
+        # The new states were never published: a swapped sub-group's old states are still under its
+        # current keys, and in-memory ones come back from the undo buffer.
+        for group in overlap.speculated:
+            if self.in_memory(group):
+                self._restore_undo(group)
+        if overlap.speculated:
+            self.rollbacks += 1
+            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
+                        self.step_count, len(overlap.speculated), "fp16 overflow" if skipped else "gradients clipped",
+                        self.rollbacks)
+        if skipped:
+            self.step_count -= 1
+            for group in overlap.speculated:
+                self._restore_compute(group)
+            self.finish_compute_copies()
+            return "skipped"
+        self._apply(grad_coef, self.layout.sub_groups)
+        return "redone"
+
+    def cancel_overlapped_step(self) -> None:
+        """Take back an overlapped step no gradient reached (its forward ran, its backward did not)."""
+        overlap, self._overlap = self._overlap, None
+        overlap.cancel()
+        self.step_count -= 1
+
+    def abandon_overlapped_step(self) -> None:
+        """Closing mid-step: stop the worker and undo what it updated."""
+        if self._overlap is None:
+            return
+        if not self._overlap.started:
+            self.cancel_overlapped_step()
+            return
+        self._overlap.finish()
+        self.settle_overlapped_step(0.0, skipped=True)
+
+    # -- speculation: undoing an update ------------------------------------------
+    def can_undo(self, group: SubGroup, check: StepCheck) -> bool:
+        """Whether ``group`` may be updated before ``check``'s outcome is known."""
+        if not check.needs_norm or not self.in_memory(group):
+            return True  # nothing to undo, or a swapped sub-group (its old states stay on NVMe)
+        return bool(self._undo)
+
+    def _make_room_to_undo(self) -> None:
+        """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
+        keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
+        room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
+        what ``estimate`` says and a full disk fails here, not mid-run."""
+        for group in self.swapped_groups:
+            for spec in self._state_layout(group.numel):
+                self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
+        if not self._states:
+            return
+        nbytes = sum(t.numel() * t.element_size() for t in self._states.values())
+        room = self._tiers.stats[self._state_memory_tier].room_nbytes()
+        if room is not None and room < nbytes:
+            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
+                        "states; their updates wait for the global norm", self._state_memory_tier)
+            return
+        self._undo = {name: self._tiers.empty(self._state_memory_tier, t.numel(), t.dtype)
+                      for name, t in self._states.items()}
+        logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
+                    nbytes / 2**20, self._state_memory_tier)
+
+    @property
+    def _state_memory_tier(self) -> str:
+        return "host" if self.tier == "nvme" else self._memory_tier
+
+    def _restore_undo(self, group: SubGroup) -> None:
+        undo = self._memory_states(group, self._undo)
+        for name, values in self._memory_states(group).items():
+            values.copy_(undo[name])
+
+    def _restore_compute(self, group: SubGroup) -> None:
+        """After an undone update: the compute shards again from the master (the kernel writes them as its
+        round-to-nearest cast, so this is the value they had)."""
+        if self.in_memory(group):
+            master, staging = self._memory_states(group)["master"], None
+        else:
+            staging = self._staging[0]
+            staging.wait_writes()  # its buffers are about to be overwritten by the read
+            master = staging.states["master"][:group.numel]
+            self._store.read(self._key("master", group), master).wait()
+        out = self._compute_out(group, staging.compute if staging is not None else None)
+        out.copy_(master)
+        for handle in self._deliver_compute(group, out):
+            handle.wait()
+
+    def _key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
+        """The swap key of a state: each swapped sub-group has two, so a speculative update never overwrites
+        the states it may have to return to."""
+        second = (group.index in self._side) != other_side
+        return f"{name}.{group.index}" + (".b" if second else "")
+
+    def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
+        """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
+        may be undone); the same rounding as scaling the slices in place."""
+        if self._grad_scratch is None:
+            self._grad_scratch_tier = "device" if self._on_device else "host"
+            self._grad_scratch = self._tiers.empty(self._grad_scratch_tier, self.layout.largest_sub_group_numel,
+                                                   grads.dtype)
+        return torch.mul(grads, grad_coef, out=self._grad_scratch[:grads.numel()])
+
+    def update_in_memory(self, group: SubGroup, check: StepCheck) -> None:
+        """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
+        if check.needs_norm:
+            undo = self._memory_states(group, self._undo)
+            for name, values in self._memory_states(group).items():
+                undo[name].copy_(values)
+        self._update_in_memory(group, grad_coef=check.grad_coef)
+
+    def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck) -> None:
+        """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
+        may not stand, the new states go to the other side of its keys."""
+        states = self._group_states(group, staging.states)
+        staging.writes.extend(self._update(group, states, staging.compute, grad_coef=check.grad_coef))
+        staging.writes.extend(self._store.write(self._key(name, group, other_side=check.needs_norm), t)
+                              for name, t in states.items())
+
+    def _update_in_memory(self, group: SubGroup, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self._memory_states(group), None):
+        for handle in self._update(group, self._memory_states(group), None, grad_coef=grad_coef):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -397,7 +526,7 @@ class OffloadOptimizer:
             if name != "master" and self.step_count == 1:
                 buffer.zero_()  # moments (codes and scales) start at zero: nothing on disk yet
                 continue
-            handles.append(self._store.read(f"{name}.{group.index}", buffer, urgent=urgent))
+            handles.append(self._store.read(self._key(name, group), buffer, urgent=urgent))
         return handles
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
@@ -414,7 +543,7 @@ class OffloadOptimizer:
             if self.in_memory(group):
                 self._read_memory_tensor(name, group, out)
             else:
-                self._store.read(f"{name}.{group.index}", out).wait()
+                self._store.read(self._key(name, group), out).wait()
         else:
             parts = self._read_parts(group, kernels.compact.state_parts(self.state_dtype, name))
             try:
@@ -443,7 +572,7 @@ class OffloadOptimizer:
                 if self.in_memory(group):
                     self._write_memory_tensor(part, group, tensor)
                 else:
-                    self._store.write(f"{part}.{group.index}", tensor).wait()
+                    self._store.write(self._key(part, group), tensor).wait()
         finally:
             for tensor in buffers.values():
                 self._tiers.free("host", tensor)
@@ -459,16 +588,17 @@ class OffloadOptimizer:
                 if self.in_memory(group):
                     self._read_memory_tensor(spec.name, group, buffer)
                 else:
-                    self._store.read(f"{spec.name}.{group.index}", buffer).wait()
+                    self._store.read(self._key(spec.name, group), buffer).wait()
         except BaseException:
             for tensor in parts.values():
                 self._tiers.free("host", tensor)
             raise
         return parts
 
-    def _memory_view(self, name: str, group: SubGroup, at: int, numel: int) -> torch.Tensor:
+    def _memory_view(self, name: str, group: SubGroup, at: int, numel: int,
+                     tensors: "dict[str, torch.Tensor] | None" = None) -> torch.Tensor:
         start = (self._block_offset if name in _SCALE_NAMES else self._memory_offset)[group.index] + at
-        return self._states[name][start:start + numel]
+        return (self._states if tensors is None else tensors)[name][start:start + numel]
 
     def _read_memory_tensor(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
         """Copy the start of one of a sub-group's state tensors in memory into host ``out_host`` (same dtype)."""
@@ -497,12 +627,16 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        grads = self._grads.wait_all()
-        return float(grads.double().pow(2).sum()) if grads.numel() < 1 << 24 else float(
-            sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (an overlapped step
+        took them as backward finished each), so both kinds of step agree to the bit."""
+        if self._overlap is not None:
+            return self._overlap.sq_norm()
+        return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
-    def grads_finite(self) -> bool:
-        return bool(torch.isfinite(self._grads.wait_all()).all())
+    def sub_group_sq_norm(self, group: SubGroup) -> float:
+        """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
+        grads = self._grads.wait_sub_group(group)
+        return float(sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
@@ -528,116 +662,12 @@ class OffloadOptimizer:
         if self._device_scratch is not None:
             self._tiers.free("device", self._device_scratch)
             self._device_scratch = None
-
-
-class _OverlappedStep:
-    """A worker thread that updates sub-groups in the order their gradients become final.
-
-    With the states on NVMe it also reads ahead: backward finishes sub-groups from the last layer to
-    the first, so while one sub-group is updated, the states of the highest-numbered one still
-    waiting are read into the other buffer set (states do not depend on gradients). A guess that
-    turns out wrong costs nothing but the read; the sub-group then reads on arrival.
-    """
-
-    def __init__(self, optimizer: OffloadOptimizer):
-        self._optimizer = optimizer
-        self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
-        self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
-        self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
-        self._error: BaseException | None = None
-        self._read_ahead: dict[int, tuple[_Staging, list[IOHandle]]] = {}  # worker only
-        self._free_sets: list[_Staging] = list(optimizer._staging)          # worker only
-        self.updated = 0
-        self.started = False  # a sub-group's gradients were final: updates with this lr have begun
-        self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
-        self._worker.start()
-
-    def slot_final(self, slot, group: SubGroup) -> None:
-        with self._lock:
-            waiting = self._waiting.get(group.index)
-            if waiting is None:
-                return
-            waiting.discard(slot.index)
-            if waiting:
-                return
-            del self._waiting[group.index]
-        self.started = True
-        self._ready.put(group)
-
-    def finish(self) -> int:
-        """Returns how many sub-groups were updated while backward still ran."""
-        during_backward = self.updated + self._ready.qsize()
-        groups = self._optimizer.layout.sub_groups
-        with self._lock:
-            left, self._waiting = sorted(self._waiting), {}
-        for index in left:
-            self._ready.put(groups[index])
-        self._ready.put(None)
-        self._worker.join()
-        if self._error is not None:
-            raise self._error
-        return during_backward
-
-    def _run(self) -> None:
-        optimizer = self._optimizer
-        self._guarded(self._read_next_ahead)
-        while (group := self._ready.get()) is not None:
-            if self._error is not None:
-                continue  # drain; finish() raises the first error
-            self._guarded(lambda: optimizer._update_in_memory(group) if optimizer.in_memory(group)
-                          else self._update(group))
-            self.updated += 1
-        for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
-            for handle in reads:
-                self._guarded(handle.wait)
-        self._read_ahead.clear()
-
-    def _guarded(self, action) -> None:
-        try:
-            action()
-        except BaseException as err:  # handed to the main thread by finish()
-            self._error = self._error or err
-
-    def _update(self, group: SubGroup) -> None:
-        optimizer = self._optimizer
-        entry = self._read_ahead.pop(group.index, None)
-        if entry is None:
-            if not self._free_sets:  # every set holds a wrong guess: give the oldest back
-                _, (staging, reads) = self._read_ahead.popitem()
-                for handle in reads:
-                    handle.wait()
-                self._free_sets.append(staging)
-            staging = self._take_set()
-            reads = optimizer._read_states(group, staging)
-        else:
-            staging, reads = entry
-        for handle in reads:
-            handle.wait()
-        states = {name: t[:group.numel] for name, t in staging.states.items()}
-        staging.writes.extend(optimizer._update(group, states, staging.compute))
-        staging.writes.extend(optimizer._store.write(f"{name}.{group.index}", states[name]) for name in STATE_NAMES)
-        self._free_sets.append(staging)
-        self._read_next_ahead()
-
-    def _read_next_ahead(self) -> None:
-        """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
-
-        The reads are not urgent: they queue behind the parameter reads that compute waits for."""
-        groups = self._optimizer.layout.sub_groups
-        with self._lock:
-            candidates = [i for i in sorted(self._waiting, reverse=True)
-                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
-        for index in candidates:
-            if len(self._free_sets) < 2:
-                return
-            group = self._optimizer.layout.sub_groups[index]
-            staging = self._take_set()
-            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False))
-
-    def _take_set(self) -> _Staging:
-        staging = self._free_sets.pop(0)
-        staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
-        return staging
+        if self._grad_scratch is not None:
+            self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
+            self._grad_scratch = None
+        for tensor in self._undo.values():
+            self._tiers.free(self._state_memory_tier, tensor)
+        self._undo.clear()
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:

@@ -1,6 +1,8 @@
 """``infinity.storage``: the tiers below the accelerator.
 
 - :mod:`.aio`: :class:`AsyncIO`, asynchronous direct I/O (libaio, or a thread pool) returning :class:`IOHandle`.
+  Its parts: :mod:`.aio_core` (the request queue), :mod:`.aio_libaio` and :mod:`.aio_threads` (the two
+  backends), :mod:`.aio_request` (one request, ``io_error``).
 - :mod:`.buffers`: :func:`aligned_empty` and :class:`HostBufferPool`, aligned (pinned on CUDA) host memory.
 - :mod:`.swap_store`: :class:`SwapStore`, tensors by key in files under a private directory.
 - :mod:`.extents`: where a key's bytes live in a swap file.

@@ -382,6 +382,15 @@ class SwapStore:
         self._register(key, handle, READ)
         return handle
 
+    def reserve(self, key: str, nbytes: int) -> None:
+        """Allocate ``key``'s extent now, counted, without writing it, so that its first write cannot run out of
+        room later. Until that write, reading it returns whatever the file held there."""
+        self._check_key(key)
+        with self._lock:
+            self._check_open()
+            if key not in self._extents:
+                self._extents[key] = self._allocate_locked(key, round_up(nbytes), nbytes)
+
     def delete(self, key: str) -> None:
         """Forget ``key`` and free its extent (after its requests in flight). ``KeyError`` if unknown."""
         self._check_key(key)

@@ -578,6 +578,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "peak_rss_bytes": peak_rss_bytes(),
         "tiers": monitor.totals,
         "copies": monitor.copies,
+        "step_outcomes": monitor.step_outcomes,
         "estimate": plan.estimate["accounted"],
         "precision": plan.precision,
         "offload_param": plan.offload_param,

@@ -64,6 +64,7 @@ def estimate_for(plan, model) -> dict:
         activation_nbytes=activations,
         host_memory_budget=resolve_host_budget(zero.host_memory_budget),
         optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
-        overlap_step=zero.overlap_step_with_backward and not cfg.gradient_clipping and cfg.precision != "fp16",
+        overlap_step=zero.overlap_step_with_backward,
+        step_undo=zero.overlap_step_with_backward and (cfg.gradient_clipping > 0 or cfg.precision == "fp16"),
         state_dtype=zero.offload_optimizer.state_dtype,
     )

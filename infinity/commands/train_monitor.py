@@ -166,6 +166,7 @@ class RunMonitor:
         self.say = say
         self.totals = {t: {"peak_nbytes": 0, "bytes_read": 0, "bytes_written": 0} for t in TIERS}
         self.copies = {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}  # what a GPU run moves over PCIe
+        self.step_outcomes: dict[str, int] = {}  # how steps ended: overlapped (committed/redone/skipped) or after backward
         self.val_losses: list[tuple[int, float]] = []
         self.log = None
         if is_main:
@@ -189,6 +190,8 @@ class RunMonitor:
             self.totals[t]["bytes_written"] += int(m.get("bytes_written", 0))
         for direction, nbytes in metrics.get("copies", {}).items():
             self.copies[direction] += int(nbytes)
+        outcome = metrics.get("overlapped_step", "after backward")
+        self.step_outcomes[outcome] = self.step_outcomes.get(outcome, 0) + 1
         val_loss = None
         if self.validation is not None and (step % self.plan.eval_every == 0 or step == self.total_steps):
             val_loss = self.validation.loss(engine)
@@ -243,6 +246,14 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+_OUTCOME_TEXT = {
+    "committed": "overlapped with backward",
+    "redone": "clipped (updated once the global norm was known)",
+    "skipped": "skipped (fp16 overflow)",
+    "after backward": "after backward",
+}
+
+
 def print_summary(s: dict) -> None:
     val = f", validation loss {s['val_loss']:.3f}" if s.get("val_loss") is not None else ""
     print(f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}{val}, "
@@ -253,5 +264,7 @@ def print_summary(s: dict) -> None:
         m = s["tiers"][t]
         print(f"  {t:<7} {format_bytes(m['peak_nbytes']):>10} {format_bytes(s['estimate'][t]):>10} "
               f"{format_bytes(m['bytes_read']):>10} {format_bytes(m['bytes_written']):>10}")
+    if s.get("step_outcomes"):
+        print("  steps: " + ", ".join(f"{n} {_OUTCOME_TEXT.get(k, k)}" for k, n in s["step_outcomes"].items()))
     if s.get("metrics_file"):
         print(f"  metrics: {s['metrics_file']} (draw them: infinity plot {Path(s['metrics_file']).parent})")

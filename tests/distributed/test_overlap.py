@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import infinity
-from helpers import TinyGPT, delay_storage, engine_config, engine_train, gpt_batches, reference_train
+from helpers import TinyGPT, delay_storage, engine_config, engine_steps, engine_train, gpt_batches, reference_train
 
 
 def _train(model, batches, tmp_path, *, overlap: bool, param="nvme", optimizer="nvme", accum=2, steps=4):
@@ -32,12 +34,101 @@ def test_overlap_on_equals_off_bitwise(tmp_path, param, optimizer):
         assert torch.equal(on_state[key], off_state[key]), key
 
 
-def test_overlap_is_refused_with_clipping(caplog):
-    import logging
-    with caplog.at_level(logging.INFO, logger="infinity.engine"):
-        engine = infinity.initialize(torch.nn.Linear(2, 2), {"gradient_clipping": 1.0})
-    assert not engine.overlap_step and "gradient clipping" in caplog.text
-    engine.close()
+def _speculate_always(monkeypatch):
+    """Every overlapped step speculates on every sub-group, even once its norm already says it will clip or
+    overflow: every such step is undone (the policy that avoids this is what the other runs use)."""
+    from infinity.engine import Engine
+    from infinity.overlapped_step import StepCheck
+
+    monkeypatch.setattr(StepCheck, "surely_rejected", lambda self, sq_norm: False)
+    original = Engine._step_check
+    monkeypatch.setattr(Engine, "_step_check",
+                        lambda self: dataclasses.replace(original(self), speculate=True))
+
+
+def _steps(model, batches, tmp_path, *, overlap, param, optimizer, clip, accum=2, steps=6, **extra):
+    config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=clip,
+                           lr=3e-3, overlap_step_with_backward=overlap, **extra)
+    return engine_steps(model, config, batches, steps=steps, accum=accum)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "speculate-always"])
+@pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
+def test_overlap_with_clipping_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy):
+    """Some steps clip and some do not: the overlapped step commits the ones that do not and undoes and
+    redoes the others, and every result equals the step after backward's, bit for bit."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(12, batch=4)
+    _, _, unclipped, _ = _steps(model, batches, tmp_path, overlap=False, param=param, optimizer=optimizer, clip=0.0)
+    clip = sorted(m["grad_norm"] for m in unclipped)[len(unclipped) // 2]  # a threshold between the norms
+    if policy == "speculate-always":
+        _speculate_always(monkeypatch)
+    on_losses, on_state, on_metrics, _ = _steps(model, batches, tmp_path, overlap=True, param=param,
+                                                optimizer=optimizer, clip=clip)
+    off_losses, off_state, off_metrics, _ = _steps(model, batches, tmp_path, overlap=False, param=param,
+                                                   optimizer=optimizer, clip=clip)
+    outcomes = [m["overlapped_step"] for m in on_metrics]
+    assert {"committed", "redone"} <= set(outcomes), outcomes
+    assert on_metrics[-1]["rollbacks"] >= 1  # some step really was undone
+    assert [m["grad_norm"] for m in on_metrics] == [m["grad_norm"] for m in off_metrics]
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "speculate-always"])
+@pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy):
+    """fp16 with a loss scale that overflows at first: the overflowing steps are skipped (their speculative
+    updates undone, compute shards included) exactly as the step after backward skips them."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(12, batch=4)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 19, "hysteresis": 1}}
+    if policy == "speculate-always":
+        _speculate_always(monkeypatch)
+    runs = {}
+    for overlap in (True, False):
+        config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=2, clip=1.0, lr=3e-3,
+                               overlap_step_with_backward=overlap)
+        config.pop("bf16")
+        config.update(fp16)
+        runs[overlap] = engine_steps(model, config, batches, steps=6, accum=2)
+    (on_losses, on_state, on_metrics, _), (off_losses, off_state, off_metrics, _) = runs[True], runs[False]
+    outcomes = [m["overlapped_step"] for m in on_metrics]
+    assert "skipped" in outcomes and outcomes[-1] != "skipped", outcomes
+    assert [m["skipped"] for m in on_metrics] == [m["skipped"] for m in off_metrics]
+    if policy == "speculate-always":
+        assert on_metrics[-1]["rollbacks"] >= outcomes.count("skipped")
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
+def test_a_forward_without_backward_leaves_no_step_behind(tmp_path):
+    """A boundary forward begins the overlapped step; when its loss is not back-propagated (non-finite, say),
+    a checkpoint still saves the last step's state, and training goes on exactly as if it had not run."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(4, batch=4)
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(tmp_path), accum=1, clip=1.0, lr=3e-3)
+    ref_losses, ref_state, _ = engine_train(model, config, batches, steps=4, accum=1)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    losses = []
+    try:
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                engine(x, y)  # a forward whose loss is dropped
+                engine.save_checkpoint(tmp_path / "ck")
+                assert engine.optimizer.step_count == 2
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    assert losses == ref_losses
+    for key in ref_state:
+        assert torch.equal(state[key], ref_state[key]), key
 
 
 class Branchy(nn.Module):

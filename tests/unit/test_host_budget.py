@@ -43,8 +43,9 @@ def test_staging_is_sized_from_the_budget_whatever_sub_group_size_says():
     assert staged_sub_group_numel(500, budget_nbytes=1 << 40, **kw) == 1000
 
 
-def _config(tmp_path, budget=None, *, optimizer_in_cpu=None, sub_group_size=3000, clip=1.0):
-    config = engine_config(param="cpu", optimizer="nvme", nvme_path=str(tmp_path), accum=ACCUM, clip=clip, lr=LR)
+def _config(tmp_path, budget=None, *, optimizer_in_cpu=None, sub_group_size=3000, clip=1.0, overlap=True):
+    config = engine_config(param="cpu", optimizer="nvme", nvme_path=str(tmp_path), accum=ACCUM, clip=clip, lr=LR,
+                           overlap_step_with_backward=overlap)
     zero = config["zero_optimization"]
     zero["sub_group_size"] = sub_group_size
     if optimizer_in_cpu is None:
@@ -89,18 +90,18 @@ def test_states_that_fit_stay_in_host_memory_and_train_exactly_as_on_nvme(gpt, t
         assert torch.equal(in_host[1][key], value), key
 
 
-@pytest.mark.parametrize("clip, kept_first", [(1.0, "first"), (0.0, "last")])
-def test_a_partial_spill_keeps_what_the_step_reads_first(gpt, tmp_path, clip, kept_first):
+@pytest.mark.parametrize("overlap, kept_first", [(False, "first"), (True, "last")])
+def test_a_partial_spill_keeps_what_the_step_reads_first(gpt, tmp_path, overlap, kept_first):
     """A budget that holds some sub-groups: those stay, the rest spills; bytes moved fall with what stays."""
     model, batches = gpt
-    full = _run(model, batches, _config(tmp_path, optimizer_in_cpu=0, clip=clip))
+    full = _run(model, batches, _config(tmp_path, optimizer_in_cpu=0, overlap=overlap))
     groups = full[4].layout.sub_groups
     half = sum(g.numel for g in groups) // 2
-    partial = _run(model, batches, _config(tmp_path, optimizer_in_cpu=half, clip=clip))
+    partial = _run(model, batches, _config(tmp_path, optimizer_in_cpu=half, overlap=overlap))
     optimizer = partial[4].optimizer
     kept = [g.index for g in groups if optimizer.in_memory(g)]
     assert 0 < partial[3] <= half and kept
-    # without clipping the step runs during backward, which finishes the last sub-groups first
+    # overlapped, the step runs during backward, which finishes the last sub-groups first
     assert (kept[0] == 0) if kept_first == "first" else (kept[-1] == groups[-1].index)
     assert partial[2]["tiers"]["nvme"]["bytes_read"] < full[2]["tiers"]["nvme"]["bytes_read"]
     assert partial[0] == full[0]

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-import infinity.offload_optimizer
+import infinity.overlapped_step
 from helpers import TiedMLP, TinyGPT, delay_storage, engine_config, engine_train, gpt_batches, mlp_batches, reference_train
 
 STEPS, ACCUM, LR = 6, 2, 3e-3
@@ -45,16 +45,16 @@ def models_and_references():
 @pytest.fixture
 def late_worker(monkeypatch):
     """The overlapped step's worker starts each sub-group after a random pause."""
-    original = infinity.offload_optimizer._OverlappedStep._update
+    original = infinity.overlapped_step.OverlappedStep._update
 
     def late(self, group):
         time.sleep(random.uniform(0, 0.003))
         original(self, group)
 
-    monkeypatch.setattr(infinity.offload_optimizer._OverlappedStep, "_update", late)
+    monkeypatch.setattr(infinity.overlapped_step.OverlappedStep, "_update", late)
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["step-after-backward", "step-during-backward"])
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "unclipped"])
 @pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
 def test_late_storage_and_worker_never_change_results(models_and_references, monkeypatch, late_worker, param, clip):
     models, refs = models_and_references

@@ -1,4 +1,4 @@
-"""Memory-centric tiling (infinity/tiling.py): tiled layers against their dense
+"""Memory-centric tiling (infinity/tiling/): tiled layers against their dense
 equivalents, and tile_model on a small GPT-like model against a deepcopy of it
 trained by plain PyTorch."""
 

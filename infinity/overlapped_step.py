@@ -1,0 +1,212 @@
+"""The optimizer step overlapped with backward: a worker thread updates each
+sub-group as soon as its gradients are final, in the order backward finishes
+them, and reads the states of the next ones ahead.
+
+Gradient clipping and fp16 loss scaling need every gradient (the global norm,
+the overflow check) before any update. The step then *speculates*: it updates
+with the gradient coefficient it would have if nothing clips or overflows
+(:class:`StepCheck`), keeping what undoes it, and the engine *settles* it once
+the norm is known (:meth:`OffloadOptimizer.settle_overlapped_step`): commit,
+or roll back and redo with the clipped gradients, or roll back and skip on an
+fp16 overflow. How each tier undoes an update, and why it is cheap there:
+
+* states on NVMe: the speculative update writes fresh extents (the other
+  *side* of the sub-group's keys); commit switches sides, a rollback keeps the
+  old ones, which were never overwritten;
+* states in memory: the pre-update values are copied aside first (an undo
+  buffer counted in the states' tier); without room for it the sub-group is
+  not speculated.
+
+Speculating costs a wasted update when the step then clips, so a step that
+follows a clipped or overflowing one does not speculate (its updates are
+*deferred* until the norm is known), and a step stops speculating as soon as
+the squared norm of the sub-groups seen so far already exceeds the clipping
+threshold. Every sub-group's squared gradient norm is taken here, as it
+becomes final, so the global norm costs no pass over the gradients after
+backward; the non-overlapped step sums the same per-sub-group terms in the
+same order, which keeps the two bitwise equal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infinity.layout import SubGroup
+from infinity.storage import IOHandle
+
+if TYPE_CHECKING:
+    from infinity.offload_optimizer import OffloadOptimizer, _Staging
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What an overlapped step assumes while it speculates, and whether it does.
+
+    ``grad_coef`` is the gradient coefficient when nothing clips or overflows (1 / loss scale with fp16,
+    else 1); ``max_norm`` the clipping threshold on the unscaled norm (0: no clipping); ``speculate``
+    False defers every update until the norm is known."""
+
+    grad_coef: float = 1.0
+    max_norm: float = 0.0
+    speculate: bool = True
+
+    @property
+    def needs_norm(self) -> bool:
+        """Some outcome other than commit is possible (clipping, or an fp16 overflow)."""
+        return self.max_norm > 0 or self.grad_coef != 1.0
+
+    def surely_rejected(self, sq_norm_so_far: float) -> bool:
+        """The squared norm of part of the gradients already decides that the step clips or overflows."""
+        if not math.isfinite(sq_norm_so_far):
+            return True
+        return self.max_norm > 0 and math.sqrt(sq_norm_so_far) * self.grad_coef + 1e-6 > self.max_norm
+
+
+class OverlappedStep:
+    """A worker thread that updates sub-groups in the order their gradients become final.
+
+    With the states on NVMe it also reads ahead: backward finishes sub-groups from the last layer to
+    the first, so while one sub-group is updated, the states of the highest-numbered one still
+    waiting are read into another buffer set (states do not depend on gradients). A guess that
+    turns out wrong costs nothing but the read; the sub-group then reads on arrival.
+    """
+
+    def __init__(self, optimizer: "OffloadOptimizer", check: StepCheck):
+        self._optimizer = optimizer
+        self.check = check
+        self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
+        self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
+        self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
+        self._error: BaseException | None = None
+        self._read_ahead: dict[int, tuple["_Staging", list[IOHandle]]] = {}  # worker only
+        self._free_sets: list["_Staging"] = list(optimizer._staging)          # worker only
+        self.sq_norms: dict[int, float] = {}   # sub-group index -> its squared gradient norm (worker only)
+        self.speculated: list[SubGroup] = []   # updated before the norm was known (worker only)
+        self.deferred: list[SubGroup] = []     # left for settle (worker only)
+        self._speculating = check.speculate
+        self._final_in_backward: set[int] = set()  # guarded by _lock
+        self.started = False  # a sub-group's gradients were final: updates with this lr have begun
+        self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
+        self._worker.start()
+
+    def slot_final(self, slot, group: SubGroup) -> None:
+        with self._lock:
+            waiting = self._waiting.get(group.index)
+            if waiting is None:
+                return
+            waiting.discard(slot.index)
+            if waiting:
+                return
+            del self._waiting[group.index]
+            self._final_in_backward.add(group.index)
+        self.started = True
+        self._ready.put(group)
+
+    def finish(self) -> int:
+        """Hand over the sub-groups still waiting (parameters that got no gradient) and wait for the worker;
+        returns how many sub-groups became final during backward and were updated without waiting for the
+        norm."""
+        groups = self._optimizer.layout.sub_groups
+        with self._lock:
+            left, self._waiting = sorted(self._waiting), {}
+            final_in_backward = set(self._final_in_backward)
+        for index in left:
+            self._ready.put(groups[index])
+        self._ready.put(None)
+        self._worker.join()
+        if self._error is not None:
+            raise self._error
+        return sum(1 for group in self.speculated if group.index in final_in_backward)
+
+    def cancel(self) -> None:
+        """Stop the worker before any sub-group was handed to it (its reads ahead land first)."""
+        assert not self.started, "an overlapped step whose updates began cannot be cancelled"
+        self._ready.put(None)
+        self._worker.join()
+        if self._error is not None:
+            raise self._error
+
+    def sq_norm(self) -> float:
+        """The squared gradient norm of this rank's sub-groups, summed in sub-group order (after finish)."""
+        return sum(self.sq_norms[g.index] for g in self._optimizer.layout.sub_groups)
+
+    # -- the worker -------------------------------------------------------------
+    def _run(self) -> None:
+        self._guarded(self._read_next_ahead)
+        while (group := self._ready.get()) is not None:
+            if self._error is not None:
+                continue  # drain; finish() raises the first error
+            self._guarded(lambda: self._arrive(group))
+        for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
+            for handle in reads:
+                self._guarded(handle.wait)
+        self._read_ahead.clear()
+
+    def _arrive(self, group: SubGroup) -> None:
+        self.sq_norms[group.index] = self._optimizer.sub_group_sq_norm(group)
+        if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
+            self._speculating = False  # the step will clip or overflow: updating more would only be undone
+            logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "
+                         "the rest wait for it", len(self.sq_norms))
+        if not self._speculating or not self._optimizer.can_undo(group, self.check):
+            self.deferred.append(group)
+            return
+        self._update(group)
+        self.speculated.append(group)
+
+    def _guarded(self, action) -> None:
+        try:
+            action()
+        except BaseException as err:  # handed to the main thread by finish()
+            self._error = self._error or err
+
+    def _update(self, group: SubGroup) -> None:
+        optimizer = self._optimizer
+        if optimizer.in_memory(group):
+            optimizer.update_in_memory(group, self.check)
+            return
+        entry = self._read_ahead.pop(group.index, None)
+        if entry is None:
+            if not self._free_sets:  # every set holds a wrong guess: give the oldest back
+                _, (staging, reads) = self._read_ahead.popitem()
+                for handle in reads:
+                    handle.wait()
+                self._free_sets.append(staging)
+            staging = self._take_set()
+            reads = optimizer._read_states(group, staging)
+        else:
+            staging, reads = entry
+        for handle in reads:
+            handle.wait()
+        optimizer.update_staged(group, staging, self.check)
+        self._free_sets.append(staging)
+        self._read_next_ahead()
+
+    def _read_next_ahead(self) -> None:
+        """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
+
+        The reads are not urgent: they queue behind the parameter reads that compute waits for."""
+        if not self._speculating:
+            return  # deferred sub-groups are read when the norm is known
+        groups = self._optimizer.layout.sub_groups
+        with self._lock:
+            candidates = [i for i in sorted(self._waiting, reverse=True)
+                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
+        for index in candidates:
+            if len(self._free_sets) < 2:
+                return
+            group = self._optimizer.layout.sub_groups[index]
+            staging = self._take_set()
+            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False))
+
+    def _take_set(self) -> "_Staging":
+        staging = self._free_sets.pop(0)
+        staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
+        return staging
