@@ -33,9 +33,9 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-import infinity  # noqa: E402
-from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
+from infinity.models.gpt import GPTConfig, count_params  # noqa: E402
 from infinity.storage.bench import check_free_space, measure_nvme  # noqa: E402
+from bench_overlap import build  # noqa: E402  (the same model on meta, seeded, initialized by the engine)
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 
@@ -52,13 +52,6 @@ def engine_config(nvme_path: str, args, state_dtype: str) -> dict:
         "zero_optimization": {"stage": 3, "offload_param": param, "offload_optimizer": optimizer,
                               "sub_group_size": args.sub_group_size, "overlap_step_with_backward": args.overlap},
     }
-
-
-def build(cfg: GPTConfig, config: dict):
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return infinity.initialize(model, config)
 
 
 def one_step(engine, batch) -> tuple[float, dict]:

@@ -162,6 +162,20 @@ def engine_train(model: nn.Module, config: dict, batches, *, steps: int, accum: 
     return losses, state, metrics
 
 
+def train_batches(engine, batches, *, rank: int = 0, world_size: int = 1) -> list[float]:
+    """One micro-batch and one step per batch, on this rank's slice of it: the global-mean losses."""
+    losses = []
+    for batch in batches:
+        loss = engine(*rank_slice(batch, rank, world_size))
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().reshape(1)
+        if world_size > 1:
+            engine.comm.all_reduce_sum(value)
+        losses.append(value.item() / world_size)
+    return losses
+
+
 def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None):
     """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
     placement. ``setup(engine)`` runs before the first step (to make copies late, say)."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, rank_slice, run_ranks
+from helpers import TinyGPT, engine_config, gpt_batches, run_ranks, train_batches
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,15 +27,7 @@ def _setup(nvme: str, state_dtype: str):
 
 
 def _train(engine, batches, rank: int, world_size: int) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = engine(*rank_slice(batch, rank, world_size))
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().reshape(1)
-        engine.comm.all_reduce_sum(value)
-        losses.append(value.item() / world_size)
-    return losses
+    return train_batches(engine, batches, rank=rank, world_size=world_size)
 
 
 def _two_ranks(rank, world_size, save_dir):

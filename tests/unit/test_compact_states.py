@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches
+from helpers import TinyGPT, engine_config, gpt_batches, train_batches
 from infinity import kernels
 from infinity.config import InfinityConfig
 from infinity.estimate import estimate
@@ -44,13 +44,7 @@ def _states(engine) -> dict:
 
 
 def _train(engine, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_batches(engine, batches)
 
 
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])

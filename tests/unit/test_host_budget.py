@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, engine_train, gpt_batches
+from helpers import TinyGPT, engine_config, engine_train, gpt_batches, train_batches
 from infinity.host_budget import (MAX_STAGED_SUB_GROUP_NUMEL, parse_host_memory, resolve_host_budget,
                                   staged_sub_group_numel)
 
@@ -60,12 +60,7 @@ def _config(tmp_path, budget=None, *, optimizer_in_cpu=None, sub_group_size=3000
 def _run(model, batches, config):
     engine = infinity.initialize(copy.deepcopy(model), config)
     try:
-        losses = []
-        for batch in batches:
-            loss = engine(*batch)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_batches(engine, batches)
         return losses, engine.full_state_dict(), engine.step_metrics(), engine.optimizer.resident_numel, engine
     finally:
         engine.close()
