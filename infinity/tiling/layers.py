@@ -54,7 +54,22 @@ def _unsupported_embedding_options(embedding: nn.Embedding) -> str:
 # --------------------------------------------------------------------------- tiled layers
 
 
-class TiledLinear(nn.Module):
+class _TiledModule(nn.Module):
+    """A layer split into tiles: reading one of its split tensors (``split_tensors``) says why there is none."""
+
+    split_tensors = ("weight", "bias")
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in self.split_tensors:
+                raise _no_single_tensor(self, name) from None
+            raise
+
+
+
+class TiledLinear(_TiledModule):
     """``nn.Linear(in_features, out_features, bias)`` split into
     ``out_splits x in_splits`` tiles, ``tiles[j][i]`` holding
     ``weight[rows_j, cols_i]`` (and ``bias[rows_j]`` when ``i == 0``).
@@ -171,14 +186,6 @@ class TiledLinear(nn.Module):
         """A dense ``nn.Linear`` holding a copy of the assembled weights."""
         return _dense_linear(self, self.tensor_map(), self.in_features, self.out_features)
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("weight", "bias"):
-                raise _no_single_tensor(self, name) from None
-            raise
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
@@ -186,7 +193,7 @@ class TiledLinear(nn.Module):
         )
 
 
-class TiledEmbedding(nn.Module):
+class TiledEmbedding(_TiledModule):
     """``nn.Embedding(num_embeddings, embedding_dim, padding_idx)`` split by
     vocabulary rows into ``splits`` tiles (sizes as in ``torch.tensor_split``).
 
@@ -202,6 +209,8 @@ class TiledEmbedding(nn.Module):
     which the model calls its embedding a second time (``infinity.models.gpt``).
     :meth:`as_head` gives the same head as a separate module.
     """
+
+    split_tensors = ("weight",)
 
     def __init__(
         self,
@@ -301,20 +310,12 @@ class TiledEmbedding(nn.Module):
         dense.weight = nn.Parameter(tensor.assemble(self.state_dict()), requires_grad=first.requires_grad)
         return dense
 
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "weight":
-                raise _no_single_tensor(self, name) from None
-            raise
-
     def extra_repr(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
         return f"{self.num_embeddings}, {self.embedding_dim}, splits={self.splits}{pad}"
 
 
-class TiledTiedHead(nn.Module):
+class TiledTiedHead(_TiledModule):
     """An output head whose weight is tied to a :class:`TiledEmbedding`:
     ``logits = x @ W^T (+ bias)`` with ``W`` the embedding's table.
 
@@ -405,14 +406,6 @@ class TiledTiedHead(nn.Module):
     def to_dense(self) -> nn.Linear:
         """A dense, untied ``nn.Linear`` holding a copy of the assembled weights."""
         return _dense_linear(self, self.tensor_map(), self.in_features, self.out_features)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("weight", "bias"):
-                raise _no_single_tensor(self, name) from None
-            raise
 
     def extra_repr(self) -> str:
         return (
