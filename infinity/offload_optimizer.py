@@ -229,10 +229,7 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
-        self._apply(grad_coef, self.layout.sub_groups)
-
-    def _apply(self, grad_coef: float, groups: list[SubGroup]) -> None:
-        """Update ``groups`` with the gradients scaled by ``grad_coef`` (this step's count already taken)."""
+        groups = self.layout.sub_groups
         if grad_coef != 1.0:
             self._grads.wait_all().mul_(grad_coef)
         self._update_pipelined([g for g in groups if not self.in_memory(g)], [g for g in groups if self.in_memory(g)])
@@ -395,7 +392,7 @@ class OffloadOptimizer:
         if not skipped and grad_coef == overlap.check.grad_coef:
             if overlap.check.needs_norm:  # its swapped sub-groups were written to their other side
                 self._side.symmetric_difference_update(g.index for g in overlap.speculated if not self.in_memory(g))
-            self._apply(grad_coef, overlap.deferred)
+            self._update_after_norm(overlap, overlap.deferred, grad_coef)
             return "committed"
         # The new states were never published: a swapped sub-group's old states are still under its
         # current keys, and in-memory ones come back from the undo buffer.
@@ -409,12 +406,21 @@ class OffloadOptimizer:
                         self.rollbacks)
         if skipped:
             self.step_count -= 1
+            overlap.release_read_ahead()  # _restore_compute reads into a staging set
             for group in overlap.speculated:
                 self._restore_compute(group)
             self.finish_compute_copies()
             return "skipped"
-        self._apply(grad_coef, self.layout.sub_groups)
+        self._update_after_norm(overlap, self.layout.sub_groups, grad_coef)
         return "redone"
+
+    def _update_after_norm(self, overlap: OverlappedStep, groups: list[SubGroup], grad_coef: float) -> None:
+        """The settled step's remaining updates; nothing is undone any more, so the slices are scaled in place
+        (as the step after backward scales them)."""
+        if grad_coef != 1.0:
+            self._grads.wait_all().mul_(grad_coef)
+        overlap.update_after_norm(groups)
+        self.finish_compute_copies()
 
     def cancel_overlapped_step(self) -> None:
         """Take back an overlapped step no gradient reached (its forward ran, its backward did not)."""

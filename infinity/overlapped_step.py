@@ -92,6 +92,7 @@ class OverlappedStep:
         self.deferred: list[SubGroup] = []     # left for settle (worker only)
         self._speculating = check.speculate
         self._final_in_backward: set[int] = set()  # guarded by _lock
+        self._after_norm: list[SubGroup] = []      # update_after_norm's queue (caller's thread, worker ended)
         self.started = False  # a sub-group's gradients were final: updates with this lr have begun
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._worker.start()
@@ -130,8 +131,27 @@ class OverlappedStep:
         assert not self.started, "an overlapped step whose updates began cannot be cancelled"
         self._ready.put(None)
         self._worker.join()
+        self.release_read_ahead()
         if self._error is not None:
             raise self._error
+
+    def update_after_norm(self, groups: list[SubGroup]) -> None:
+        """After finish(), on the caller's thread, once the gradients carry their final coefficient: update
+        ``groups``. Those whose states were read ahead during backward go first; the others are read into
+        the sets as they free up, the next ones ahead of the one being updated."""
+        self.check = StepCheck()  # nothing left to undo: current keys, no undo copy, the slices as they are
+        staged = [g for g in groups if g.index in self._read_ahead]
+        self._after_norm = staged + [g for g in groups if g.index not in self._read_ahead]
+        while self._after_norm:
+            self._update(self._after_norm.pop(0))
+        self.release_read_ahead()
+
+    def release_read_ahead(self) -> None:
+        """Let the reads of states no update will use land (their sets are reused next step)."""
+        reads_ahead, self._read_ahead = self._read_ahead, {}
+        for _, reads in reads_ahead.values():
+            for handle in reads:
+                handle.wait()
 
     def sq_norm(self) -> float:
         """The squared gradient norm of this rank's sub-groups, summed in sub-group order (after finish)."""
@@ -144,10 +164,8 @@ class OverlappedStep:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
             self._guarded(lambda: self._arrive(group))
-        for staging, reads in self._read_ahead.values():  # guesses never used: let the reads land
-            for handle in reads:
-                self._guarded(handle.wait)
-        self._read_ahead.clear()
+        # States read ahead for deferred sub-groups stay staged for update_after_norm (release_read_ahead
+        # lets them land when the step is skipped).
 
     def _arrive(self, group: SubGroup) -> None:
         self.sq_norms[group.index] = self._optimizer.sub_group_sq_norm(group)
@@ -155,6 +173,7 @@ class OverlappedStep:
             self._speculating = False  # the step will clip or overflow: updating more would only be undone
             logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "
                          "the rest wait for it", len(self.sq_norms))
+            self._read_next_ahead()  # no set is needed for updates now: fill them all
         if not self._speculating or not self._optimizer.can_undo(group, self.check):
             self.deferred.append(group)
             return
@@ -190,17 +209,21 @@ class OverlappedStep:
         self._read_next_ahead()
 
     def _read_next_ahead(self) -> None:
-        """Guess as far ahead as the free sets allow, keeping one free for a sub-group not guessed.
+        """Read ahead as far as the free sets allow: during backward the sub-groups still waiting, highest
+        first (the order backward finishes them), after the norm the queue. While updates run during backward
+        one set stays free for a sub-group not guessed; a step whose updates wait for the norm fills them all.
 
         The reads are not urgent: they queue behind the parameter reads that compute waits for."""
-        if not self._speculating:
-            return  # deferred sub-groups are read when the norm is known
         groups = self._optimizer.layout.sub_groups
-        with self._lock:
-            candidates = [i for i in sorted(self._waiting, reverse=True)
-                          if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
+        if self._after_norm:
+            candidates = [g.index for g in self._after_norm]
+        else:
+            with self._lock:
+                candidates = sorted(self._waiting, reverse=True)
+        candidates = [i for i in candidates if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
+        keep_free = 1 if self._speculating and not self._after_norm else 0
         for index in candidates:
-            if len(self._free_sets) < 2:
+            if len(self._free_sets) <= keep_free:
                 return
             group = self._optimizer.layout.sub_groups[index]
             staging = self._take_set()
