@@ -21,9 +21,8 @@ Speculating costs a wasted update when the step then clips, so a step that
 follows a clipped or overflowing one does not speculate (its updates are
 *deferred* until the norm is known; their states are read ahead during
 backward into every staging set, so they update the moment it is), and a step
-stops speculating as soon as
-the squared norm of the sub-groups seen so far already exceeds the clipping
-threshold. Every sub-group's squared gradient norm is taken here, as it
+stops speculating as soon as the squared norm of the sub-groups seen so far
+already exceeds the clipping threshold. Every sub-group's squared gradient norm is taken here, as it
 becomes final, so the global norm costs no pass over the gradients after
 backward; the non-overlapped step sums the same per-sub-group terms in the
 same order, which keeps the two bitwise equal.
