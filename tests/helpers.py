@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import random
 import socket
@@ -143,18 +144,13 @@ def engine_train(model: nn.Module, config: dict, batches, *, steps: int, accum: 
     """The engine on this rank's slice of each batch: the global-mean losses and the full state dict."""
     import infinity
 
+    micro_batches = list(itertools.islice(batches, steps * accum))
+    if len(micro_batches) < steps * accum:
+        raise ValueError(f"{steps} steps x {accum} micro-batches need {steps * accum} batches, got {len(micro_batches)}")
     engine = infinity.initialize(copy.deepcopy(model), config)
-    losses = []
-    it = iter(batches)
     try:
-        for _ in range(steps):
-            for _ in range(accum):
-                loss = engine(*rank_slice(next(it), rank, world_size))
-                engine.backward(loss)
-                engine.step()
-                value = loss.detach().float().reshape(1)
-                engine.comm.all_reduce_sum(value)
-                losses.append(value.item() / world_size)
+        # one step() per micro-batch: the engine's step is a no-op between accumulation boundaries
+        losses = train_batches(engine, micro_batches, rank=rank, world_size=world_size)
         state = engine.full_state_dict()
         metrics = engine.step_metrics()
     finally:
