@@ -166,7 +166,7 @@ class Engine:
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
         self._global_grad_norm: float | None = None
-        self._last_step_outcome = "clean"  # "rejected" when the last step clipped or overflowed
+        self._last_step_rejected = False  # the last step clipped or overflowed
         self._apply_lr_schedule()
 
     def _overlap_allowed(self) -> bool:
@@ -338,7 +338,7 @@ class Engine:
         follows one which clipped or overflowed likely does too, and waits for the norm instead."""
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
-                         speculate=self._last_step_outcome != "rejected")
+                         speculate=not self._last_step_rejected)
 
     def _cancel_unused_overlap(self) -> None:
         """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
@@ -373,7 +373,7 @@ class Engine:
         if overlapped:
             self._metrics["sub_groups_during_backward"] = self.optimizer.finish_backward_updates()
         coef, skipped, clipped = self._gradient_coef()
-        self._last_step_outcome = "rejected" if skipped or clipped else "clean"
+        self._last_step_rejected = skipped or clipped
         if overlapped:
             self._metrics["overlapped_step"] = self.optimizer.settle_overlapped_step(coef, skipped)
             self._metrics["rollbacks"] = self.optimizer.rollbacks

@@ -229,10 +229,9 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
-        groups = self.layout.sub_groups
         if grad_coef != 1.0:
             self._grads.wait_all().mul_(grad_coef)
-        self._update_pipelined([g for g in groups if not self.in_memory(g)], [g for g in groups if self.in_memory(g)])
+        self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)])
         self.finish_compute_copies()
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
