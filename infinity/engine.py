@@ -116,7 +116,8 @@ class Engine:
         self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
                                    {id(by_name[s.name]): s.index for s in layout.slots},
                                    grad_dtype=grad_dtype, compute_dtype=self.dtype)
-        self.overlap_step = self._overlap_allowed()
+        # Exact with clipping and fp16 too: those steps speculate and are settled once the norm is known.
+        self.overlap_step = zero.overlap_step_with_backward
         self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
                                           self.copies, nvme_path=zero.offload_optimizer.nvme_path,
                                           pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
@@ -168,11 +169,6 @@ class Engine:
         self._global_grad_norm: float | None = None
         self._last_step_rejected = False  # the last step clipped or overflowed
         self._apply_lr_schedule()
-
-    def _overlap_allowed(self) -> bool:
-        """Overlapping the step with backward stays exact with clipping and fp16 too: those steps speculate and
-        are settled once the norm is known (see :mod:`infinity.overlapped_step`)."""
-        return self.config.zero.overlap_step_with_backward
 
     def _step_may_be_undone(self) -> bool:
         """Clipping or fp16 loss scaling can reject a step's speculative updates."""

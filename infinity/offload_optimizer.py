@@ -101,8 +101,8 @@ class OffloadOptimizer:
         self._write_in_place = placement.compute_shard_in_optimizer_memory
         # new compute shards that cross between memories are staged in host buffers pinned like the gradients
         self._scratch_pinned = placement.grads.pinned and not self._write_in_place
-        memory_tier = "device" if self.tier == "device" else "host"
-        self._memory_tier = memory_tier
+        self._memory_tier = "device" if self.tier == "device" else "host"
+        """Where the states in memory rest (host memory for NVMe's sub-groups kept within the budget)."""
         self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state_layout tensor
         self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
         self._block_offset: dict[int, int] = {}     # sub-group index -> its first block in the scale tensors (int8)
@@ -130,7 +130,7 @@ class OffloadOptimizer:
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
-            self._allocate_memory_states(memory_tier, layout.sub_groups)
+            self._allocate_memory_states(self._memory_tier, layout.sub_groups)
         self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         if step_undo:
@@ -455,19 +455,15 @@ class OffloadOptimizer:
         if not self._states:
             return
         nbytes = sum(t.numel() * t.element_size() for t in self._states.values())
-        room = self._tiers.stats[self._state_memory_tier].room_nbytes()
+        room = self._tiers.stats[self._memory_tier].room_nbytes()
         if room is not None and room < nbytes:
             logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
-                        "states; their updates wait for the global norm", self._state_memory_tier)
+                        "states; their updates wait for the global norm", self._memory_tier)
             return
-        self._undo = {name: self._tiers.empty(self._state_memory_tier, t.numel(), t.dtype)
+        self._undo = {name: self._tiers.empty(self._memory_tier, t.numel(), t.dtype)
                       for name, t in self._states.items()}
         logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
-                    nbytes / 2**20, self._state_memory_tier)
-
-    @property
-    def _state_memory_tier(self) -> str:
-        return "host" if self.tier == "nvme" else self._memory_tier
+                    nbytes / 2**20, self._memory_tier)
 
     def _restore_undo(self, group: SubGroup) -> None:
         undo = self._memory_states(group, self._undo)
@@ -659,7 +655,7 @@ class OffloadOptimizer:
             self._tiers.free("host", staging.compute)
         self._staging.clear()
         for tensor in self._states.values():
-            self._tiers.free("host" if self.tier == "nvme" else self._memory_tier, tensor)
+            self._tiers.free(self._memory_tier, tensor)
         self._states.clear()
         if self._host_scratch is not None:
             self._tiers.free("host", self._host_scratch)
@@ -671,7 +667,7 @@ class OffloadOptimizer:
             self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
             self._grad_scratch = None
         for tensor in self._undo.values():
-            self._tiers.free(self._state_memory_tier, tensor)
+            self._tiers.free(self._memory_tier, tensor)
         self._undo.clear()
 
 
