@@ -297,17 +297,13 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
     largest_sub_group = max(sub_groups, default=0)
     reserve = transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes) + largest_sub_group * cbytes
 
-    def charged() -> int:  # what the budget is charged: host memory, and device memory where it is host memory
-        device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
-        return sum(tiers["host"].values()) + device
-
     if offload_param == "nvme":
-        excess = max(0, charged() + reserve - budget)
+        excess = max(0, _charged_to_host_budget(tiers, gpu=gpu) + reserve - budget)
         back = min(tiers["host"]["compute_shard"], _round_up(excess, cbytes))
         tiers["host"]["compute_shard"] -= back
         tiers["nvme"]["compute_shard"] += back
     if offload_optimizer == "nvme" and optimizer_max_in_cpu != 0:
-        room = budget - charged() - reserve
+        room = budget - _charged_to_host_budget(tiers, gpu=gpu) - reserve
         kept = kept_nbytes = 0
         for numel in (reversed(sub_groups) if overlap_step else sub_groups):
             nbytes = state_nbytes(state_dtype, numel)
@@ -325,14 +321,17 @@ def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, optim_memory: 
     """What undoing a speculative step needs (``infinity.overlapped_step``): the other side of every swapped
     sub-group's state keys, and one copy of the states in memory when the budget has room for it."""
     tiers["nvme"]["step_undo"] += tiers["nvme"]["master"] + tiers["nvme"]["moments"]
-    memory_tier = "host" if optim_memory == "host" else "device"
-    in_memory = tiers[memory_tier]["master"] + tiers[memory_tier]["moments"]
-    charged_to_host = memory_tier == "host" or not gpu
-    if budget is not None and charged_to_host:
-        device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
-        if sum(tiers["host"].values()) + device + in_memory > budget:
-            return  # no room: those sub-groups wait for the norm instead
-    tiers[memory_tier]["step_undo"] += in_memory
+    in_memory = tiers[optim_memory]["master"] + tiers[optim_memory]["moments"]
+    charged_to_host = optim_memory == "host" or not gpu
+    if budget is not None and charged_to_host and _charged_to_host_budget(tiers, gpu=gpu) + in_memory > budget:
+        return  # no room: those sub-groups wait for the norm instead
+    tiers[optim_memory]["step_undo"] += in_memory
+
+
+def _charged_to_host_budget(tiers: dict, *, gpu: bool) -> int:
+    """What the host-memory budget is charged: host memory, and device memory where the device is the host."""
+    device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
+    return sum(tiers["host"].values()) + device
 
 
 def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:
