@@ -92,7 +92,6 @@ class OverlappedStep:
         self.speculated: list[SubGroup] = []   # updated before the norm was known (worker only)
         self.deferred: list[SubGroup] = []     # left for settle (worker only)
         self._speculating = check.speculate
-        self._final_in_backward: set[int] = set()  # guarded by _lock
         self._after_norm: list[SubGroup] = []      # update_after_norm's queue (caller's thread, worker ended)
         self.started = False  # a sub-group's gradients were final: updates with this lr have begun
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
@@ -107,7 +106,6 @@ class OverlappedStep:
             if waiting:
                 return
             del self._waiting[group.index]
-            self._final_in_backward.add(group.index)
         self.started = True
         self._ready.put(group)
 
@@ -118,14 +116,13 @@ class OverlappedStep:
         groups = self._optimizer.layout.sub_groups
         with self._lock:
             left, self._waiting = sorted(self._waiting), {}
-            final_in_backward = set(self._final_in_backward)
         for index in left:
             self._ready.put(groups[index])
         self._ready.put(None)
         self._worker.join()
         if self._error is not None:
             raise self._error
-        return sum(1 for group in self.speculated if group.index in final_in_backward)
+        return sum(1 for group in self.speculated if group.index not in left)
 
     def cancel(self) -> None:
         """Stop the worker before any sub-group was handed to it (its reads ahead land first)."""
