@@ -187,7 +187,7 @@ class Engine:
                            buffer_size, largest, largest)
             buffer_size = largest
         return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
-                              stats=self.tiers.stats["host"])
+                              stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
 
     def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
         """Shard every parameter's initial values into its tiers, one module at a time.

@@ -70,7 +70,7 @@ class GradReducer:
         elif self.route is GradRoute.HOST_RING:
             slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
             self._ring = HostBufferPool(RING_SLICES * max(slice_nbytes, 4096), pin=placement.grads.pinned,
-                                        stats=tiers.stats["host"])
+                                        stats=tiers.stats["host"], pinner=tiers.pinner)
             self._adder = _HostAdder(copies, self._ring)
         logger.debug("gradient route: %s", self.route.value)
 

@@ -16,7 +16,8 @@ import torch
 
 from infinity.config import InfinityConfig
 from infinity.placement import Placement
-from infinity.storage import AsyncIO, SwapStore, TierStats, aligned_empty
+from infinity.storage import AsyncIO, BackgroundPinner, SwapStore, TierStats, aligned_empty
+from infinity.storage.pinning import Pinner
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
     def __init__(self, config: InfinityConfig, placement: Placement, timeline=None, *,
-                 host_budget_nbytes: int | None = None):
+                 host_budget_nbytes: int | None = None, pinner: Pinner | None = None):
         self.placement = placement
         self.device = placement.device
         self._timeline = timeline
@@ -36,6 +37,9 @@ class Tiers:
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
         self._aio = config.aio
+        # Pinned host buffers are registered behind initialize and the first steps (~0.3 s a GB otherwise spent
+        # in initialize); until a buffer's turn, its copies are synchronous, which is slower but just as correct.
+        self.pinner = pinner if pinner is not None else _background_pinner(placement)
 
     # -- memory ---------------------------------------------------------------
     def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
@@ -47,7 +51,7 @@ class Tiers:
         if tier == "device" and self.placement.distinct:
             return torch.empty(numel, dtype=dtype, device=self.device)
         # Host tensors are aligned so that they can go to NVMe without a bounce.
-        return aligned_empty(numel, dtype, pin=pinned and tier == "host")
+        return aligned_empty(numel, dtype, pin=pinned and tier == "host", pinner=self.pinner)
 
     def free(self, tier: str, tensor: torch.Tensor) -> None:
         self.stats[tier].free(tensor.numel() * tensor.element_size())
@@ -86,12 +90,22 @@ class Tiers:
         return out
 
     def close(self) -> None:
+        if isinstance(self.pinner, BackgroundPinner):
+            self.pinner.close()  # the buffers still queued are about to be freed: not worth pinning
         for store in self._stores.values():
             store.close()
         self._stores.clear()
         if self._io is not None:
             self._io.close()
             self._io = None
+
+
+def _background_pinner(placement: Placement) -> BackgroundPinner | None:
+    """A pinner for this run's pinned buffers, or None where nothing is pinned (no GPU, or pinning off)."""
+    if placement.device.type != "cuda" or not (placement.compute_shard.pinned or placement.grads.pinned):
+        return None
+    index = placement.device.index
+    return BackgroundPinner(device_index=torch.cuda.current_device() if index is None else index)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -4,6 +4,7 @@
   Its parts: :mod:`.aio_core` (the request queue), :mod:`.aio_libaio` and :mod:`.aio_threads` (the two
   backends), :mod:`.aio_request` (one request, ``io_error``).
 - :mod:`.buffers`: :func:`aligned_empty` and :class:`HostBufferPool`, aligned (pinned on CUDA) host memory.
+- :mod:`.pinning`: :class:`BackgroundPinner`, page-locking buffers on a thread of its own.
 - :mod:`.swap_store`: :class:`SwapStore`, tensors by key in files under a private directory.
 - :mod:`.extents`: where a key's bytes live in a swap file.
 - :mod:`.stats`: :class:`TierStats`, live/peak bytes, bytes moved and time waited per tier.
@@ -15,12 +16,14 @@ it knows nothing of models, parameters or ``torch.distributed``.
 
 from .aio import AsyncIO, IOHandle, libaio_unavailable_reason
 from .buffers import ALIGNMENT, HostBufferPool, aligned_empty
+from .pinning import BackgroundPinner
 from .stats import TierStats
 from .swap_store import DirectIOUnsupported, SwapStore
 
 __all__ = [
     "ALIGNMENT",
     "AsyncIO",
+    "BackgroundPinner",
     "DirectIOUnsupported",
     "HostBufferPool",
     "IOHandle",

@@ -14,10 +14,10 @@ import logging
 import mmap
 import threading
 import time
-import weakref
 
 import torch
 
+from .pinning import ImmediatePinner, Pinner
 from .stats import TierStats, format_nbytes
 
 logger = logging.getLogger(__name__)
@@ -47,25 +47,18 @@ def pinning_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _pin(mapping: _Mapping, ptr: int, nbytes: int) -> None:
-    """Page-lock ``[ptr, ptr + nbytes)`` for CUDA; unregistered when the mapping dies."""
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(ptr, nbytes, 0)  # 0 = cudaHostRegisterDefault
-    if int(err) != 0:
-        raise MemoryError(f"cudaHostRegister of {nbytes} bytes ({format_nbytes(nbytes)}) failed with CUDA error {int(err)}")
-    # Weak-reference callbacks run before the mapping is unmapped.
-    weakref.finalize(mapping, cudart.cudaHostUnregister, ptr)
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pages: bool = True) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pages: bool = True,
+                  pinner: Pinner | None = None) -> torch.Tensor:
     """A 1-D uninitialized tensor whose ``data_ptr()`` is 4096-aligned.
 
     The underlying allocation is ``numel * itemsize`` rounded up to a multiple
     of 4096 bytes (at least 4096), so a direct transfer of the rounded size
     never leaves the allocation. With ``pin=True`` and CUDA available the
     allocation is page-locked for fast, asynchronous host-to-device copies;
-    without CUDA ``pin`` is ignored (logged once). ``huge_pages=False`` keeps
-    the allocation on ordinary 4 KiB pages (the benchmark's control).
+    without CUDA ``pin`` is ignored (logged once). A ``pinner`` (see
+    :mod:`.pinning`) takes the registration instead, e.g. on a thread of its
+    own. ``huge_pages=False`` keeps the allocation on ordinary 4 KiB pages
+    (the benchmark's control).
     """
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
@@ -82,8 +75,10 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pag
             logger.debug("madvise(MADV_HUGEPAGE) on %d bytes failed: %s", capacity, exc)
     flat = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
     if pin:
-        if pinning_available():
-            _pin(mapping, flat.data_ptr(), capacity)
+        if pinner is not None:
+            pinner.pin(mapping, flat.data_ptr(), capacity)
+        elif pinning_available():
+            ImmediatePinner().pin(mapping, flat.data_ptr(), capacity)
         else:
             global _pin_warned
             if not _pin_warned:
@@ -104,11 +99,13 @@ class HostBufferPool:
     live plus kept bytes never pass the budget either.
     """
 
-    def __init__(self, budget_nbytes: int, *, pin: bool = False, stats: TierStats | None = None) -> None:
+    def __init__(self, budget_nbytes: int, *, pin: bool = False, stats: TierStats | None = None,
+                 pinner: Pinner | None = None) -> None:
         if budget_nbytes < 0:
             raise ValueError(f"HostBufferPool: budget_nbytes must be >= 0, got {budget_nbytes}")
         self.budget_nbytes = int(budget_nbytes)
         self.pin = pin
+        self._pinner = pinner
         self.stats = stats if stats is not None else TierStats("host", budget_nbytes)
         self._cond = threading.Condition()
         self._live_nbytes = 0
@@ -156,7 +153,7 @@ class HostBufferPool:
             self._peak_nbytes = max(self._peak_nbytes, self._live_nbytes)
         if buf is None:
             try:
-                buf = aligned_empty(rounded, torch.uint8, pin=self.pin)
+                buf = aligned_empty(rounded, torch.uint8, pin=self.pin, pinner=self._pinner)
             except BaseException:
                 with self._cond:
                     self._live_nbytes -= rounded
