@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from infinity.layout import ShardLayout, SubGroup
 from infinity.overlapped_step import OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
+from infinity.storage.stats import format_nbytes
 from infinity.tiers import Tiers
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class OffloadOptimizer:
         self._overlap: OverlappedStep | None = None
         self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
         self._undo: dict[str, torch.Tensor] = {}  # in-memory states before a speculative update (lazily made)
+        self._second_side_reserved = False   # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
@@ -440,8 +443,10 @@ class OffloadOptimizer:
     # -- speculation: undoing an update ------------------------------------------
     def can_undo(self, group: SubGroup, check: StepCheck) -> bool:
         """Whether ``group`` may be updated before ``check``'s outcome is known."""
-        if not check.needs_norm or not self.in_memory(group):
-            return True  # nothing to undo, or a swapped sub-group (its old states stay on NVMe)
+        if not check.needs_norm:
+            return True  # nothing to undo
+        if not self.in_memory(group):
+            return self._second_side_reserved  # its old states stay on NVMe while the new ones go to the other side
         return bool(self._undo)
 
     def _make_room_to_undo(self) -> None:
@@ -449,9 +454,11 @@ class OffloadOptimizer:
         keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
         room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
         what ``estimate`` says and a full disk fails here, not mid-run."""
-        for group in self.swapped_groups:
-            for spec in self._state_layout(group.numel):
-                self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
+        self._second_side_reserved = self._disk_holds_two_sides()
+        if self._second_side_reserved:
+            for group in self.swapped_groups:
+                for spec in self._state_layout(group.numel):
+                    self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
         if not self._states:
             return
         nbytes = sum(t.numel() * t.element_size() for t in self._states.values())
@@ -464,6 +471,22 @@ class OffloadOptimizer:
                       for name, t in self._states.items()}
         logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
                     nbytes / 2**20, self._memory_tier)
+
+    def _disk_holds_two_sides(self) -> bool:
+        """Whether the NVMe directory has room for both sides of the swapped states (neither is written yet),
+        with a tenth to spare for what else goes there. Without it the swapped sub-groups wait for the norm:
+        the step stays exact, only its overlap is smaller; better than a disk that fills up mid-run."""
+        if not self.swapped_groups:
+            return True
+        one_side = sum(spec.nbytes for group in self.swapped_groups for spec in self._state_layout(group.numel))
+        free = shutil.disk_usage(self._store.directory).free
+        if free >= 2.2 * one_side:
+            return True
+        logger.warning("overlapped step with clipping/fp16: %s free in %s, and undoing a speculative update on NVMe "
+                       "needs the optimizer's %s of swapped states twice (%s); swapped sub-groups wait for the global "
+                       "norm instead (the step is as exact, it overlaps less with backward)", format_nbytes(free),
+                       self._store.directory, format_nbytes(one_side), format_nbytes(2 * one_side))
+        return False
 
     def _restore_undo(self, group: SubGroup) -> None:
         undo = self._memory_states(group, self._undo)

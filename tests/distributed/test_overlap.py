@@ -104,6 +104,44 @@ def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, pa
         assert torch.equal(on_state[key], off_state[key]), key
 
 
+def test_a_disk_without_room_for_two_sides_waits_for_the_norm(tmp_path, monkeypatch, caplog):
+    """Undoing a swapped sub-group needs its states twice on NVMe. Where the disk cannot hold that, nothing
+    goes to a second side: swapped sub-groups wait for the norm (even when the policy says speculate), and the
+    results are still those of the step after backward, bit for bit."""
+    import shutil
+    from collections import namedtuple
+
+    from infinity.storage import SwapStore
+
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(12, batch=4)
+    _, _, unclipped, _ = _steps(model, batches, tmp_path, overlap=False, param="nvme", optimizer="nvme", clip=0.0)
+    clip = sorted(m["grad_norm"] for m in unclipped)[len(unclipped) // 2]
+    off_losses, off_state, _, _ = _steps(model, batches, tmp_path, overlap=False, param="nvme", optimizer="nvme",
+                                         clip=clip)
+    _speculate_always(monkeypatch)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 4096, 4096))
+    second_side = []
+    for method in ("reserve", "write"):
+        original = getattr(SwapStore, method)
+
+        def recording(self, key, *args, _original=original, **kwargs):
+            if key.endswith(".b"):
+                second_side.append(key)
+            return _original(self, key, *args, **kwargs)
+        monkeypatch.setattr(SwapStore, method, recording)
+    with caplog.at_level("WARNING", logger="infinity.offload_optimizer"):
+        on_losses, on_state, on_metrics, _ = _steps(model, batches, tmp_path, overlap=True, param="nvme",
+                                                    optimizer="nvme", clip=clip)
+    assert "swapped sub-groups wait for the global norm" in caplog.text
+    assert second_side == []
+    assert on_metrics[-1]["rollbacks"] == 0  # nothing was speculated, so nothing was undone
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
 def test_a_forward_without_backward_leaves_no_step_behind(tmp_path):
     """A boundary forward begins the overlapped step; when its loss is not back-propagated (non-finite, say),
     a checkpoint still saves the last step's state, and training goes on exactly as if it had not run."""
