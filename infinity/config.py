@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from infinity.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
+from infinity.tier_names import OFFLOAD_DEVICES, OffloadDevice
 
 logger = logging.getLogger(__name__)
 
-OffloadDevice = Literal["none", "cpu", "nvme"]
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 StateDtype = Literal["fp32", "bf16", "int8"]
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """Forms of the optimizer states (``infinity.kernels.compact``): 12, 6 and ~4.03 bytes an element."""
@@ -68,7 +67,7 @@ class AioConfig:
 class OffloadParamConfig:
     """Where compute shards rest (``zero_optimization.offload_param``)."""
 
-    device: OffloadDevice = "none"
+    device: OffloadDevice = OffloadDevice.NONE
     """``none``: device memory; ``cpu``: host memory; ``nvme``: files under ``nvme_path``."""
     nvme_path: str | None = None
     """Directory for the swap files; required when ``device`` is ``nvme``."""
@@ -84,7 +83,7 @@ class OffloadParamConfig:
     synchronous); True without a GPU is said once in the log."""
 
     def __post_init__(self):
-        _require_choice("offload_param.device", self.device, OFFLOAD_DEVICES)
+        _require_offload_device("offload_param", self)
         _require_optional_bool("offload_param.pin_memory", self.pin_memory)
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_param.device is 'nvme' but offload_param.nvme_path is not set")
@@ -97,7 +96,8 @@ class OffloadParamConfig:
 class OffloadOptimizerConfig:
     """Where the fp32 master, the moments and the gradient slices rest (``zero_optimization.offload_optimizer``)."""
 
-    device: OffloadDevice = "none"
+    device: OffloadDevice = OffloadDevice.NONE
+    """As ``offload_param.device``."""
     nvme_path: str | None = None
     buffer_count: int = 4
     """Host buffers for swapping optimizer state; at least 2 (double buffering)."""
@@ -126,7 +126,7 @@ class OffloadOptimizerConfig:
     """Write sub-group i-1 while sub-group i is updated."""
 
     def __post_init__(self):
-        _require_choice("offload_optimizer.device", self.device, OFFLOAD_DEVICES)
+        _require_offload_device("offload_optimizer", self)
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
@@ -603,6 +603,12 @@ def _require_non_negative(key: str, value) -> None:
 def _require_optional_bool(key: str, value) -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"config key {key} must be true or false, got {value!r}")
+
+
+def _require_offload_device(where: str, block) -> None:
+    """``block.device`` is one of OFFLOAD_DEVICES; held as the :class:`OffloadDevice` member (its tier is known)."""
+    _require_choice(f"{where}.device", block.device, OFFLOAD_DEVICES)
+    object.__setattr__(block, "device", OffloadDevice(block.device))
 
 
 def _require_choice(key: str, value, choices) -> None:

@@ -38,8 +38,9 @@ from infinity.commands.train_checks import (SwapLocation, check_direct_io, check
 from infinity.commands.train_estimate import _PLACEHOLDER_PATH, _with_nvme_path, estimate_for
 from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
-from infinity.estimate import OFFLOAD_CHOICES, format_bytes
+from infinity.estimate import format_bytes
 from infinity.hardware import PRECISION_CHOICES, resolve_precision
+from infinity.tier_names import OFFLOAD_DEVICES, TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ HF_MODEL_LR = 5e-5
 DEFAULT_SUB_GROUP_SIZE = 10**8
 META_BUILD_ABOVE = 10**9
 """Presets with more parameters are built on the meta device and materialized by the engine."""
-TIERS = ("device", "host", "nvme")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config; flags given override it")
-    eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
-    eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
+    eng.add_argument("--offload-param", choices=OFFLOAD_DEVICES, help="where compute shards rest (default nvme)")
+    eng.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, help="where master + moments rest (default nvme)")
     eng.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
                      help="form of master + moments in every tier: fp32 (12 B an element), bf16 (6 B), int8 "
                           "(~4.03 B) (default fp32, or the config's offload_optimizer.state_dtype)")
@@ -258,8 +258,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         block = dict(block) if isinstance(block, dict) else {}
         device = pick(flag, block.get("device"), default_offload)
         block["device"] = "none" if device is None else device
-        if block["device"] not in OFFLOAD_CHOICES:
-            raise ValueError(f"config key zero_optimization.{key}.device must be one of {', '.join(OFFLOAD_CHOICES)}, "
+        if block["device"] not in OFFLOAD_DEVICES:
+            raise ValueError(f"config key zero_optimization.{key}.device must be one of {', '.join(OFFLOAD_DEVICES)}, "
                              f"got {block['device']!r}")
         if args.nvme_path and block["device"] == "nvme":
             block["nvme_path"] = args.nvme_path
