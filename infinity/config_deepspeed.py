@@ -22,12 +22,27 @@ from infinity.config import (AioConfig, InfinityConfig, LossScaleConfig, Offload
                              OptimizerConfig, TilingConfig, TraceConfig, ZeroConfig)
 from infinity.lr_schedule import scheduler_from_deepspeed
 
-__all__ = ["translate"]
+__all__ = ["asked_precision", "translate"]
 
 
 def translate(raw: dict) -> InfinityConfig:
     """The config a DeepSpeed-style dict says (see the module's docstring)."""
     return _DeepSpeedTranslator(raw).translate()
+
+
+def asked_precision(raw: dict) -> str | None:
+    """The compute precision the ``fp16`` and ``bf16`` blocks of ``raw`` ask for, before ``"auto"`` is resolved:
+    ``"auto"`` (``bf16.enabled: "auto"``), ``"bf16"``, ``"fp16"``, ``"fp32"`` (a block is there, none enabled), or
+    None (neither block: the caller's default applies). Bad values are left to :func:`translate` to name."""
+    fp16, bf16 = raw.get("fp16"), raw.get("bf16")
+    bf16_enabled = bf16.get("enabled") if isinstance(bf16, dict) else None
+    if bf16_enabled == "auto":
+        return "auto"
+    if bf16_enabled:
+        return "bf16"
+    if isinstance(fp16, dict) and fp16.get("enabled"):
+        return "fp16"
+    return "fp32" if ("bf16" in raw or "fp16" in raw) else None
 
 
 _TOP_LEVEL_NOT_APPLICABLE = {
