@@ -19,6 +19,7 @@ import torch
 from infinity.copies import Copies
 from infinity.layout import ParamSlot, ShardLayout, SubGroup
 from infinity.placement import Memory, StatePlace
+from infinity.tier_names import Tier
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
@@ -40,7 +41,7 @@ class ComputeShards:
         self._resident: dict[int, torch.Tensor] = {}
         self._flat: torch.Tensor | None = None
         self._flat_tier = self.tier
-        if self.tier in ("device", "host"):
+        if self.tier != Tier.NVME:  # device or host: the whole flat buffer is resident
             self._flat = tiers.empty(self.tier, layout.total_numel, dtype, pinned=place.pinned)
             for slot in layout.slots:
                 self._resident[slot.index] = self._flat[slot.offset:slot.end]

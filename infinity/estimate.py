@@ -59,6 +59,8 @@ from itertools import product
 
 from infinity.host_budget import state_bytes_per_numel, state_nbytes, staged_sub_group_numel, transient_reserve_nbytes
 from infinity.layout import ALIGN_NUMEL
+from infinity.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES  # (the name this module's users know)
+from infinity.tier_names import TIER_OF_OFFLOAD, TIERS
 
 __all__ = [
     "TIERS",
@@ -73,9 +75,6 @@ __all__ = [
     "format_table",
 ]
 
-TIERS = ("device", "host", "nvme")
-OFFLOAD_CHOICES = ("none", "cpu", "nvme")
-_TIER_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
 _COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = (
     "compute_shard",
@@ -184,8 +183,8 @@ def estimate(
 
     cbytes = _COMPUTE_BYTES[precision]
     tiers: dict[str, dict[str, int]] = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
-    param_tier = _TIER_OF[offload_param]
-    optim_tier = _TIER_OF[offload_optimizer]
+    param_tier = TIER_OF_OFFLOAD[offload_param]
+    optim_tier = TIER_OF_OFFLOAD[offload_optimizer]
     optim_memory = "host" if offload_optimizer != "none" else "device"
 
     if offload_param == "nvme":

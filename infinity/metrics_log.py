@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "METRICS_FILE", "TIERS", "MetricsLog", "TensorBoardConfig", "read_metrics",
+from infinity.tier_names import TIERS
+
+__all__ = ["COLUMNS", "METRICS_FILE", "MetricsLog", "TensorBoardConfig", "read_metrics",
            "tensorboard_from_deepspeed"]
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.csv"
-TIERS = ("device", "host", "nvme")
 COLUMNS = (
     "step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_s", "exposed_io_s", "fetch_wait_s",
     *(f"{tier}_{what}" for tier in TIERS for what in ("bytes_read", "bytes_written", "peak_nbytes")),

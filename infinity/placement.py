@@ -25,21 +25,19 @@ from dataclasses import dataclass
 import torch
 
 from infinity.config import InfinityConfig
+from infinity.tier_names import Tier
 
 logger = logging.getLogger(__name__)
 
 DISTINCT_DEVICE_ENV = "INFINITY_DISTINCT_DEVICE"
 """``1``: keep device memory apart from host memory on a machine without a GPU (the test mode)."""
 
-TIER_OF_OFFLOAD = {"none": "device", "cpu": "host", "nvme": "nvme"}
-"""A config's ``offload_*.device`` value -> the tier the state rests in."""
-
 
 class Memory(str, enum.Enum):
-    """The two memories a tensor can live in."""
+    """The two memories a tensor can live in (an NVMe state is used from host memory): the tiers that are memory."""
 
-    DEVICE = "device"
-    HOST = "host"
+    DEVICE = Tier.DEVICE.value
+    HOST = Tier.HOST.value
 
 
 class GradRoute(enum.Enum):
@@ -60,7 +58,7 @@ class GradRoute(enum.Enum):
 class StatePlace:
     """One kind of state: the tier it rests in, the memory it is used from, and whether that memory is pinned."""
 
-    tier: str
+    tier: Tier
     """``device``, ``host`` or ``nvme``."""
     memory: Memory
     """Where its bytes are read and written: an NVMe state is staged through host memory."""
@@ -92,23 +90,23 @@ class Placement:
     def decide(cls, config: InfinityConfig, device: torch.device, *, distinct: bool,
                grad_accumulator_fits_device: bool = True) -> "Placement":
         zero = config.zero
-        param_tier = TIER_OF_OFFLOAD[zero.offload_param.device]
-        optimizer_tier = TIER_OF_OFFLOAD[zero.offload_optimizer.device]
+        param_tier = zero.offload_param.device.tier
+        optimizer_tier = zero.offload_optimizer.device.tier
         pin_param = _pin_decision("zero_optimization.offload_param.pin_memory", zero.offload_param.pin_memory,
                                   device, distinct)
         pin_optimizer = _pin_decision("zero_optimization.offload_optimizer.pin_memory",
                                       zero.offload_optimizer.pin_memory, device, distinct)
 
-        def place(tier: str, pinned: bool) -> StatePlace:
+        def place(tier: Tier, pinned: bool) -> StatePlace:
             if not distinct:
                 return StatePlace(tier, Memory.HOST, False)  # the device is the host: one memory
-            if tier == "device":
+            if tier == Tier.DEVICE:
                 return StatePlace(tier, Memory.DEVICE, False)
             return StatePlace(tier, Memory.HOST, pinned)
 
         optimizer_place = place(optimizer_tier, False)  # master and moments never cross: not pinned
         # gradient slices rest in memory next to the optimizer: host memory when its states are on NVMe
-        grads = place("device" if optimizer_tier == "device" else "host", pin_optimizer)
+        grads = place(Tier.DEVICE if optimizer_tier == Tier.DEVICE else Tier.HOST, pin_optimizer)
         if not distinct or grads.memory is Memory.DEVICE:
             route = GradRoute.IN_PLACE
         elif config.gradient_accumulation_steps == 1:
@@ -132,7 +130,7 @@ class Placement:
     @property
     def compute_shard_in_optimizer_memory(self) -> bool:
         """The optimizer can write new compute shards in place (no copy across memories)."""
-        return self.compute_shard.tier != "nvme" and self.compute_shard.memory is self.optimizer_memory
+        return self.compute_shard.tier != Tier.NVME and self.compute_shard.memory is self.optimizer_memory
 
     def describe(self) -> str:
         """One line for the log and the train start line."""

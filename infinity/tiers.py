@@ -18,6 +18,7 @@ from infinity.config import InfinityConfig
 from infinity.placement import Placement
 from infinity.storage import AsyncIO, BackgroundPinner, SwapStore, TierStats, aligned_empty
 from infinity.storage.pinning import Pinner
+from infinity.tier_names import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ class Tiers:
         self._timeline = timeline
         # One budget for host memory: host buffers charge it, and so do device buffers where the device is the host.
         self.host_memory = TierStats("host memory", host_budget_nbytes)
-        self.stats = {"device": TierStats("device", within=None if placement.distinct else self.host_memory),
-                      "host": TierStats("host", within=self.host_memory)}
+        self.stats = {Tier.DEVICE: TierStats("device", within=None if placement.distinct else self.host_memory),
+                      Tier.HOST: TierStats("host", within=self.host_memory)}
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
         self._aio = config.aio
@@ -48,10 +49,10 @@ class Tiers:
         ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for)."""
         nbytes = numel * _itemsize(dtype)
         self.stats[tier].allocate(nbytes)
-        if tier == "device" and self.placement.distinct:
+        if tier == Tier.DEVICE and self.placement.distinct:
             return torch.empty(numel, dtype=dtype, device=self.device)
         # Host tensors are aligned so that they can go to NVMe without a bounce.
-        return aligned_empty(numel, dtype, pin=pinned and tier == "host", pinner=self.pinner)
+        return aligned_empty(numel, dtype, pin=pinned and tier == Tier.HOST, pinner=self.pinner)
 
     def free(self, tier: str, tensor: torch.Tensor) -> None:
         self.stats[tier].free(tensor.numel() * tensor.element_size())
@@ -86,7 +87,7 @@ class Tiers:
     def snapshot(self) -> dict:
         out = {name: stats.snapshot() for name, stats in self.stats.items()}
         nvme = self.nvme_stats
-        out["nvme"] = nvme.snapshot() if nvme is not None else TierStats("nvme").snapshot()
+        out[Tier.NVME] = nvme.snapshot() if nvme is not None else TierStats("nvme").snapshot()
         return out
 
     def close(self) -> None:

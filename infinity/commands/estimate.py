@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from infinity.estimate import OFFLOAD_CHOICES, alternatives, estimate, estimate_gpt, format_table, parse_count
+from infinity.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
+from infinity.tier_names import OFFLOAD_DEVICES
 
 
 MAX_PARAMS = 10**15
@@ -31,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--params", type=_count, metavar="N", help="parameter count: 7B, 350M, 1.3e9, ...")
     model.add_argument("--preset", metavar="NAME", help="one of our GPT presets (exact layout and activations)")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
-    p.add_argument("--offload-param", choices=OFFLOAD_CHOICES, default="none", help="where compute shards rest")
-    p.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, default="none", help="where master + moments rest")
+    p.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default="none", help="where compute shards rest")
+    p.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default="none", help="where master + moments rest")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="compute precision")
     p.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="form of master + moments: fp32 (12 B an element), bf16 (6 B), int8 (~4.03 B) (default fp32)")

@@ -19,46 +19,30 @@ the config, the NVMe path, and that the disk has room for the estimated swap.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from infinity.commands import train_checkpoints, train_monitor
-from infinity.commands.train_checkpoints import (SavePolicy, engine_has_checkpoints, save, stop_on_nonfinite,
-                                                 stop_on_signal)
-from infinity.commands.train_checks import (SwapLocation, check_direct_io, check_memory, check_model_file,
-                                            check_nvme_room, check_output_folder, check_writable, config_number,
-                                            default_swap_location, finite_positive, read_config_file)
-from infinity.commands.train_estimate import _PLACEHOLDER_PATH, _with_nvme_path, estimate_for
+from infinity.commands.train_checkpoints import engine_has_checkpoints, save, stop_on_nonfinite, stop_on_signal
+from infinity.commands.train_checks import check_memory, check_nvme_room
+from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
+from infinity.commands.train_estimate import estimate_for
+from infinity.commands.train_monitor import peak_rss_bytes, print_summary
+from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
+                                          DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
+                                          make_plan, with_swap_folder)
 from infinity.commands.train_signals import Cleanup, GracefulStop
-from infinity.commands.train_monitor import MonitorPlan, peak_rss_bytes, print_summary
-from infinity.estimate import OFFLOAD_CHOICES, format_bytes
-from infinity.hardware import PRECISION_CHOICES, resolve_precision
+from infinity.estimate import format_bytes
+from infinity.hardware import PRECISION_CHOICES
+from infinity.tier_names import OFFLOAD_DEVICES, TIERS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 200
-DEFAULT_MICRO_BATCH = 8
-DEFAULT_LR = 2e-3
-"""Peak learning rate of the default preset; other presets have theirs in PRESET_LR."""
-PRESET_LR = {
-    "tiny": 3e-3, "small": DEFAULT_LR, "10m": 1e-3, "50m": 8e-4,
-    # GPT-3's (Brown et al. 2020, table 2.1) from 125m up
-    "125m": 6e-4, "350m": 3e-4, "760m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4, "6.7b": 1.2e-4, "13b": 1e-4,
-}
-MODEL_FILE_LR = 3e-4
-HF_MODEL_LR = 5e-5
-"""Fine-tuning a pretrained model (--hf-model): Hugging Face's Trainer default."""
-DEFAULT_SUB_GROUP_SIZE = 10**8
 META_BUILD_ABOVE = 10**9
 """Presets with more parameters are built on the meta device and materialized by the engine."""
-TIERS = ("device", "host", "nvme")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,8 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config; flags given override it")
-    eng.add_argument("--offload-param", choices=OFFLOAD_CHOICES, help="where compute shards rest (default nvme)")
-    eng.add_argument("--offload-optimizer", choices=OFFLOAD_CHOICES, help="where master + moments rest (default nvme)")
+    eng.add_argument("--offload-param", choices=OFFLOAD_DEVICES, help="where compute shards rest (default nvme)")
+    eng.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, help="where master + moments rest (default nvme)")
     eng.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
                      help="form of master + moments in every tier: fp32 (12 B an element), bf16 (6 B), int8 "
                           "(~4.03 B) (default fp32, or the config's offload_optimizer.state_dtype)")
@@ -115,249 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     train_monitor.add_arguments(p)
 
 
-# --------------------------------------------------------------------------- the plan
-
-
-@dataclass
-class Plan:
-    """Everything decided and checked before any work."""
-
-    ds_config: dict
-    steps: int
-    micro_batch: int
-    grad_accum: int
-    seq_len: int
-    lr: float
-    min_lr: float
-    warmup: int
-    precision: str
-    offload_param: str
-    offload_optimizer: str
-    nvme_path: str | None
-    nvme_is_temporary: bool
-    preset: str | None
-    model_file: str | None
-    rank: int
-    world_size: int
-    local_world_size: int
-    monitor: MonitorPlan | None = None
-    estimate: dict | None = None
-    hf_model: str | None = None
-    hf_vocab_size: int | None = None
-    precision_said: str = ""
-    """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
-    not_applicable: tuple[str, ...] = ()
-    """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
-    save: SavePolicy | None = None
-    """--save-dir, --keep-last and the checkpoint to resume from."""
-    swap: SwapLocation | None = None
-    """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
-    state_dtype: str = "fp32"
-    """The optimizer states' form (``zero_optimization.offload_optimizer.state_dtype``), as the config resolves it."""
-
-
-def _positive(name: str, value: int | float) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
-def _dist_env() -> tuple[int, int, int]:
-    """(rank, world size, ranks on this machine) from torchrun's environment; (0, 1, 1) without it."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return 0, 1, 1
-
-
 def _host_memory(text: str):
     from infinity.host_budget import parse_host_memory
     try:
         return parse_host_memory(text, key="--host-memory")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Merge the config file and the flags into one DeepSpeed-style config and check every input."""
-    raw = read_config_file(args.config) if args.config else {}
-    ds = copy.deepcopy(raw)
-    zero = ds.setdefault("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise ValueError(f"config key zero_optimization must be a JSON object, got {zero!r}")
-    zero.setdefault("stage", 3)
-    # Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at buffer_count x 1e8 x 14 bytes whatever the
-    # model, and sub-groups pipeline (as the engine's own default, 1e8).
-    zero.setdefault("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
-    optimizer = ds.setdefault("optimizer", {"type": "AdamW"})
-    if not isinstance(optimizer, dict):
-        raise ValueError(f"config key optimizer must be a JSON object, got {optimizer!r}")
-    opt_params = optimizer.setdefault("params", {})
-
-    def pick(flag, from_config, default):
-        return flag if flag is not None else (from_config if from_config is not None else default)
-
-    hf_model = getattr(args, "hf_model", None)
-    micro_batch = pick(args.micro_batch, config_number(ds, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu"),
-                       DEFAULT_MICRO_BATCH)
-    grad_accum = pick(args.grad_accum, config_number(ds, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
-    train_batch = config_number(ds, "train_batch_size", "train_batch_size")
-    if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
-        raise ValueError("give --preset or --model or --hf-model, only one")
-    preset = None if (args.model or hf_model) else (args.preset or _default_preset())
-    hf_vocab_size = None
-    if hf_model is not None:
-        from infinity.commands.hf_model import read_hf_model_config
-
-        hf_config = read_hf_model_config(hf_model)
-        model_seq, hf_vocab_size = hf_config["max_position_embeddings"], hf_config["vocab_size"]
-    elif preset is not None:
-        from infinity.models.gpt import get_preset
-
-        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
-        preset = preset.lower()
-    else:
-        check_model_file(args.model)
-        model_seq = None
-    if not isinstance(opt_params, dict):
-        raise ValueError(f"config key optimizer.params must be a JSON object, got {opt_params!r}")
-    default_lr = HF_MODEL_LR if hf_model else (PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
-    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
-    steps = pick(args.steps, None, DEFAULT_STEPS)
-    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
-                        ("--max-bytes", args.max_bytes)):
-        _positive(name, value)
-    finite_positive("--lr" if args.lr is not None else "optimizer.params.lr", lr)
-    min_lr = pick(args.min_lr, None, lr / 10)
-    if not 0 <= min_lr <= lr:
-        raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
-    warmup = pick(args.warmup, None, max(1, steps // 20))
-    if warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {warmup}")
-
-    if isinstance(ds.get("fp16"), dict) and ds["fp16"].get("enabled") == "auto":  # (Hugging Face's Trainer)
-        ds["fp16"] = {**ds["fp16"], "enabled": False}  # fp16 is never the fast one; bf16 "auto" is infinity.hardware's
-    bf16_enabled = (ds.get("bf16") or {}).get("enabled") if isinstance(ds.get("bf16"), dict) else None
-    config_precision = "auto" if bf16_enabled == "auto" else "bf16" if bf16_enabled else (
-        "fp16" if (ds.get("fp16") or {}).get("enabled") else ("fp32" if ("bf16" in ds or "fp16" in ds) else None))
-    requested = pick(args.precision, config_precision, "auto")
-    chosen = resolve_precision(requested, ds.get("device")) if requested != "fp16" else None
-    precision = chosen.precision if chosen else "fp16"
-    precision_said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
-    if args.precision is not None:
-        ds.pop("fp16", None)
-        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
-    elif config_precision in (None, "auto"):
-        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": precision == "bf16"}
-
-    # Without --config everything goes to NVMe (the `make train` job); a config file that names no offload
-    # means none, as in DeepSpeed.
-    default_offload = "none" if args.config else "nvme"
-    offload = {}
-    for key, flag in (("offload_param", args.offload_param), ("offload_optimizer", args.offload_optimizer)):
-        block = zero.get(key)
-        block = dict(block) if isinstance(block, dict) else {}
-        device = pick(flag, block.get("device"), default_offload)
-        block["device"] = "none" if device is None else device
-        if block["device"] not in OFFLOAD_CHOICES:
-            raise ValueError(f"config key zero_optimization.{key}.device must be one of {', '.join(OFFLOAD_CHOICES)}, "
-                             f"got {block['device']!r}")
-        if args.nvme_path and block["device"] == "nvme":
-            block["nvme_path"] = args.nvme_path
-        zero[key] = block
-        offload[key] = block["device"]
-    if getattr(args, "optimizer_state_dtype", None) is not None:
-        zero["offload_optimizer"]["state_dtype"] = args.optimizer_state_dtype
-    # `--offload-* nvme` means the disk: nothing kept in host memory unless the config says otherwise.
-    # With --host-memory, NVMe is a spill tier under that budget: the engine keeps in host memory what fits.
-    if args.host_memory is None:
-        for key in ("offload_param", "offload_optimizer"):
-            if offload[key] == "nvme":
-                zero[key].setdefault("max_in_cpu", 0)
-    else:
-        zero["host_memory_budget"] = args.host_memory
-
-    ds["train_micro_batch_size_per_gpu"] = micro_batch
-    ds["gradient_accumulation_steps"] = grad_accum
-    if ds.get("gradient_clipping") == "auto":
-        ds.pop("gradient_clipping")
-    ds.setdefault("gradient_clipping", 1.0)
-    if "type" not in optimizer:
-        optimizer["type"] = "AdamW"
-    opt_params["lr"] = lr
-    adamw_defaults = {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
-    if not raw.get("optimizer"):
-        opt_params.update(adamw_defaults)
-    from infinity.ds_auto import fill_auto
-
-    rank, world_size, local_world_size = _dist_env()
-    ds = fill_auto(ds, {
-        "train_batch_size": micro_batch * grad_accum * world_size,
-        "optimizer.params.betas": adamw_defaults["betas"], "optimizer.params.eps": adamw_defaults["eps"],
-        "optimizer.params.weight_decay": adamw_defaults["weight_decay"],
-    }, steps=steps, warmup=warmup, lr=lr, min_lr=min_lr,
-        hidden_size=hf_config.get("hidden_size") if hf_model else None)
-    zero = ds["zero_optimization"]
-    if args.trace:
-        check_output_folder("--trace", args.trace)
-        ds["trace"] = {"path": args.trace}
-
-    monitor = train_monitor.monitor_plan(args, ds, steps=steps)
-    seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
-    _positive("--seq-len", seq_len)
-    if model_seq is not None and seq_len > model_seq:
-        what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
-        raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
-    if hf_model is not None and (monitor.eval_every or monitor.sample_every):
-        raise ValueError("--eval-every and --sample-every read and write bytes; with --hf-model they are not "
-                         "supported yet")
-    if args.save_every is not None and not args.save_dir:
-        raise ValueError("--save-every needs --save-dir")
-    if args.save_every is not None:
-        _positive("--save-every", args.save_every)
-    save_policy = train_checkpoints.save_policy(args, ds)  # (takes checkpoint.keep_last out of ds)
-
-    if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
-        raise ValueError(f"config key train_batch_size={ds['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
-                         f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
-    nvme_blocks = [zero[k] for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"]
-    nvme_paths = list(dict.fromkeys(b["nvme_path"] for b in nvme_blocks if b.get("nvme_path")))
-    if args.nvme_path and not nvme_blocks:
-        raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
-                         f"{offload['offload_param']}, optimizer -> {offload['offload_optimizer']}"
-                         + (", as --config names no offload" if args.config else "")
-                         + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
-    plan = Plan(ds_config=ds, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
-                min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload["offload_param"],
-                offload_optimizer=offload["offload_optimizer"], nvme_path=nvme_paths[0] if nvme_paths else None,
-                nvme_is_temporary=any(not b.get("nvme_path") for b in nvme_blocks), preset=preset,
-                model_file=args.model, rank=rank, world_size=world_size, local_world_size=local_world_size,
-                monitor=monitor, precision_said=precision_said, save=save_policy, hf_model=hf_model,
-                hf_vocab_size=hf_vocab_size)
-    aio = ds.get("aio")
-    if args.buffered_io:
-        ds["aio"] = aio = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
-    buffered_ok = isinstance(aio, dict) and aio.get("buffered_fallback") is True
-    for path in nvme_paths:
-        check_writable(path)
-        check_direct_io(path, buffered_ok)
-    if plan.nvme_is_temporary:
-        plan.swap = default_swap_location()
-        if plan.swap.buffered:
-            ds["aio"] = {**(aio if isinstance(aio, dict) else {}), "buffered_fallback": True}
-    # The engine's own validation of the merged config (unknown keys, bad values), still before any work.
-    from infinity.config import InfinityConfig
-
-    # (A private temporary folder is made only once every check has passed: validate with a stand-in path.)
-    resolved = InfinityConfig.from_deepspeed(_with_nvme_path(ds, _PLACEHOLDER_PATH))
-    plan.not_applicable = resolved.not_applicable
-    plan.state_dtype = resolved.zero.offload_optimizer.state_dtype
-    return plan
-
-
-def _default_preset() -> str:
-    from infinity.models.gpt import DEFAULT_PRESET
-
-    return DEFAULT_PRESET
 
 
 # --------------------------------------------------------------------------- running
@@ -379,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
             if plan.nvme_is_temporary:
                 plan.nvme_path = cleanup.temporary_folder(plan.swap.parent)
-            plan.ds_config = _with_nvme_path(plan.ds_config, plan.nvme_path)
+            plan.config = with_swap_folder(plan.config, plan.nvme_path)
             return _train(args, plan, corpus, validation, cleanup, stop)
     finally:
         cleanup.run()
@@ -482,7 +229,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))
 
     _init_distributed(plan, cleanup)
-    engine = infinity.initialize(model, plan.ds_config, weights=plan.hf_model)
+    engine = infinity.initialize(model, plan.config, weights=plan.hf_model)
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
 

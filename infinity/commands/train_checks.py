@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.estimate import format_bytes
+from infinity.tier_names import OffloadDevice
 
-__all__ = ["check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
+__all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
            "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
            "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
 
@@ -83,6 +84,9 @@ def check_disk_room(path: str, needed_nbytes: int) -> None:
         )
 
 
+TEMPORARY_SWAP_PATH = "<temporary folder>"
+"""The ``nvme_path`` of an offload block whose swap folder the run makes (no --nvme-path, none in --config): a
+stand-in while the plan is checked, replaced by the folder when the run starts."""
 TEMPORARY_PREFIX = "infinity-train-"
 """The private swap folders ``infinity train`` makes in the temporary directory (removed at its exit), named
 ``infinity-train-<pid>-<random>`` so that a later run can tell a dead run's folder from a live one's."""
@@ -123,12 +127,12 @@ def remove_dead_swap_folders(parent: str) -> int:
 
 def check_nvme_room(plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
-    if "nvme" not in (plan.offload_param, plan.offload_optimizer):
-        return
-    zero = plan.ds_config["zero_optimization"]
+    zero = plan.config.zero
     temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
-    paths = {zero[k].get("nvme_path") or temporary
-             for k in ("offload_param", "offload_optimizer") if zero[k]["device"] == "nvme"}
+    paths = {temporary if b.nvme_path in (None, TEMPORARY_SWAP_PATH) else b.nvme_path
+             for b in (zero.offload_param, zero.offload_optimizer) if b.device == OffloadDevice.NVME}
+    if not paths:
+        return
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
         remove_dead_swap_folders(where)  # first: what a killed run left must not fail the room check
         check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)

@@ -1,36 +1,21 @@
 """The estimate of an ``infinity train`` run (bytes per rank in each tier), from its plan and the model or preset,
-made before any work with the engine's own reading of the merged config."""
+made before any work from the engine's config the plan holds."""
 
 from __future__ import annotations
 
-import copy
-
 __all__ = ["estimate_for"]
-
-_PLACEHOLDER_PATH = "<temporary folder>"
-
-
-def _with_nvme_path(ds: dict, nvme_path: str | None) -> dict:
-    """``ds`` with ``nvme_path`` set in each offload block that goes to NVMe and names no path."""
-    ds = copy.deepcopy(ds)
-    for key in ("offload_param", "offload_optimizer"):
-        block = ds["zero_optimization"][key]
-        if block.get("device") == "nvme" and not block.get("nvme_path") and nvme_path is not None:
-            block["nvme_path"] = nvme_path
-    return ds
 
 
 def estimate_for(plan, model) -> dict:
     """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
     import torch
 
-    from infinity.config import InfinityConfig
     from infinity.estimate import estimate, gpt_activation_nbytes
     from infinity.host_budget import resolve_host_budget
     from infinity.placement import distinct_device_requested
     from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
-    cfg = InfinityConfig.from_deepspeed(_with_nvme_path(plan.ds_config, _PLACEHOLDER_PATH))
+    cfg = plan.config
     zero = cfg.zero
     gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
     if isinstance(model, GPTConfig):

@@ -57,10 +57,10 @@ def test_precision_auto_is_the_default_and_said_and_a_flag_forces(tmp_path):
     assert plan.precision == fast.precision and plan.precision_said == f"{fast.precision} (auto: {fast.reason})"
     for forced in ("bf16", "fp32"):
         plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--precision", forced]))
-        assert plan.precision == forced and plan.ds_config["bf16"]["enabled"] == (forced == "bf16")
+        assert plan.precision == forced and plan.config.precision == forced
     cfg = _config(tmp_path, {"bf16": {"enabled": "auto"}})
     plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--config", cfg]))
-    assert plan.precision == fast.precision and plan.ds_config["bf16"] == {"enabled": fast.precision == "bf16"}
+    assert plan.precision == fast.precision and plan.config.precision == fast.precision
     assert InfinityConfig.from_deepspeed({"bf16": {"enabled": "auto"}}).precision == fast.precision
 
 
@@ -159,11 +159,11 @@ def test_a_tmpfs_tmp_falls_back_to_a_disk_that_takes_o_direct(monkeypatch, tmp_p
     monkeypatch.setattr(train, "default_swap_location", train_checks.default_swap_location)
     plan = train.make_plan(build_parser(["train"]).parse_args(["train"]))
     assert plan.swap.parent == str(disk) and not plan.swap.buffered and "tmpfs" in plan.swap.note
-    assert "buffered_fallback" not in plan.ds_config.get("aio", {})
+    assert not plan.config.aio.buffered_fallback
     # nowhere takes O_DIRECT: buffered I/O, said, and the engine is told
     monkeypatch.setattr(train_checks, "direct_io_problem", lambda p: "it is on tmpfs")
     plan = train.make_plan(build_parser(["train"]).parse_args(["train"]))
-    assert plan.swap.buffered and plan.swap.note.startswith("WARNING") and plan.ds_config["aio"]["buffered_fallback"]
+    assert plan.swap.buffered and plan.swap.note.startswith("WARNING") and plan.config.aio.buffered_fallback
 
 
 def test_a_tmpfs_nvme_path_names_the_flag_and_the_flag_is_honoured(no_work, capsys, monkeypatch):
@@ -175,6 +175,6 @@ def test_a_tmpfs_nvme_path_names_the_flag_and_the_flag_is_honoured(no_work, caps
     assert "does not take direct I/O" in err and "--buffered-io" in err and "aio.buffered_fallback" in err
     plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--nvme-path", str(no_work / "swap"),
                                                                 "--buffered-io"]))
-    assert plan.ds_config["aio"] == {"buffered_fallback": True}
+    assert plan.config.aio == AioConfig(buffered_fallback=True)
     assert "--buffered-io" in capsys.readouterr().err  # said
     assert InfinityConfig.from_deepspeed({"aio": {"buffered_fallback": True}}).aio == AioConfig(buffered_fallback=True)

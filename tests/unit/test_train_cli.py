@@ -9,6 +9,8 @@ import pytest
 
 from infinity.cli import build_parser, main
 from infinity.commands import train
+from infinity.commands.train_checks import TEMPORARY_SWAP_PATH
+from infinity.config import OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, TraceConfig
 from infinity.hardware import resolve_precision
 
 
@@ -36,23 +38,24 @@ def test_no_arguments_is_the_make_train_job():
     fast = resolve_precision("auto").precision  # bf16 where the machine computes it fast, else fp32
     assert (plan.offload_param, plan.offload_optimizer, plan.precision) == ("nvme", "nvme", fast)
     assert plan.nvme_path is None and plan.nvme_is_temporary
-    ds = plan.ds_config
-    assert ds["zero_optimization"]["stage"] == 3
-    assert ds["zero_optimization"]["sub_group_size"] == train.DEFAULT_SUB_GROUP_SIZE
-    # `--offload-* nvme` means the disk ...
-    assert ds["zero_optimization"]["offload_param"] == {"device": "nvme", "max_in_cpu": 0}
-    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "max_in_cpu": 0}
-    assert "host_memory_budget" not in ds["zero_optimization"]
-    # ... unless a host-memory budget makes it a spill tier: then the engine keeps what fits
-    zero = train.make_plan(_args("--host-memory", "2GiB")).ds_config["zero_optimization"]
-    assert zero["host_memory_budget"] == 2 << 30
-    assert zero["offload_param"] == {"device": "nvme"} and zero["offload_optimizer"] == {"device": "nvme"}
-    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": train.PRESET_LR["small"], "betas": [0.9, 0.95], "eps": 1e-8,
-                                                           "weight_decay": 0.1}}
-    assert ds["bf16"] == {"enabled": fast == "bf16"}
-    assert ds["gradient_clipping"] == 1.0
-    assert ds["train_micro_batch_size_per_gpu"] == train.DEFAULT_MICRO_BATCH
-    assert ds["gradient_accumulation_steps"] == 1
+    config = plan.config
+    assert config.zero.stage == 3
+    assert config.zero.sub_group_size == train.DEFAULT_SUB_GROUP_SIZE
+    # `--offload-* nvme` means the disk (in a temporary swap folder) ...
+    for block in (config.zero.offload_param, config.zero.offload_optimizer):
+        assert (block.device, block.max_in_cpu, block.nvme_path) == ("nvme", 0, TEMPORARY_SWAP_PATH)
+    assert config.zero.host_memory_budget is None
+    # ... unless a host-memory budget makes it a spill tier: then the engine keeps what fits (the defaults)
+    zero = train.make_plan(_args("--host-memory", "2GiB")).config.zero
+    assert zero.host_memory_budget == 2 << 30
+    assert zero.offload_param == OffloadParamConfig(device="nvme", nvme_path=TEMPORARY_SWAP_PATH)
+    assert zero.offload_optimizer == OffloadOptimizerConfig(device="nvme", nvme_path=TEMPORARY_SWAP_PATH)
+    assert config.optimizer == OptimizerConfig(type="AdamW", lr=train.PRESET_LR["small"], betas=(0.9, 0.95), eps=1e-8,
+                                               weight_decay=0.1)
+    assert config.precision == fast
+    assert config.gradient_clipping == 1.0
+    assert config.micro_batch_size == train.DEFAULT_MICRO_BATCH
+    assert config.gradient_accumulation_steps == 1
 
 
 def test_flags_build_a_deepspeed_config(tmp_path):
@@ -60,15 +63,15 @@ def test_flags_build_a_deepspeed_config(tmp_path):
                                  "--nvme-path", str(tmp_path / "swap"), "--precision", "fp32", "--micro-batch", "3",
                                  "--grad-accum", "2", "--seq-len", "64", "--lr", "1e-3", "--steps", "7",
                                  "--trace", str(tmp_path / "t.json")))
-    ds = plan.ds_config
-    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu"}
-    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    config = plan.config
+    assert config.zero.offload_param == OffloadParamConfig(device="cpu")
+    assert config.zero.offload_optimizer.device == "nvme"
     assert plan.nvme_path == str(tmp_path / "swap") and not plan.nvme_is_temporary
     assert (tmp_path / "swap").is_dir()  # made, and found writable
-    assert ds["bf16"] == {"enabled": False}
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (3, 2)
-    assert ds["optimizer"]["params"]["lr"] == 1e-3
-    assert ds["trace"] == {"path": str(tmp_path / "t.json")}
+    assert config.precision == "fp32"
+    assert (config.micro_batch_size, config.gradient_accumulation_steps) == (3, 2)
+    assert config.optimizer.lr == 1e-3
+    assert config.trace == TraceConfig(path=str(tmp_path / "t.json"))
     assert (plan.steps, plan.seq_len, plan.warmup, plan.min_lr) == (7, 64, 1, pytest.approx(1e-4))
 
 
@@ -83,14 +86,14 @@ def test_flags_given_override_the_config_file_and_the_rest_comes_from_it(tmp_pat
                               "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nv"), "max_in_cpu": 5}},
     }))
     plan = train.make_plan(_args("--config", str(cfg), "--lr", "5e-4", "--grad-accum", "1"))
-    ds = plan.ds_config
-    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 5e-4, "weight_decay": 0.0}}
+    config = plan.config
+    assert config.optimizer == OptimizerConfig(type="Adam", lr=5e-4, weight_decay=0.0)  # the rest: the file's defaults
     assert (plan.lr, plan.micro_batch, plan.grad_accum) == (5e-4, 3, 1)
     assert plan.precision == "fp32"
     assert (plan.offload_param, plan.offload_optimizer) == ("nvme", "cpu")
     assert plan.nvme_path == str(tmp_path / "nv")
-    assert ds["zero_optimization"]["offload_param"]["max_in_cpu"] == 5  # the file's choice is kept
-    assert ds["zero_optimization"]["sub_group_size"] == 1000
+    assert config.zero.offload_param.max_in_cpu == 5  # the file's choice is kept
+    assert config.zero.sub_group_size == 1000
 
 
 def test_estimate_of_the_plan_uses_the_engine_config():
@@ -254,11 +257,10 @@ def test_a_config_file_without_offload_means_none_and_its_paths_are_kept(tmp_pat
     two.write_text(json.dumps({"zero_optimization": {
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "b")}}}))
-    zero = train.make_plan(_args("--config", str(two))).ds_config["zero_optimization"]
-    assert (zero["offload_param"]["nvme_path"], zero["offload_optimizer"]["nvme_path"]) == (str(tmp_path / "a"),
-                                                                                           str(tmp_path / "b"))
-    zero = train.make_plan(_args("--config", str(two), "--nvme-path", str(tmp_path / "c"))).ds_config["zero_optimization"]
-    assert zero["offload_param"]["nvme_path"] == zero["offload_optimizer"]["nvme_path"] == str(tmp_path / "c")
+    zero = train.make_plan(_args("--config", str(two))).config.zero
+    assert (zero.offload_param.nvme_path, zero.offload_optimizer.nvme_path) == (str(tmp_path / "a"), str(tmp_path / "b"))
+    zero = train.make_plan(_args("--config", str(two), "--nvme-path", str(tmp_path / "c"))).config.zero
+    assert zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path == str(tmp_path / "c")
 
 
 def test_train_batch_size_must_agree(no_work, capsys):

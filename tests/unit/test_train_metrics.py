@@ -233,9 +233,9 @@ def test_lr_schedule_flag_replaces_a_config_scheduler_block(tmp_path):
 
     kept = plan()
     assert kept.monitor.lr_schedule == "deepspeed"
-    assert kept.ds_config["scheduler"]["params"] == {"warmup_num_steps": 3, "total_num_steps": 9}
+    assert (kept.config.scheduler.warmup_num_steps, kept.config.scheduler.total_num_steps) == (3, 9)
     replaced = plan("--lr-schedule", "linear")
-    assert replaced.monitor.lr_schedule == "linear" and "scheduler" not in replaced.ds_config
+    assert replaced.monitor.lr_schedule == "linear" and replaced.config.scheduler is None
 
 
 INF_GRAD_MODEL = NAN_MODEL.replace("return out * float(\"nan\")", "return InfGrad.apply(out)").replace(

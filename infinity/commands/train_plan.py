@@ -1,0 +1,327 @@
+"""The plan of an ``infinity train`` run: every flag and the ``--config`` file checked and decided before any work.
+
+The engine's config is built in one direction: the file is read into an :class:`~infinity.config.InfinityConfig`
+(translated once, by :mod:`infinity.config_deepspeed`), then the flags are applied on top of it with typed changes
+(``replace``, ``with_offload``, ...), each validated as the config's own constructor validates it. Before the file
+is read, what it leaves to the run is completed in it (:func:`_complete_file`): Hugging Face's ``"auto"`` values, a
+swap folder still to be made, and the blocks a flag replaces (``--lr-schedule``, ``--precision``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands.train_checkpoints import SavePolicy
+from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
+                                            check_output_folder, check_writable, config_number,
+                                            default_swap_location, finite_positive, read_config_file)
+from infinity.commands.train_monitor import MonitorPlan
+from infinity.config import InfinityConfig, TraceConfig
+from infinity.hardware import resolve_precision
+from infinity.tier_names import OffloadDevice
+
+__all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
+           "MODEL_FILE_LR", "PRESET_LR", "Plan", "make_plan", "nvme_offloads", "with_swap_folder"]
+
+DEFAULT_STEPS = 200
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_LR = 2e-3
+"""Peak learning rate of the default preset; other presets have theirs in PRESET_LR."""
+PRESET_LR = {
+    "tiny": 3e-3, "small": DEFAULT_LR, "10m": 1e-3, "50m": 8e-4,
+    # GPT-3's (Brown et al. 2020, table 2.1) from 125m up
+    "125m": 6e-4, "350m": 3e-4, "760m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4, "6.7b": 1.2e-4, "13b": 1e-4,
+}
+MODEL_FILE_LR = 3e-4
+HF_MODEL_LR = 5e-5
+"""Fine-tuning a pretrained model (--hf-model): Hugging Face's Trainer default."""
+DEFAULT_SUB_GROUP_SIZE = 10**8
+"""Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at buffer_count x 1e8 x 14 bytes whatever the
+model, and sub-groups pipeline (as the engine's own default, 1e8)."""
+ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+"""The optimizer's settings when the config file names no optimizer."""
+DEFAULT_GRADIENT_CLIPPING = 1.0
+"""When the config file gives no ``gradient_clipping``."""
+OFFLOADS = ("param", "optimizer")
+"""The two offloaded states, as :meth:`InfinityConfig.with_offload` names them."""
+
+
+@dataclass
+class Plan:
+    """Everything decided and checked before any work."""
+
+    config: InfinityConfig
+    """The engine's config: the file, the flags on top. Until the run starts, a swap folder still to be made is
+    ``TEMPORARY_SWAP_PATH`` (see :func:`with_swap_folder`)."""
+    steps: int
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    lr: float
+    min_lr: float
+    warmup: int
+    precision: str
+    offload_param: str
+    offload_optimizer: str
+    nvme_path: str | None
+    nvme_is_temporary: bool
+    preset: str | None
+    model_file: str | None
+    rank: int
+    world_size: int
+    local_world_size: int
+    monitor: MonitorPlan | None = None
+    estimate: dict | None = None
+    hf_model: str | None = None
+    hf_vocab_size: int | None = None
+    precision_said: str = ""
+    """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
+    save: SavePolicy | None = None
+    """--save-dir, --keep-last and the checkpoint to resume from."""
+    swap: SwapLocation | None = None
+    """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
+
+    @property
+    def not_applicable(self) -> tuple[str, ...]:
+        """DeepSpeed keys of --config accepted but with no meaning here: said once in the start lines."""
+        return self.config.not_applicable
+
+    @property
+    def state_dtype(self) -> str:
+        """The optimizer states' form (``zero_optimization.offload_optimizer.state_dtype``)."""
+        return self.config.zero.offload_optimizer.state_dtype
+
+
+def nvme_offloads(config: InfinityConfig) -> list:
+    """The offload blocks of ``config`` (``zero.offload_param``, ``zero.offload_optimizer``) that go to NVMe."""
+    zero = config.zero
+    return [b for b in (zero.offload_param, zero.offload_optimizer) if b.device == OffloadDevice.NVME]
+
+
+def with_swap_folder(config: InfinityConfig, folder: str) -> InfinityConfig:
+    """``config`` with the swap folder made for this run where it says ``TEMPORARY_SWAP_PATH``."""
+    for which in OFFLOADS:
+        if getattr(config.zero, f"offload_{which}").nvme_path == TEMPORARY_SWAP_PATH:
+            config = config.with_offload(which, nvme_path=folder)
+    return config
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _dist_env() -> tuple[int, int, int]:
+    """(rank, world size, ranks on this machine) from torchrun's environment; (0, 1, 1) without it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return 0, 1, 1
+
+
+def _block(raw: dict, key: str, where: str | None = None) -> dict:
+    """``raw[key]`` when it is a JSON object, ``{}`` when absent; else a ``ValueError`` naming ``where``."""
+    block = raw.get(key, {})
+    if not isinstance(block, dict):
+        raise ValueError(f"config key {where or key} must be a JSON object, got {block!r}")
+    return block
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Read the config file, apply the flags on top of it and check every input, before any work."""
+    raw = read_config_file(args.config) if args.config else {}
+    _block(raw, "zero_optimization")
+    opt_params = _block(_block(raw, "optimizer"), "params", "optimizer.params")
+
+    def pick(flag, from_config, default):
+        return flag if flag is not None else (from_config if from_config is not None else default)
+
+    # The run's numbers first: a Hugging Face "auto" in the file is filled from them.
+    hf_model = getattr(args, "hf_model", None)
+    micro_batch = pick(args.micro_batch, config_number(raw, "train_micro_batch_size_per_gpu",
+                                                       "train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
+    grad_accum = pick(args.grad_accum, config_number(raw, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
+    train_batch = config_number(raw, "train_batch_size", "train_batch_size")
+    if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
+        raise ValueError("give --preset or --model or --hf-model, only one")
+    preset = None if (args.model or hf_model) else (args.preset or _default_preset())
+    hf_vocab_size = hidden_size = None
+    if hf_model is not None:
+        from infinity.commands.hf_model import read_hf_model_config
+
+        hf_config = read_hf_model_config(hf_model)
+        model_seq, hf_vocab_size = hf_config["max_position_embeddings"], hf_config["vocab_size"]
+        hidden_size = hf_config.get("hidden_size")
+    elif preset is not None:
+        from infinity.models.gpt import get_preset
+
+        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
+        preset = preset.lower()
+    else:
+        check_model_file(args.model)
+        model_seq = None
+    default_lr = HF_MODEL_LR if hf_model else (PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
+    lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
+    steps = pick(args.steps, None, DEFAULT_STEPS)
+    for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
+                        ("--max-bytes", args.max_bytes)):
+        _positive(name, value)
+    finite_positive("--lr" if args.lr is not None else "optimizer.params.lr", lr)
+    min_lr = pick(args.min_lr, None, lr / 10)
+    if not 0 <= min_lr <= lr:
+        raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
+    warmup = pick(args.warmup, None, max(1, steps // 20))
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    rank, world_size, local_world_size = _dist_env()
+
+    if args.trace:
+        check_output_folder("--trace", args.trace)
+    raw = _complete_file(raw, args, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+                         steps=steps, warmup=warmup, lr=lr, min_lr=min_lr, hidden_size=hidden_size)
+    monitor = train_monitor.monitor_plan(args, raw, steps=steps)  # (--lr-schedule takes the scheduler block out)
+    seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
+    _positive("--seq-len", seq_len)
+    if model_seq is not None and seq_len > model_seq:
+        what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
+        raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
+    if hf_model is not None and (monitor.eval_every or monitor.sample_every):
+        raise ValueError("--eval-every and --sample-every read and write bytes; with --hf-model they are not "
+                         "supported yet")
+    if args.save_every is not None and not args.save_dir:
+        raise ValueError("--save-every needs --save-dir")
+    if args.save_every is not None:
+        _positive("--save-every", args.save_every)
+    save_policy = train_checkpoints.save_policy(args, raw)  # (takes checkpoint.keep_last out of raw)
+    if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
+        raise ValueError(f"config key train_batch_size={raw['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
+                         f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
+
+    # The file, read once (unknown keys and bad values named here); then the flags on top.
+    from infinity.config_deepspeed import asked_precision
+
+    config = InfinityConfig.from_deepspeed(raw)
+    config, precision, precision_said = _apply_precision(config, args, asked_precision(raw))
+    config = _apply_schedule(config, raw, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr)
+    config = _apply_offload(config, args, raw)
+    if args.trace:
+        config = config.replace(trace=TraceConfig(path=args.trace))
+    if args.buffered_io:
+        config = config.with_aio(buffered_fallback=True)
+
+    nvme_blocks = nvme_offloads(config)
+    nvme_paths = list(dict.fromkeys(b.nvme_path for b in nvme_blocks if b.nvme_path != TEMPORARY_SWAP_PATH))
+    offload_param, offload_optimizer = config.zero.offload_param.device, config.zero.offload_optimizer.device
+    if args.nvme_path and not nvme_blocks:
+        raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
+                         f"{offload_param}, optimizer -> {offload_optimizer}"
+                         + (", as --config names no offload" if args.config else "")
+                         + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
+    for path in nvme_paths:
+        check_writable(path)
+        check_direct_io(path, config.aio.buffered_fallback)
+    nvme_is_temporary = any(b.nvme_path == TEMPORARY_SWAP_PATH for b in nvme_blocks)
+    swap = default_swap_location() if nvme_is_temporary else None
+    if swap is not None and swap.buffered:
+        config = config.with_aio(buffered_fallback=True)
+    return Plan(config=config, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
+                min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload_param.value,
+                offload_optimizer=offload_optimizer.value, nvme_path=nvme_paths[0] if nvme_paths else None,
+                nvme_is_temporary=nvme_is_temporary, preset=preset, model_file=args.model, rank=rank,
+                world_size=world_size, local_world_size=local_world_size, monitor=monitor,
+                precision_said=precision_said, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
+                swap=swap)
+
+
+def _complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int, world_size: int,
+                   steps: int, warmup: int, lr: float, min_lr: float, hidden_size: int | None) -> dict:
+    """A copy of the config file with what it leaves to the run filled in, so that it reads as a valid config:
+
+    * Hugging Face's ``"auto"`` values, from the run's own (as its Trainer does; ``fp16.enabled: "auto"`` is off:
+      fp16 is never the fast precision, bf16's ``"auto"`` is :mod:`infinity.hardware`'s);
+    * an offload block on NVMe without ``nvme_path`` gets ``TEMPORARY_SWAP_PATH``: the run makes that folder;
+    * ``--precision`` replaces the ``fp16`` block (its loss scaling means nothing in the precision asked for).
+    """
+    from infinity.ds_auto import fill_auto
+
+    raw = fill_auto(raw, {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size, "fp16.enabled": False,
+        "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
+        "optimizer.params.betas": list(ADAMW_DEFAULTS["betas"]), "optimizer.params.eps": ADAMW_DEFAULTS["eps"],
+        "optimizer.params.weight_decay": ADAMW_DEFAULTS["weight_decay"],
+    }, steps=steps, warmup=warmup, lr=lr, min_lr=min_lr, hidden_size=hidden_size)
+    if args.precision is not None:
+        raw.pop("fp16", None)
+    zero = raw.get("zero_optimization")
+    for which in OFFLOADS:
+        block = zero.get(f"offload_{which}") if isinstance(zero, dict) else None
+        if isinstance(block, dict) and block.get("device") == "nvme" and not block.get("nvme_path"):
+            zero[f"offload_{which}"] = {**block, "nvme_path": TEMPORARY_SWAP_PATH}
+    return raw
+
+
+def _apply_precision(config: InfinityConfig, args: argparse.Namespace,
+                     asked: str | None) -> tuple[InfinityConfig, str, str]:
+    """--precision, else the file's, else ``auto``: (config, precision, how the start line says it). ``auto`` is
+    resolved for the config's device (bf16 where it computes it fast)."""
+    requested = args.precision or asked or "auto"
+    chosen = resolve_precision(requested, config.device) if requested != "fp16" else None
+    precision = chosen.precision if chosen else "fp16"
+    said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
+    if args.precision is not None or asked in (None, "auto"):
+        config = config.replace(precision=precision)
+    return config, precision, said
+
+
+def _apply_schedule(config: InfinityConfig, raw: dict, *, micro_batch: int, grad_accum: int,
+                    lr: float) -> InfinityConfig:
+    """The batch, the learning rate, and the train command's defaults where the file gives none: AdamW's
+    ``ADAMW_DEFAULTS`` without an optimizer block, ``DEFAULT_GRADIENT_CLIPPING``, ``DEFAULT_SUB_GROUP_SIZE``."""
+    config = config.replace(micro_batch_size=micro_batch, gradient_accumulation_steps=grad_accum)
+    if "gradient_clipping" not in raw:
+        config = config.replace(gradient_clipping=DEFAULT_GRADIENT_CLIPPING)
+    if raw.get("optimizer"):
+        config = config.with_optimizer(lr=lr)
+    else:
+        config = config.with_optimizer(type="AdamW", adamw=True, lr=lr, **ADAMW_DEFAULTS)
+    if "sub_group_size" not in raw.get("zero_optimization", {}):
+        config = config.with_zero(sub_group_size=DEFAULT_SUB_GROUP_SIZE)
+    return config
+
+
+def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) -> InfinityConfig:
+    """--offload-param/--offload-optimizer, --nvme-path, --optimizer-state-dtype and --host-memory.
+
+    Without --config everything goes to NVMe (the `make train` job); a config file that names no offload means
+    none, as in DeepSpeed. `--offload-* nvme` means the disk: nothing kept in host memory unless the file says
+    otherwise (``max_in_cpu``); with --host-memory, NVMe is a spill tier under that budget: the engine keeps in
+    host memory what fits."""
+    zero_raw = raw.get("zero_optimization", {})
+    for which in OFFLOADS:
+        block = getattr(config.zero, f"offload_{which}")
+        flag = getattr(args, f"offload_{which}")
+        device = OffloadDevice(flag if flag is not None else (block.device if args.config else OffloadDevice.NVME))
+        changes: dict = {"device": device}
+        if device == OffloadDevice.NVME:
+            changes["nvme_path"] = args.nvme_path or block.nvme_path or TEMPORARY_SWAP_PATH
+            file_block = zero_raw.get(f"offload_{which}")
+            if args.host_memory is None and not (isinstance(file_block, dict) and "max_in_cpu" in file_block):
+                changes["max_in_cpu"] = 0
+        elif block.nvme_path == TEMPORARY_SWAP_PATH:  # (the file's NVMe block, moved off NVMe by a flag)
+            changes["nvme_path"] = None
+        if which == "optimizer" and getattr(args, "optimizer_state_dtype", None) is not None:
+            changes["state_dtype"] = args.optimizer_state_dtype
+        config = config.with_offload(which, **changes)
+    if args.host_memory is not None:
+        config = config.with_zero(host_memory_budget=args.host_memory)
+    return config
+
+
+def _default_preset() -> str:
+    from infinity.models.gpt import DEFAULT_PRESET
+
+    return DEFAULT_PRESET
