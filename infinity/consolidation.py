@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint import _TMP_PREFIX, Checkpoint, _fsync_dir, resolve_checkpoint
+from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
+from infinity.checkpoint.reader import Checkpoint
 from infinity.safetensors_io import CheckpointError, SafetensorsWriter
 
 
@@ -97,7 +98,7 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
     if out_path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "the output is a folder; name a .safetensors file", str(out_path))
     ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
-    tmp = out_path.with_name(f".{out_path.name}{_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
+    tmp = out_path.with_name(f".{out_path.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
     try:
         if verify:
             ckpt.verify()
@@ -115,7 +116,7 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
                 del value
             _, nbytes = writer.close()
         os.replace(tmp, out_path)
-        _fsync_dir(out_path.parent)
+        fsync_dir(out_path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from infinity.sharded_param import ParamState, ShardedParam
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
 from infinity.trace import Timeline
+
+if TYPE_CHECKING:
+    from infinity.shard_source import ShardSource
 
 logger = logging.getLogger(__name__)
 
@@ -462,29 +465,36 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
         from infinity.state_dict import gather_full_state_dict
-        return gather_full_state_dict(self)
+        return gather_full_state_dict(self.shard_source())
 
     def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
         """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
         Collective: all ranks call it, rank 0 writes. See :mod:`infinity.hf_export`."""
         from infinity.hf_export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
         self._ensure_open()
-        return save_pretrained(self, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
+        return save_pretrained(self.shard_source(), self.module, out_dir, dtype=dtype,
+                               max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
 
     # -- checkpoints ---------------------------------------------------------------
+    def shard_source(self) -> "ShardSource":
+        """This rank's shards, buffers, counters and scalars as checkpoints, state dicts and exports see them
+        (:mod:`infinity.shard_source`); made afresh for each use."""
+        from infinity.engine_shards import EngineShards
+        return EngineShards(self)
+
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
         """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
         from infinity.checkpoint import save_checkpoint
         self._ensure_open()
         self._cancel_unused_overlap()
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+        return save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
         self._cancel_unused_overlap()
-        client_state = load_checkpoint(self, load_dir, tag=tag)
+        client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag)
         self._apply_lr_schedule()
         return client_state
 

@@ -31,8 +31,10 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint import _TMP_PREFIX, _fsync_dir
+from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir
 from infinity.safetensors_io import SafetensorsWriter
+from infinity.shard_source import ShardSource, require_step_boundary
+from infinity.state_dict import FullParamGatherer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"save_pretrained: {out_dir} exists and is not a folder")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}{_TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = out_dir.parent / f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
     names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     weight_map: dict[str, str] = {}
@@ -118,7 +120,7 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -132,14 +134,14 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     """Move the complete folder into place: a rename when ``out_dir`` is new, else file by file, the index last."""
     if not out_dir.exists():
         os.rename(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
         return
     old_index = out_dir / INDEX_FILE
     old_index.unlink(missing_ok=True)  # never an index naming files that are being replaced
     (out_dir / "model.safetensors").unlink(missing_ok=True)  # a single-file save would shadow the index
     for entry in sorted(tmp.iterdir(), key=lambda p: p.name == INDEX_FILE):
         os.replace(entry, out_dir / entry.name)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     tmp.rmdir()
 
 
@@ -156,75 +158,43 @@ def hf_config_of(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
     return None
 
 
-def save_pretrained(engine, out_dir, *, dtype="fp32", max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
-    """Write the engine's model in the Hugging Face layout; every rank calls it, rank 0 writes.
+def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dtype="fp32",
+                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
+    """Write the run's ``model`` in the Hugging Face layout; every rank calls it, rank 0 writes.
 
     Trainable parameters are their fp32 masters (cast to ``dtype``), frozen
     ones their compute shards; each is gathered from the ranks' shards and
     written before the next, so memory holds one sub-group of masters and one
-    full tensor at a time.
+    full tensor at a time. ``model`` gives the Hugging Face config and the
+    names' prefix.
     """
-    from infinity.checkpoint import _check_step_boundary
-    _check_step_boundary(engine, "save_pretrained")
+    require_step_boundary(source, "save_pretrained")
     out_dtype = save_dtype(dtype)
-    if engine.tiling_plan is not None and not engine.tiling_plan.is_empty:
+    if source.tiling_plan is not None and not source.tiling_plan.is_empty:
         raise ValueError("save_pretrained with tiling is not supported yet; use save_checkpoint + infinity consolidate")
-    prefix = getattr(engine.module, "weights_prefix", "")
+    prefix = getattr(model, "weights_prefix", "")
     strip = (lambda n: n[len(prefix):] if prefix and n.startswith(prefix) else n)
-    gather = _SlotGatherer(engine)
-    tensors = [HFTensor(strip(sharded.slot.name), tuple(sharded.slot.shape), out_dtype,
-                        lambda out, s=sharded.slot: gather.fill(s, out))
-               for sharded in sorted(engine.params, key=lambda p: p.slot.offset)]
-    for module_name, module in engine.module.named_modules():
-        for local, buf in module._buffers.items():
-            if buf is None or local in module._non_persistent_buffers_set:
-                continue
-            name = f"{module_name}.{local}" if module_name else local
-            kind = out_dtype if buf.is_floating_point() else buf.dtype
-            tensors.append(HFTensor(strip(name), tuple(buf.shape), kind, lambda out, b=buf: out.copy_(b.detach().cpu())))
-    config = hf_config_of(engine.module, out_dtype)
+    gatherer = FullParamGatherer(source)
+    tensors = [HFTensor(strip(param.name), param.shape, out_dtype,
+                        lambda out, p=param: out.copy_(gatherer.gather(p)))
+               for param in source.params]
+    for buf in source.buffers():
+        if not buf.persistent:
+            continue
+        kind = out_dtype if buf.tensor.is_floating_point() else buf.tensor.dtype
+        tensors.append(HFTensor(strip(buf.name), tuple(buf.tensor.shape), kind,
+                                lambda out, b=buf.tensor: out.copy_(b.detach().cpu())))
+    config = hf_config_of(model, out_dtype)
     extra = {}
-    generation = next((getattr(m, "generation_config", None) for m in engine.module.modules()
+    generation = next((getattr(m, "generation_config", None) for m in model.modules()
                        if getattr(m, "generation_config", None) is not None), None)
     if generation is not None and callable(getattr(generation, "to_json_string", None)):
         extra["generation_config.json"] = generation.to_json_string()
     try:
         return write_hf_folder(out_dir, tensors, config=config, extra_files=extra, max_shard_nbytes=max_shard_nbytes,
-                               write=engine.rank == 0)
+                               write=source.comm.rank == 0)
     finally:
-        gather.close()
-
-
-class _SlotGatherer:
-    """Full fp32 values of one parameter at a time, gathered over ranks (a collective per parameter)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self._group_of = {slot.index: group for group in engine.layout.sub_groups for slot in group.slots}
-        self._group = None
-        self._masters: torch.Tensor | None = None
-
-    def fill(self, slot, out: torch.Tensor) -> None:
-        engine = self.engine
-        group = self._group_of.get(slot.index)
-        if group is not None:
-            if self._group is not group:
-                if self._masters is None:
-                    self._masters = torch.empty(engine.layout.largest_sub_group_numel, dtype=torch.float32)
-                engine.optimizer.read_master(group, self._masters[:group.numel])
-                self._group = group
-            start = slot.offset - group.start
-            shard = self._masters[start:start + slot.shard_numel]
-        else:
-            shard = torch.empty(slot.shard_numel, dtype=engine.dtype)
-            engine.compute.read_to_host(slot, shard)
-            shard = shard.float()
-        full = torch.empty(slot.padded_numel, dtype=torch.float32)
-        engine.comm.all_gather_into(full, shard.contiguous())
-        out.copy_(full[:slot.numel].view(slot.shape))
-
-    def close(self) -> None:
-        self._masters = None
+        gatherer.close()
 
 
 def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None, verify: bool = True,
@@ -236,7 +206,8 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
     the checkpoint's ``client_state["hf_config"]``. Names lose the wrapper's
     prefix (``inner.``) as ``engine.save_pretrained`` does.
     """
-    from infinity.checkpoint import Checkpoint, resolve_checkpoint
+    from infinity.checkpoint.publish import resolve_checkpoint
+    from infinity.checkpoint.reader import Checkpoint
     from infinity.consolidation import _consolidated_outputs
     from infinity.models.gpt import _HFCausalLM
 

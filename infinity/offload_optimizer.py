@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity import kernels
+from infinity.kernels.compact import STATE_NAMES
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
 from infinity.copies import CopyDone, Copies
@@ -48,9 +49,8 @@ from infinity.tiers import Tiers
 
 logger = logging.getLogger(__name__)
 
-STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
-"""The states; each is held by one tensor, plus (int8 moments) a tensor of block scales (``_SCALE_NAMES``)."""
 _SCALE_NAMES = ("exp_avg_scale", "exp_avg_sq_scale")
+"""The int8 moments' block scales: one fp32 a block, beside the moment of ``STATE_NAMES`` they scale."""
 _nothing = contextlib.nullcontext
 
 

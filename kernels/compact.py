@@ -63,6 +63,10 @@ import torch
 STATE_DTYPES = ("fp32", "bf16", "int8")
 """The state dtypes, ``fp32`` first (the default)."""
 
+STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
+"""The optimizer's states, whatever their dtype: each is held by one tensor of ``state_layout``, plus (``int8``
+moments) a tensor of block scales (``state_parts``). Checkpoints file them under these names."""
+
 BLOCK_NUMEL = 256
 """Elements per quantization block of the ``int8`` moments (one fp32 scale each)."""
 
@@ -377,8 +381,8 @@ def to_fp32(state_dtype: str, state: dict[str, torch.Tensor]) -> dict[str, torch
 def state_parts(state_dtype: str, name: str) -> tuple[str, ...]:
     """The tensors (``state_layout`` names) that hold one state (``master``, ``exp_avg``, ``exp_avg_sq``)."""
     check_state_dtype(state_dtype)
-    if name not in ("master", "exp_avg", "exp_avg_sq"):
-        raise ValueError(f"unknown optimizer state {name!r}; one of master, exp_avg, exp_avg_sq")
+    if name not in STATE_NAMES:
+        raise ValueError(f"unknown optimizer state {name!r}; one of {', '.join(STATE_NAMES)}")
     return (name, f"{name}_scale") if state_dtype == "int8" and name != "master" else (name,)
 
 

@@ -6,6 +6,8 @@
 - :mod:`.buffers`: :func:`aligned_empty` and :class:`HostBufferPool`, aligned (pinned on CUDA) host memory.
 - :mod:`.pinning`: :class:`BackgroundPinner`, page-locking buffers on a thread of its own.
 - :mod:`.swap_store`: :class:`SwapStore`, tensors by key in files under a private directory.
+- :mod:`.swap_dir`: that private directory: made, probed for direct I/O, locked for the store's life, removed;
+  leftovers of dead runs cleaned, never a live run's.
 - :mod:`.extents`: where a key's bytes live in a swap file.
 - :mod:`.stats`: :class:`TierStats`, live/peak bytes, bytes moved and time waited per tier.
 - :mod:`.bench`: the bandwidth measurements behind ``infinity bench`` and ``benchmarks/bench_storage.py``.

@@ -244,7 +244,7 @@ def test_saving_the_tag_latest_names_replaces_it_safely(tmp_path, monkeypatch):
     try:
         engine.save_checkpoint(save_dir, tag="t")
         seen = []
-        real = checkpoint._write_text_atomic
+        real = checkpoint.publish.write_text_atomic
 
         def spy(path, text):  # while "t" is replaced, `latest` names an intact copy of the old one
             target = save_dir / text.strip()
@@ -253,7 +253,7 @@ def test_saving_the_tag_latest_names_replaces_it_safely(tmp_path, monkeypatch):
             seen.append(text.strip())
             real(path, text)
 
-        monkeypatch.setattr(checkpoint, "_write_text_atomic", spy)
+        monkeypatch.setattr(checkpoint.publish, "write_text_atomic", spy)
         _train(engine, gpt_batches(1, batch=2), 1)
         engine.save_checkpoint(save_dir, tag="t")
         assert seen[0].startswith(".old-") and seen[-1] == "t"

@@ -1,0 +1,138 @@
+"""The checkpoint code sees a run only through a ShardSource: a source over plain tensors (no engine) saves
+and loads through it, and the checkpoint, state-dict and export modules import none of the engine's parts."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.comm import Collectives
+from infinity.config import InfinityConfig
+from infinity.shard_source import ModelBuffer, ParamShard, RunCounters, ShardRun, ShardSpan
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class MemorySource:
+    """One rank of one: parameters ``a`` (3x4, also named ``tied_a``) and ``b`` (5) trainable in one sub-group
+    of 24 elements (``b`` starts at 16: the gap is padding), ``c`` (2x2) frozen; every value in a plain tensor."""
+
+    STATES = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.comm = Collectives()
+        self.config = InfinityConfig()
+        self.compute_dtype = torch.float32
+        self.tiling_plan = None
+        self.step_in_progress = False
+        self.params = (ParamShard(0, "a", (3, 4), 12, 12, True), ParamShard(1, "b", (5,), 5, 5, True),
+                       ParamShard(2, "c", (2, 2), 4, 4, False))
+        self.param_names = (("a", 0), ("tied_a", 0), ("b", 1), ("c", 2))
+        self.state_runs = tuple(
+            ShardRun(i, state, torch.float32, 0, 24, "host",
+                     (ShardSpan(0, f"{state}/a", 0, 12), ShardSpan(1, f"{state}/b", 16, 5)))
+            for i, state in enumerate(self.STATES))
+        self.compute_runs = tuple(ShardRun(3 + p.index, "param", torch.float32, 0, p.numel, "nvme",
+                                           (ShardSpan(p.index, f"param/{p.name}", 0, p.numel),))
+                                  for p in self.params)
+        self.states = {state: torch.randn(24, generator=g) for state in self.STATES}
+        self.compute = {p.index: torch.randn(p.numel, generator=g) for p in self.params}
+        self.buffer = torch.randn(3, generator=g)
+        self.run_counters = RunCounters(global_step=seed + 7, micro_step=seed + 7)
+        self.optimizer = {"step": seed + 7, "lr": 0.5 + seed}
+        self.changed = False
+
+    def buffers(self):
+        return (ModelBuffer("running", self.buffer, True),)
+
+    def read(self, run, out_host):
+        out_host.copy_(self.compute[run.spans[0].param] if run.state == "param" else self.states[run.state])
+
+    def write(self, run, values_host):
+        target = self.compute[run.spans[0].param] if run.state == "param" else self.states[run.state]
+        target.copy_(values_host)
+
+    def host_view(self, run):
+        return None
+
+    def empty_host(self, numel, dtype):
+        return torch.empty(numel, dtype=dtype)
+
+    def free_host(self, tensor):
+        pass
+
+    def counters(self):
+        return self.run_counters
+
+    def set_counters(self, counters):
+        self.run_counters = counters
+
+    def optimizer_state(self):
+        return dict(self.optimizer)
+
+    def load_optimizer_state(self, state):
+        self.optimizer = dict(state)
+
+    def loss_scaler_state(self):
+        return None
+
+    def load_loss_scaler_state(self, state):
+        raise AssertionError("no loss scaler was saved")
+
+    def compute_shards_changed(self):
+        self.changed = True
+
+
+def test_a_source_without_an_engine_saves_and_loads_every_shard(tmp_path):
+    saved, restored = MemorySource(0), MemorySource(1)
+    tag = save_checkpoint(saved, tmp_path, client_state={"note": "x"})
+    assert tag == "global_step7"
+    with safe_open(str(tmp_path / tag / "shard-00000-of-00001.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert torch.equal(f.get_tensor("exp_avg/b"), saved.states["exp_avg"][16:21])
+    assert keys == {f"{s}/{p}" for s in MemorySource.STATES for p in "ab"} | {"param/a", "param/b", "param/c",
+                                                                             "buffer/running", "rng/torch"}
+    meta = json.loads((tmp_path / tag / "meta.json").read_text())
+    assert [p["names"] for p in meta["params"]] == [["a", "tied_a"], ["b"], ["c"]]
+    assert meta["sub_groups"] == [[0, 24, [0, 1]]]
+
+    assert load_checkpoint(restored, tmp_path) == {"note": "x"}
+    for state in MemorySource.STATES:
+        assert torch.equal(restored.states[state][:12], saved.states[state][:12])
+        assert torch.equal(restored.states[state][16:21], saved.states[state][16:21])
+        assert not restored.states[state][12:16].any() and not restored.states[state][21:].any()  # padding
+    for index, values in saved.compute.items():
+        assert torch.equal(restored.compute[index], values)
+    assert torch.equal(restored.buffer, saved.buffer)
+    assert restored.run_counters == saved.run_counters and restored.optimizer == saved.optimizer
+    assert restored.changed
+
+
+ENGINE_PARTS = {"infinity.engine", "infinity.engine_shards", "infinity.layout", "infinity.offload_optimizer",
+                "infinity.compute_shards", "infinity.tiers", "infinity.sharded_param", "infinity.placement",
+                "infinity.grad_reducer"}
+
+
+def test_checkpoints_state_dicts_and_exports_import_none_of_the_engines_parts():
+    paths = sorted((REPO / "infinity" / "checkpoint").glob("*.py"))
+    paths += [REPO / "infinity" / name for name in ("state_dict.py", "hf_export.py", "consolidation.py")]
+    assert len(paths) > 5
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name not in ENGINE_PARTS, f"{path.relative_to(REPO)} imports {name}"
