@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from infinity.comm import Collectives
+from infinity.comm import Collectives, rank_in
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.copies import Copies
@@ -27,7 +27,7 @@ from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
-from infinity.sharded_param import ParamState, ShardedParam
+from infinity.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
 from infinity.trace import Timeline
@@ -63,7 +63,9 @@ class Engine:
             self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
-        self.comm = Collectives(process_group)
+        # The timeline first: the collectives record their spans on it from the first one.
+        self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
+        self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = _compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
         self._check_batch_size()
@@ -83,8 +85,6 @@ class Engine:
         self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
-        self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
-        self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
         self.placement = Placement.decide(
             config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
@@ -128,16 +128,16 @@ class Engine:
                                           state_dtype=zero.offload_optimizer.state_dtype, rank=self.comm.rank)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
+        self.prefetcher = self._make_prefetcher(reserve)
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         for slot in layout.slots:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
                                    copies=self.copies, read_pool=self._read_pool,
-                                   persistent=slot.numel <= zero.param_persistence_threshold)
+                                   persistent=slot.numel <= zero.param_persistence_threshold,
+                                   prefetcher=self.prefetcher)
             self.params.append(sharded)
-        for sharded in self.params:
-            sharded.on_pool_exhausted = self._land_prefetches
         self._initialize_values(model, original_data)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
@@ -146,13 +146,6 @@ class Engine:
             self._weights.close()
         self._initializer.materialize_buffers()
         self._cast_buffers(model)
-        self.prefetcher = None
-        if (any(p.needs_swap_in or p.needs_copy_up for p in self.params)
-                and (zero.prefetch_bucket_size or zero.max_reuse_distance)):
-            self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
-                                         max_live_numel=zero.max_live_parameters,
-                                         max_reuse_distance=zero.max_reuse_distance,
-                                         device_stats=self.tiers.stats["device"], reserve_nbytes=reserve)
         self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
@@ -173,6 +166,19 @@ class Engine:
     def _step_may_be_undone(self) -> bool:
         """Clipping or fp16 loss scaling can reject a step's speculative updates."""
         return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
+
+    def _make_prefetcher(self, reserve_nbytes: int) -> Prefetcher | None:
+        """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
+        for prefetching or reuse; else every parameter is fetched on demand."""
+        zero, compute = self.config.zero, self.compute
+        starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, self.copies, slot)
+                           for slot in self.layout.slots)
+        if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
+            return None
+        return Prefetcher(itemsize=torch.empty((), dtype=self.dtype).element_size(),
+                          bucket_numel=zero.prefetch_bucket_size, max_live_numel=zero.max_live_parameters,
+                          max_reuse_distance=zero.max_reuse_distance, device_stats=self.tiers.stats["device"],
+                          reserve_nbytes=reserve_nbytes)
 
     def _make_read_pool(self) -> HostBufferPool | None:
         """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
@@ -516,10 +522,6 @@ class Engine:
         self._last_counters = now
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
-
-    def _land_prefetches(self) -> None:
-        for sharded in self.params:
-            sharded.land_prefetch()
 
     # -- passes ------------------------------------------------------------------
     def _begin_pass(self) -> None:
