@@ -22,11 +22,12 @@ from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
-from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
+from infinity.step_cycle import StepCycle
 from infinity.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
@@ -152,15 +153,13 @@ class Engine:
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.micro_step = 0
-        self.global_step = 0
-        self._backward_pending = False
+        self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
+                               optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
+                               gradient_clipping=config.gradient_clipping, params=self.params)
         self._metrics: dict[str, Any] = {}
         self._last_counters = self._counters()
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
-        self._global_grad_norm: float | None = None
-        self._last_step_rejected = False  # the last step clipped or overflowed
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:
@@ -289,7 +288,7 @@ class Engine:
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
-        if self.overlap_step and torch.is_grad_enabled() and self._next_micro_batch_is_boundary():
+        if torch.is_grad_enabled() and self.cycle.next_is_boundary:
             self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
             with FetchOnUse(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
@@ -312,107 +311,70 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
-        boundary = self._next_micro_batch_is_boundary()
-        self.reducer.begin_micro_batch(boundary=boundary)
-        if self.overlap_step and boundary:
+        if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
-            self.reducer.on_slot_final = self.optimizer.slot_grad_final
+        self.cycle.begin_backward()
         try:
             with self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
+        except BaseException:
+            self.cycle.abort_backward()
+            raise
         finally:
-            self.reducer.on_slot_final = None
             self._end_pass()
         self._compute_s += time.perf_counter() - start
-        self.micro_step += 1
-        self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
-        self._backward_pending = True
-
-    def _next_micro_batch_is_boundary(self) -> bool:
-        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        self.cycle.end_backward()
 
     def _begin_overlapped_step(self) -> None:
-        if not self.optimizer.overlapping:
-            self.optimizer.begin_overlapped_step(self._step_check())
+        """With ``overlap_step_with_backward``, the coming step runs during its last backward."""
+        if self.overlap_step:
+            self.cycle.begin_overlapped_step(self._step_check())
 
     def _step_check(self) -> StepCheck:
         """What the coming step's speculative updates assume: nothing clips and nothing overflows. A step that
         follows one which clipped or overflowed likely does too, and waits for the norm instead."""
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
-                         speculate=not self._last_step_rejected)
+                         speculate=not self.cycle.last_step_rejected)
 
     def _cancel_unused_overlap(self) -> None:
-        """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
-        did not back-propagate, say): nothing was updated, so the step is taken back."""
-        if self.optimizer.overlapping and not self._backward_pending and not self.optimizer.updates_started:
-            self.optimizer.cancel_overlapped_step()
+        self.cycle.cancel_unused_overlap()
 
     @property
     def step_in_progress(self) -> bool:
         """True from the forward of a boundary micro-batch (or its backward) until ``step()``."""
-        return self._backward_pending or self.optimizer.overlapping
+        return self.cycle.in_progress
 
     @property
     def backward_pending(self) -> bool:
         """True between ``backward()`` and its ``step()`` (no checkpoint may be taken then)."""
-        return self._backward_pending
+        return self.cycle.backward_pending
+
+    @property
+    def micro_step(self) -> int:
+        return self.cycle.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.micro_step = value
+
+    @property
+    def global_step(self) -> int:
+        return self.cycle.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.global_step = value
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_step % self.config.gradient_accumulation_steps == 0
+        return self.cycle.at_boundary
 
     def step(self) -> None:
         """Apply the optimizer at accumulation boundaries; a no-op between them."""
         self._ensure_open()
-        if not self._backward_pending:
-            raise RuntimeError("step() called before backward(): run engine.backward(loss) for this micro-batch first")
-        self._backward_pending = False
-        if not self.is_gradient_accumulation_boundary():
+        skipped = self.cycle.step(self._metrics)
+        if skipped is None:
             return
-        self._global_grad_norm = None
-        start = time.perf_counter()
-        overlapped = self.optimizer.overlapping
-        if overlapped:
-            self._metrics["sub_groups_during_backward"] = self.optimizer.finish_backward_updates()
-        coef, skipped, clipped = self._gradient_coef()
-        self._last_step_rejected = skipped or clipped
-        if overlapped:
-            self._metrics["overlapped_step"] = self.optimizer.settle_overlapped_step(coef, skipped)
-            self._metrics["rollbacks"] = self.optimizer.rollbacks
-        elif not skipped:
-            self.optimizer.step(coef)
-        if skipped:
-            logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
-                        self.global_step, self.loss_scaler.scale)
-        else:
-            self._metrics["optimizer_s"] = time.perf_counter() - start
-        if overlapped or not skipped:  # compute shards changed (an undone update changed them back)
-            for sharded in self.params:
-                sharded.mark_stale()
-        self._finish_step(skipped)
-
-    def _gradient_coef(self) -> tuple[float, bool, bool]:
-        """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is
-        skipped (fp16 overflow) and whether it clipped; the same for the overlapped step and the one after
-        backward."""
-        sq_norm = self.optimizer.grad_sq_norm()
-        coef, skipped = 1.0, False
-        if self.loss_scaler is not None:
-            overflow = torch.tensor([0.0 if math.isfinite(sq_norm) else 1.0])
-            self.comm.all_reduce_max(overflow)  # one rank's overflow skips the step on every rank
-            skipped = not self.loss_scaler.update(overflow=bool(overflow.item()))
-            coef = 1.0 / self.loss_scaler.applied_scale
-        if skipped:
-            return coef, True, False
-        norm = global_grad_norm(sq_norm, self.comm) * coef
-        self._global_grad_norm = norm
-        self._metrics["grad_norm"] = norm
-        clip = self.config.gradient_clipping / (norm + 1e-6) if self.config.gradient_clipping > 0 else 1.0
-        return coef * min(clip, 1.0), False, clip < 1.0
-
-    def _finish_step(self, skipped: bool) -> None:
-        self.reducer.zero()
-        self.global_step += 1
         self._close_step_metrics(skipped)
         self._apply_lr_schedule()
 
@@ -430,7 +392,7 @@ class Engine:
     def lr(self, value: float) -> None:
         if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
             raise ValueError(f"lr must be a non-negative number, got {value!r}")
-        if self.optimizer.updates_started and float(value) != self.optimizer.lr:
+        if self.cycle.updates_started and float(value) != self.optimizer.lr:
             raise RuntimeError(
                 f"engine.lr was set after backward() of the step's last micro-batch, but with "
                 f"overlap_step_with_backward the update already ran during backward with lr={self.optimizer.lr:g}; "
@@ -459,7 +421,7 @@ class Engine:
         """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
         engine names it; None before the first step and after a skipped fp16 step (an overlapped step takes
         it too, from the sub-groups' norms as backward finished them)."""
-        return self._global_grad_norm
+        return self.cycle.global_grad_norm
 
     def step_metrics(self) -> dict:
         """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
@@ -555,7 +517,7 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self._finish_overlap, self.copies.close, self._write_timeline,
+        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.copies.close, self._write_timeline,
                      self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
             try:
                 part()
@@ -563,9 +525,6 @@ class Engine:
                 errors.append(err)
         if errors:
             raise errors[0]
-
-    def _finish_overlap(self) -> None:
-        self.optimizer.abandon_overlapped_step()
 
     def _write_timeline(self) -> None:
         path = self.timeline.write()

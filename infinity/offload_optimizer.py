@@ -36,10 +36,11 @@ import torch
 from infinity import kernels
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
-from infinity.copies import CopyDone, Copies
+from infinity.compute_delivery import ComputeDelivery
+from infinity.copies import Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
-from infinity.overlapped_step import OverlappedStep, StepCheck
+from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
@@ -98,9 +99,7 @@ class OffloadOptimizer:
                 f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
         self._rank = rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
-        self._write_in_place = placement.compute_shard_in_optimizer_memory
-        # new compute shards that cross between memories are staged in host buffers pinned like the gradients
-        self._scratch_pinned = placement.grads.pinned and not self._write_in_place
+        self._delivery = ComputeDelivery(layout, placement, tiers, compute, copies)
         self._memory_tier = "device" if self.tier == "device" else "host"
         """Where the states in memory rest (host memory for NVMe's sub-groups kept within the budget)."""
         self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state_layout tensor
@@ -109,15 +108,11 @@ class OffloadOptimizer:
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
-        self._host_scratch: torch.Tensor | None = None
         self._grad_scratch: torch.Tensor | None = None
         self._grad_scratch_tier = "host"
-        self._device_scratch: torch.Tensor | None = None
-        self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
-        self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
-        self._overlap: OverlappedStep | None = None
+        self.group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
-        self._undo: dict[str, torch.Tensor] = {}  # in-memory states before a speculative update (lazily made)
+        self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
@@ -125,7 +120,7 @@ class OffloadOptimizer:
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
             for _ in range(max(2, buffer_count) if pipeline else 1):
                 states = {t.name: tiers.empty("host", t.numel, t.dtype) for t in self._state_layout(numel)}
-                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
+                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._delivery.scratch_pinned)
                 self._staging.append(_Staging(states, compute_staging, []))
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
@@ -229,10 +224,14 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
-        if grad_coef != 1.0:
-            self._grads.wait_all().mul_(grad_coef)
+        self.scale_grads(grad_coef)
         self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)])
         self.finish_compute_copies()
+
+    def scale_grads(self, grad_coef: float) -> None:
+        """Scale every gradient slice in place, once they have landed (a step nothing will undo any more)."""
+        if grad_coef != 1.0:
+            self._grads.wait_all().mul_(grad_coef)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
                 grad_coef: float = 1.0) -> list[IOHandle]:
@@ -245,7 +244,7 @@ class OffloadOptimizer:
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
-        out = self._compute_out(group, scratch)
+        out = self._delivery.out(group, scratch)
         hyper = dict(step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
@@ -257,76 +256,11 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        return self._deliver_compute(group, out)
-
-    def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
-        """Where the kernel writes the sub-group's new compute shards."""
-        if self._write_in_place:
-            return self._compute.sub_group_view(group)
-        numel = self.layout.largest_sub_group_numel
-        if self._on_device:
-            if self._device_scratch is None:
-                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
-            out = self._device_scratch
-        else:
-            out = scratch if scratch is not None else self._host_scratch_buffer()
-        self._wait_scratch_free(out)
-        return out[:group.numel]
-
-    def _host_scratch_buffer(self) -> torch.Tensor:
-        """One sub-group of host scratch for new compute shards, made on first use (states in memory have no
-        staging set of their own to lend one)."""
-        if self._host_scratch is None:
-            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
-                                                   pinned=self._scratch_pinned)
-        return self._host_scratch
-
-    def _wait_scratch_free(self, scratch: torch.Tensor) -> None:
-        done = self._scratch_copy.pop(scratch.data_ptr(), None)
-        if done is None:
-            return
-        if self._on_device:
-            self._copies.compute_waits(done)  # the kernel overwrites device scratch the copy stream still reads
-        else:
-            self._copies.host_waits(done)  # the CPU kernel overwrites host scratch the copy stream still reads
-
-    def _deliver_compute(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
-        """Take the new compute shards from ``out`` to their tier."""
-        if self._write_in_place:
-            return []
-        if self._compute.tier != "nvme":
-            # across memories: a copy on the copy stream; the scratch is reused only once it has landed
-            flat = self._compute.sub_group_view(group)
-            cross = self._copies.to_host if self._on_device else self._copies.to_device
-            self._scratch_copy[out.data_ptr()] = cross(out, flat)
-            return []
-        if self._on_device:
-            out = self._down_for_nvme(group, out)
-        writes = []
-        for slot in group.slots:
-            start = slot.offset - group.start
-            handle = self._compute.write(slot, out[start:start + slot.shard_numel])
-            if handle is not None:
-                writes.append(handle)
-        return writes
-
-    def _down_for_nvme(self, group: SubGroup, out_device: torch.Tensor) -> torch.Tensor:
-        """Device states, NVMe compute shards: the new shards come down to host scratch before their writes."""
-        host = self._host_scratch_buffer()[:group.numel]
-        self._copies.host_waits(self._copies.to_host(out_device, host))  # the NVMe writes read it next
-        return host
+        return self._delivery.deliver(group, out)
 
     def finish_compute_copies(self) -> None:
-        """End of a step: the next forward's gathers wait for the new compute shards' copies up, and host reads
-        (the next step's copies up, checkpoints) for their copies down."""
-        if not self._scratch_copy:
-            return
-        last = self._copies.last()
-        self._scratch_copy.clear()
-        if self._on_device:
-            self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
-        else:
-            self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
+        """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
+        self._delivery.finish_copies()
 
     def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup]) -> None:
         """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
@@ -358,91 +292,31 @@ class OffloadOptimizer:
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
 
-    # -- the step overlapped with backward -------------------------------------
-    @property
-    def overlapping(self) -> bool:
-        return self._overlap is not None
-
-    @property
-    def updates_started(self) -> bool:
-        """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
-        return self._overlap is not None and self._overlap.started
-
-    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> None:
-        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final, under
-        ``check``'s assumptions when the step may still clip or overflow."""
+    # -- the step overlapped with backward (see infinity.overlapped_step) --------
+    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> OverlappedStep:
+        """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
+        gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        self._overlap = OverlappedStep(self, check)
+        return OverlappedStep(self, check)
 
-    def slot_grad_final(self, slot) -> None:
-        """The gradient reducer's callback: ``slot``'s gradient is final for this step."""
-        self._overlap.slot_final(slot, self._group_of_slot[slot.index])
-
-    def finish_backward_updates(self) -> int:
-        """Wait for the worker: every sub-group's squared norm is known and its speculative update done.
-        Returns how many sub-groups were updated while backward still ran."""
-        return self._overlap.finish()
-
-    def settle_overlapped_step(self, grad_coef: float, skipped: bool) -> str:
-        """End an overlapped step with the coefficient the gradients really get: its speculative updates stand
-        when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
-        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
-        overlap, self._overlap = self._overlap, None
-        if not skipped and grad_coef == overlap.check.grad_coef:
-            if overlap.check.needs_norm:  # its swapped sub-groups were written to their other side
-                self._side.symmetric_difference_update(g.index for g in overlap.speculated if not self.in_memory(g))
-            self._update_after_norm(overlap, overlap.deferred, grad_coef)
-            return "committed"
-        # The new states were never published: a swapped sub-group's old states are still under its
-        # current keys, and in-memory ones come back from the undo buffer.
-        for group in overlap.speculated:
-            if self.in_memory(group):
-                self._restore_undo(group)
-        if overlap.speculated:
-            self.rollbacks += 1
-            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
-                        self.step_count, len(overlap.speculated), "fp16 overflow" if skipped else "gradients clipped",
-                        self.rollbacks)
-        if skipped:
-            self.step_count -= 1
-            overlap.release_read_ahead()  # _restore_compute reads into a staging set
-            for group in overlap.speculated:
-                self._restore_compute(group)
-            self.finish_compute_copies()
-            return "skipped"
-        self._update_after_norm(overlap, self.layout.sub_groups, grad_coef)
-        return "redone"
-
-    def _update_after_norm(self, overlap: OverlappedStep, groups: list[SubGroup], grad_coef: float) -> None:
-        """The settled step's remaining updates; nothing is undone any more, so the slices are scaled in place
-        (as the step after backward scales them)."""
-        if grad_coef != 1.0:
-            self._grads.wait_all().mul_(grad_coef)
-        overlap.update_after_norm(groups)
-        self.finish_compute_copies()
-
-    def cancel_overlapped_step(self) -> None:
-        """Take back an overlapped step no gradient reached (its forward ran, its backward did not)."""
-        overlap, self._overlap = self._overlap, None
-        overlap.cancel()
+    def take_back_step(self) -> None:
+        """An overlapped step that updated nothing it keeps (cancelled, or skipped on an fp16 overflow)."""
         self.step_count -= 1
 
-    def abandon_overlapped_step(self) -> None:
-        """Closing mid-step: stop the worker and undo what it updated."""
-        if self._overlap is None:
-            return
-        if not self._overlap.started:
-            self.cancel_overlapped_step()
-            return
-        self._overlap.finish()
-        self.settle_overlapped_step(0.0, skipped=True)
+    def undo_updates(self, groups: list[SubGroup], reason: str) -> None:
+        """Roll back speculative updates: in-memory sub-groups come back from the undo copy; a swapped one's
+        new states were written to the other side of its keys and are simply never published."""
+        for group in groups:
+            if self.in_memory(group):
+                self.undo.restore(group)
+        if groups:
+            self.rollbacks += 1
+            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
+                        self.step_count, len(groups), reason, self.rollbacks)
 
-    # -- speculation: undoing an update ------------------------------------------
-    def can_undo(self, group: SubGroup, check: StepCheck) -> bool:
-        """Whether ``group`` may be updated before ``check``'s outcome is known."""
-        if not check.needs_norm or not self.in_memory(group):
-            return True  # nothing to undo, or a swapped sub-group (its old states stay on NVMe)
-        return bool(self._undo)
+    def publish_other_side(self, groups) -> None:
+        """Committed speculative updates of swapped sub-groups: their states now live under their other keys."""
+        self._side.symmetric_difference_update(g.index for g in groups if not self.in_memory(g))
 
     def _make_room_to_undo(self) -> None:
         """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
@@ -452,25 +326,10 @@ class OffloadOptimizer:
         for group in self.swapped_groups:
             for spec in self._state_layout(group.numel):
                 self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
-        if not self._states:
-            return
-        nbytes = sum(t.numel() * t.element_size() for t in self._states.values())
-        room = self._tiers.stats[self._memory_tier].room_nbytes()
-        if room is not None and room < nbytes:
-            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
-                        "states; their updates wait for the global norm", self._memory_tier)
-            return
-        self._undo = {name: self._tiers.empty(self._memory_tier, t.numel(), t.dtype)
-                      for name, t in self._states.items()}
-        logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
-                    nbytes / 2**20, self._memory_tier)
+        if self._states:
+            self.undo = InMemoryUndo.make(self._states, self._memory_tier, self._tiers, self._memory_states)
 
-    def _restore_undo(self, group: SubGroup) -> None:
-        undo = self._memory_states(group, self._undo)
-        for name, values in self._memory_states(group).items():
-            values.copy_(undo[name])
-
-    def _restore_compute(self, group: SubGroup) -> None:
+    def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
         if self.in_memory(group):
@@ -480,9 +339,9 @@ class OffloadOptimizer:
             staging.wait_writes()  # its buffers are about to be overwritten by the read
             master = staging.states["master"][:group.numel]
             self._store.read(self._key("master", group), master).wait()
-        out = self._compute_out(group, staging.compute if staging is not None else None)
+        out = self._delivery.out(group, staging.compute if staging is not None else None)
         out.copy_(master)
-        for handle in self._deliver_compute(group, out):
+        for handle in self._delivery.deliver(group, out):
             handle.wait()
 
     def _key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
@@ -503,9 +362,7 @@ class OffloadOptimizer:
     def update_in_memory(self, group: SubGroup, check: StepCheck) -> None:
         """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
         if check.needs_norm:
-            undo = self._memory_states(group, self._undo)
-            for name, values in self._memory_states(group).items():
-                undo[name].copy_(values)
+            self.undo.save(group)
         self._update_in_memory(group, grad_coef=check.grad_coef)
 
     def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck) -> None:
@@ -628,10 +485,9 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        """This rank's squared gradient norm: the sub-groups' terms summed in their order (an overlapped step
-        took them as backward finished each), so both kinds of step agree to the bit."""
-        if self._overlap is not None:
-            return self._overlap.sq_norm()
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (as
+        :meth:`OverlappedStep.sq_norm` sums those it took as backward finished each), so both kinds of step
+        agree to the bit."""
         return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
     def sub_group_sq_norm(self, group: SubGroup) -> float:
@@ -657,18 +513,12 @@ class OffloadOptimizer:
         for tensor in self._states.values():
             self._tiers.free(self._memory_tier, tensor)
         self._states.clear()
-        if self._host_scratch is not None:
-            self._tiers.free("host", self._host_scratch)
-            self._host_scratch = None
-        if self._device_scratch is not None:
-            self._tiers.free("device", self._device_scratch)
-            self._device_scratch = None
+        self._delivery.close()
         if self._grad_scratch is not None:
             self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
             self._grad_scratch = None
-        for tensor in self._undo.values():
-            self._tiers.free(self._memory_tier, tensor)
-        self._undo.clear()
+        if self.undo is not None:
+            self.undo.close()
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:
