@@ -4,11 +4,9 @@ behind ``infinity.initialize``. It owns every other object's lifetime.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from typing import Any
 
 import torch
 
@@ -21,13 +19,14 @@ from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
-from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
+from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.step_cycle import StepCycle
+from infinity.step_metrics import StepMeter
 from infinity.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
@@ -139,7 +138,8 @@ class Engine:
                                    persistent=slot.numel <= zero.param_persistence_threshold,
                                    prefetcher=self.prefetcher)
             self.params.append(sharded)
-        self._initialize_values(model, original_data)
+        write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
+                             comm=self.comm, compute=self.compute, optimizer=self.optimizer)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
         if self._weights is not None:
@@ -156,10 +156,7 @@ class Engine:
         self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
                                optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
                                gradient_clipping=config.gradient_clipping, params=self.params)
-        self._metrics: dict[str, Any] = {}
-        self._last_counters = self._counters()
-        self._step_started = time.perf_counter()
-        self._compute_s = 0.0
+        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline)
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:
@@ -193,60 +190,6 @@ class Engine:
             buffer_size = largest
         return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
                               stats=self.tiers.stats["host"])
-
-    def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
-        """Shard every parameter's initial values into its tiers, one module at a time.
-
-        A module whose parameters are on the meta device is materialized here
-        (``reset_parameters``), so at most one module's full values exist at once.
-        """
-        pending_master: dict[int, torch.Tensor] = {}
-        sharded_by_id = {id(s.param): s for s in self.params}
-        done: set[int] = set()
-        initializing_meta = self._weights is None and any(t.is_meta for t in original_data.values())
-        seed = self._common_seed(initializing_meta)
-        rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
-        with rng:
-            if seed is not None:
-                torch.manual_seed(seed)
-            if initializing_meta:
-                self._initializer.prepare()
-            for module_name, module in model.named_modules():
-                direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
-                todo = [(n, p) for n, p in direct if id(p) not in done]
-                if not todo:
-                    continue
-                if self._weights is not None:  # each rank reads its own slices, nothing else
-                    values = [None] * len(todo)
-                else:
-                    values = self._initializer.values(module, module_name, todo, original_data)
-                for (local_name, param), value in zip(todo, values):
-                    sharded = sharded_by_id[id(param)]
-                    if value is None:
-                        shard = self._weights.read_shard(sharded.slot, self.comm.rank)
-                    else:
-                        if self.comm.world_size > 1 and not original_data[id(param)].is_meta:
-                            value = value.contiguous()
-                            self.comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
-                        shard = shard_values(value, sharded.slot, self.comm.rank)
-                    if sharded.slot.trainable:
-                        pending_master[sharded.slot.index] = shard
-                    handle = self.compute.write(sharded.slot, shard.to(self.dtype))
-                    if handle is not None:
-                        handle.wait()
-                    done.add(id(param))
-                    original_data[id(param)] = None
-                self.optimizer.init_master(pending_master)
-        if pending_master:
-            raise RuntimeError(f"internal error: masters not written for slots {sorted(pending_master)}")
-
-    def _common_seed(self, has_meta: bool) -> int | None:
-        """A seed all ranks share, so a meta model is initialized the same on every rank."""
-        if not has_meta or self.comm.world_size == 1:
-            return None
-        seed = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64)
-        self.comm.broadcast_from_first(seed)
-        return int(seed)
 
     def _cast_buffers(self, model: torch.nn.Module) -> None:
         for module in model.modules():
@@ -298,7 +241,7 @@ class Engine:
             raise
         if not torch.is_grad_enabled():
             self._end_pass()  # no backward follows
-        self._compute_s += time.perf_counter() - start
+        self.meter.add_compute(time.perf_counter() - start)
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -322,7 +265,7 @@ class Engine:
             raise
         finally:
             self._end_pass()
-        self._compute_s += time.perf_counter() - start
+        self.meter.add_compute(time.perf_counter() - start)
         self.cycle.end_backward()
 
     def _begin_overlapped_step(self) -> None:
@@ -372,10 +315,11 @@ class Engine:
     def step(self) -> None:
         """Apply the optimizer at accumulation boundaries; a no-op between them."""
         self._ensure_open()
-        skipped = self.cycle.step(self._metrics)
+        skipped = self.cycle.step(self.meter.metrics)
         if skipped is None:
             return
-        self._close_step_metrics(skipped)
+        self.meter.close_step(step=self.global_step, skipped=skipped, lr=self.lr,
+                              loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
         self._apply_lr_schedule()
 
     def _apply_lr_schedule(self) -> None:
@@ -425,7 +369,12 @@ class Engine:
 
     def step_metrics(self) -> dict:
         """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
-        return dict(self._metrics)
+        return dict(self.meter.metrics)
+
+    @property
+    def _last_counters(self) -> dict:
+        """The counters at the last step's end (tests read the writes that finished after it)."""
+        return self.meter.last_counters
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
@@ -455,35 +404,6 @@ class Engine:
         client_state = load_checkpoint(self, load_dir, tag=tag)
         self._apply_lr_schedule()
         return client_state
-
-    # -- metrics -----------------------------------------------------------------
-    def _counters(self) -> dict:
-        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes), "copies": self.copies.snapshot()}
-
-    def _close_step_metrics(self, skipped: bool) -> None:
-        now = self._counters()
-        last = self._last_counters
-        tiers = {}
-        for tier, snap in now["tiers"].items():
-            prev = last["tiers"].get(tier, {})
-            tiers[tier] = {
-                "live_nbytes": snap["live_nbytes"], "peak_nbytes": snap["peak_nbytes"],
-                "bytes_read": snap["bytes_read"] - prev.get("bytes_read", 0),
-                "bytes_written": snap["bytes_written"] - prev.get("bytes_written", 0),
-                "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
-            }
-        collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
-        # host<->device traffic: what a GPU run moves over PCIe (zero where device memory is host memory)
-        copies = {name: n - last["copies"][name] for name, n in now["copies"].items()}
-        elapsed = time.perf_counter() - self._step_started
-        self._metrics["timeline"] = self.timeline.close_step()
-        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
-                             compute_s=self._compute_s, step_s=elapsed,
-                             fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
-                             lr=self.lr, loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
-        self._last_counters = now
-        self._step_started = time.perf_counter()
-        self._compute_s = 0.0
 
     # -- passes ------------------------------------------------------------------
     def _begin_pass(self) -> None:
