@@ -6,15 +6,18 @@ gradient slices belong to the :class:`~infinity.grad_reducer.GradReducer`;
 the optimizer waits for a sub-group's slices to land before updating it.
 
 New compute shards are written in place when they rest in the memory the
-optimizer runs in; otherwise they go through a scratch buffer (pinned host
-memory, or device memory) and cross through :class:`~infinity.copies.Copies`,
-or are written to NVMe.
+optimizer runs in; otherwise they go through a scratch buffer and cross, or are
+written to NVMe (:class:`~infinity.compute_delivery.ComputeDelivery`).
 
 With the states on NVMe, the sub-groups that fit the host-memory budget rest in
-host memory instead (those the step reads first, first) and only the others
-are swapped: they are pipelined through sets of host buffers, sub-group i+1
+host memory instead (those the step reads first, first; the states in memory
+are :class:`~infinity.memory_states.MemoryStates`) and only the others are
+swapped: they are pipelined through sets of host buffers, sub-group i+1
 read while sub-group i is updated, and sub-group i written while i+1 is
 updated. A buffer set is reused only after its writes have completed.
+
+The step overlapped with backward (:mod:`infinity.overlapped_step`) runs the
+same updates from its worker, through the verbs of the section so named.
 
 The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
@@ -40,6 +43,7 @@ from infinity.compute_delivery import ComputeDelivery
 from infinity.copies import Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
+from infinity.memory_states import MemoryStates
 from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
@@ -48,8 +52,8 @@ from infinity.tiers import Tiers
 logger = logging.getLogger(__name__)
 
 STATE_NAMES = ("master", "exp_avg", "exp_avg_sq")
-"""The states; each is held by one tensor, plus (int8 moments) a tensor of block scales (``_SCALE_NAMES``)."""
-_SCALE_NAMES = ("exp_avg_scale", "exp_avg_sq_scale")
+"""The states; each is held by one tensor, plus (int8 moments) a tensor of block scales
+(:data:`~infinity.memory_states.SCALE_NAMES`)."""
 _nothing = contextlib.nullcontext
 
 
@@ -100,11 +104,10 @@ class OffloadOptimizer:
         self._rank = rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
         self._delivery = ComputeDelivery(layout, placement, tiers, compute, copies)
-        self._memory_tier = "device" if self.tier == "device" else "host"
-        """Where the states in memory rest (host memory for NVMe's sub-groups kept within the budget)."""
-        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state_layout tensor
-        self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
-        self._block_offset: dict[int, int] = {}     # sub-group index -> its first block in the scale tensors (int8)
+        # the states in memory (host memory for NVMe's sub-groups kept within the budget)
+        self._memory = MemoryStates(tiers, copies, tier="device" if self.tier == "device" else "host",
+                                    state_dtype=self.state_dtype, on_device=self._on_device)
+        self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
@@ -125,8 +128,8 @@ class OffloadOptimizer:
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
-            self._allocate_memory_states(self._memory_tier, layout.sub_groups)
-        self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
+            self._memory.allocate(layout.sub_groups)
+        self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         if step_undo:
             self._make_room_to_undo()
@@ -149,30 +152,13 @@ class OffloadOptimizer:
                 total_nbytes += nbytes
         if not kept:
             return
-        self._allocate_memory_states("host", kept)
+        self._memory.allocate(kept)
         logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
                     "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
                     sum(g.numel for g in self.layout.sub_groups))
 
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
-
-    def _allocate_memory_states(self, tier: str, groups) -> None:
-        """One zeroed flat tensor per state tensor for ``groups``, each sub-group at its offset (scales at
-        their own block offsets, so every sub-group's blocks start with it)."""
-        numel = blocks = 0
-        for group in sorted(groups, key=lambda g: g.index):
-            self._memory_offset[group.index], self._block_offset[group.index] = numel, blocks
-            numel += group.numel
-            blocks += kernels.compact.num_blocks(group.numel)
-        for spec in self._state_layout(numel):
-            self._states[spec.name] = self._tiers.empty(tier, blocks if spec.name in _SCALE_NAMES else numel, spec.dtype)
-            self._states[spec.name].zero_()
-
-    def _memory_states(self, group: SubGroup, tensors: "dict[str, torch.Tensor] | None" = None) -> dict[str, torch.Tensor]:
-        """Views of a sub-group's state tensors in memory (in ``tensors``, laid out as the states: the undo copy)."""
-        return {spec.name: self._memory_view(spec.name, group, 0, spec.numel, tensors)
-                for spec in self._state_layout(group.numel)}
 
     def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
@@ -183,7 +169,7 @@ class OffloadOptimizer:
         return (self._rank << 32) | group.index
 
     def in_memory(self, group: SubGroup) -> bool:
-        return group.index in self._memory_offset
+        return self._memory.holds(group)
 
     @property
     def resident_numel(self) -> int:
@@ -215,7 +201,7 @@ class OffloadOptimizer:
                 self._store.write(self._key("master", group), master).wait()
             else:
                 for slot in group.slots:
-                    self._write_memory_tensor("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
+                    self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -327,13 +313,13 @@ class OffloadOptimizer:
             for spec in self._state_layout(group.numel):
                 self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
         if self._states:
-            self.undo = InMemoryUndo.make(self._states, self._memory_tier, self._tiers, self._memory_states)
+            self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
 
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
         if self.in_memory(group):
-            master, staging = self._memory_states(group)["master"], None
+            master, staging = self._memory.views(group)["master"], None
         else:
             staging = self._staging[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
@@ -375,7 +361,7 @@ class OffloadOptimizer:
 
     def _update_in_memory(self, group: SubGroup, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self._memory_states(group), None, grad_coef=grad_coef):
+        for handle in self._update(group, self._memory.views(group), None, grad_coef=grad_coef):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -399,7 +385,7 @@ class OffloadOptimizer:
             out.zero_()  # moments are written by the first step
         elif self.state_dtype == "fp32":
             if self.in_memory(group):
-                self._read_memory_tensor(name, group, out)
+                self._memory.read(name, group, out)
             else:
                 self._store.read(self._key(name, group), out).wait()
         else:
@@ -428,7 +414,7 @@ class OffloadOptimizer:
                 kernels.compact.state_from_fp32_into(self.state_dtype, name, values, buffers)
             for part, tensor in parts.items():
                 if self.in_memory(group):
-                    self._write_memory_tensor(part, group, tensor)
+                    self._memory.write(part, group, tensor)
                 else:
                     self._store.write(self._key(part, group), tensor).wait()
         finally:
@@ -444,7 +430,7 @@ class OffloadOptimizer:
                     continue
                 parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
                 if self.in_memory(group):
-                    self._read_memory_tensor(spec.name, group, buffer)
+                    self._memory.read(spec.name, group, buffer)
                 else:
                     self._store.read(self._key(spec.name, group), buffer).wait()
         except BaseException:
@@ -452,29 +438,6 @@ class OffloadOptimizer:
                 self._tiers.free("host", tensor)
             raise
         return parts
-
-    def _memory_view(self, name: str, group: SubGroup, at: int, numel: int,
-                     tensors: "dict[str, torch.Tensor] | None" = None) -> torch.Tensor:
-        start = (self._block_offset if name in _SCALE_NAMES else self._memory_offset)[group.index] + at
-        return (self._states if tensors is None else tensors)[name][start:start + numel]
-
-    def _read_memory_tensor(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
-        """Copy the start of one of a sub-group's state tensors in memory into host ``out_host`` (same dtype)."""
-        source = self._memory_view(name, group, 0, out_host.numel())
-        if self._on_device:
-            self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
-        else:
-            out_host.copy_(source)
-
-    def _write_memory_tensor(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
-        """Write host values into one of a sub-group's state tensors in memory, ``at`` elements into it (fp32
-        masters are rounded to nearest into a bf16 master)."""
-        target = self._memory_view(name, group, at, values_host.numel())
-        values_host = values_host.to(target.dtype)
-        if self._on_device:
-            self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
-        else:
-            target.copy_(values_host)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
@@ -510,9 +473,7 @@ class OffloadOptimizer:
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)
         self._staging.clear()
-        for tensor in self._states.values():
-            self._tiers.free(self._memory_tier, tensor)
-        self._states.clear()
+        self._memory.close()
         self._delivery.close()
         if self._grad_scratch is not None:
             self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
