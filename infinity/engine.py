@@ -256,12 +256,15 @@ class Engine:
         start = time.perf_counter()
         if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
-        self.cycle.begin_backward()
+        begun = False
         try:
+            self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
+            begun = True
             with self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
         except BaseException:
-            self.cycle.abort_backward()
+            if begun:
+                self.cycle.abort_backward()
             raise
         finally:
             self._end_pass()
