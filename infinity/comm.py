@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from infinity.trace import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -22,18 +26,27 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_in(group: "dist.ProcessGroup | None" = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    return dist.get_rank(group) if _distributed() else 0
+
+
 class Collectives:
     """The engine's only door to torch.distributed."""
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None):
-        self.distributed = dist.is_available() and dist.is_initialized()
+    def __init__(self, group: "dist.ProcessGroup | None" = None, *, timeline: "Timeline | None" = None):
+        self.distributed = _distributed()
         self.group = group
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.rank = rank_in(group)
         self.backend = dist.get_backend(group) if self.distributed else None
         self.nbytes: dict[str, int] = defaultdict(int)
         self.seconds = 0.0
-        self.on_collective = None  # optional callback(name, start_s, end_s) for the trace
+        self._timeline = timeline  # each collective is a span on its "collectives" track
 
     def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Gather every rank's ``shard`` into ``full`` (``world_size * shard.numel()`` elements)."""
@@ -83,8 +96,8 @@ class Collectives:
         end = time.perf_counter()
         self.nbytes[name] += full_nbytes * (self.world_size - 1) // self.world_size
         self.seconds += end - start
-        if self.on_collective is not None:
-            self.on_collective(name, start, end)
+        if self._timeline is not None:
+            self._timeline.add("collectives", name, start, end)
 
     def snapshot(self) -> dict:
         return {f"{name}_nbytes": n for name, n in sorted(self.nbytes.items())} | {"seconds": self.seconds}

@@ -4,15 +4,14 @@ behind ``infinity.initialize``. It owns every other object's lifetime.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.comm import Collectives
+from infinity.comm import Collectives, rank_in
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.copies import Copies
@@ -21,13 +20,15 @@ from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
-from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, shard_values
-from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
+from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
 from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
-from infinity.sharded_param import ParamState, ShardedParam
+from infinity.step_cycle import StepCycle
+from infinity.step_metrics import StepMeter
+from infinity.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
 from infinity.trace import Timeline
@@ -66,7 +67,9 @@ class Engine:
             self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
-        self.comm = Collectives(process_group)
+        # The timeline first: the collectives record their spans on it from the first one.
+        self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
+        self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = _compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
         self._check_batch_size()
@@ -86,8 +89,6 @@ class Engine:
         self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
-        self.timeline = Timeline(config.trace.path, rank=self.comm.rank)
-        self.comm.on_collective = lambda name, start, end: self.timeline.add("collectives", name, start, end)
         self.placement = Placement.decide(
             config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
@@ -131,17 +132,18 @@ class Engine:
                                           state_dtype=zero.offload_optimizer.state_dtype, rank=self.comm.rank)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
+        self.prefetcher = self._make_prefetcher(reserve)
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         for slot in layout.slots:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
                                    copies=self.copies, read_pool=self._read_pool,
-                                   persistent=slot.numel <= zero.param_persistence_threshold)
+                                   persistent=slot.numel <= zero.param_persistence_threshold,
+                                   prefetcher=self.prefetcher)
             self.params.append(sharded)
-        for sharded in self.params:
-            sharded.on_pool_exhausted = self._land_prefetches
-        self._initialize_values(model, original_data)
+        write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
+                             comm=self.comm, compute=self.compute, optimizer=self.optimizer)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
         if self._weights is not None:
@@ -149,33 +151,34 @@ class Engine:
             self._weights.close()
         self._initializer.materialize_buffers()
         self._cast_buffers(model)
-        self.prefetcher = None
-        if (any(p.needs_swap_in or p.needs_copy_up for p in self.params)
-                and (zero.prefetch_bucket_size or zero.max_reuse_distance)):
-            self.prefetcher = Prefetcher(self.params, bucket_numel=zero.prefetch_bucket_size,
-                                         max_live_numel=zero.max_live_parameters,
-                                         max_reuse_distance=zero.max_reuse_distance,
-                                         device_stats=self.tiers.stats["device"], reserve_nbytes=reserve)
         self._in_pass = False
         self.groups = self._fetch_groups(model)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.micro_step = 0
-        self.global_step = 0
-        self._backward_pending = False
-        self._metrics: dict[str, Any] = {}
-        self._last_counters = self._counters()
-        self._step_started = time.perf_counter()
-        self._compute_s = 0.0
-        self._global_grad_norm: float | None = None
-        self._last_step_rejected = False  # the last step clipped or overflowed
+        self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
+                               optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
+                               gradient_clipping=config.gradient_clipping, params=self.params)
+        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline)
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:
         """Clipping or fp16 loss scaling can reject a step's speculative updates."""
         return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
+
+    def _make_prefetcher(self, reserve_nbytes: int) -> Prefetcher | None:
+        """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
+        for prefetching or reuse; else every parameter is fetched on demand."""
+        zero, compute = self.config.zero, self.compute
+        starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, self.copies, slot)
+                           for slot in self.layout.slots)
+        if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
+            return None
+        return Prefetcher(itemsize=torch.empty((), dtype=self.dtype).element_size(),
+                          bucket_numel=zero.prefetch_bucket_size, max_live_numel=zero.max_live_parameters,
+                          max_reuse_distance=zero.max_reuse_distance, device_stats=self.tiers.stats["device"],
+                          reserve_nbytes=reserve_nbytes)
 
     def _make_read_pool(self) -> HostBufferPool | None:
         """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
@@ -191,60 +194,6 @@ class Engine:
             buffer_size = largest
         return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
                               stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
-
-    def _initialize_values(self, model: torch.nn.Module, original_data: dict[int, torch.Tensor]) -> None:
-        """Shard every parameter's initial values into its tiers, one module at a time.
-
-        A module whose parameters are on the meta device is materialized here
-        (``reset_parameters``), so at most one module's full values exist at once.
-        """
-        pending_master: dict[int, torch.Tensor] = {}
-        sharded_by_id = {id(s.param): s for s in self.params}
-        done: set[int] = set()
-        initializing_meta = self._weights is None and any(t.is_meta for t in original_data.values())
-        seed = self._common_seed(initializing_meta)
-        rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
-        with rng:
-            if seed is not None:
-                torch.manual_seed(seed)
-            if initializing_meta:
-                self._initializer.prepare()
-            for module_name, module in model.named_modules():
-                direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
-                todo = [(n, p) for n, p in direct if id(p) not in done]
-                if not todo:
-                    continue
-                if self._weights is not None:  # each rank reads its own slices, nothing else
-                    values = [None] * len(todo)
-                else:
-                    values = self._initializer.values(module, module_name, todo, original_data)
-                for (local_name, param), value in zip(todo, values):
-                    sharded = sharded_by_id[id(param)]
-                    if value is None:
-                        shard = self._weights.read_shard(sharded.slot, self.comm.rank)
-                    else:
-                        if self.comm.world_size > 1 and not original_data[id(param)].is_meta:
-                            value = value.contiguous()
-                            self.comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
-                        shard = shard_values(value, sharded.slot, self.comm.rank)
-                    if sharded.slot.trainable:
-                        pending_master[sharded.slot.index] = shard
-                    handle = self.compute.write(sharded.slot, shard.to(self.dtype))
-                    if handle is not None:
-                        handle.wait()
-                    done.add(id(param))
-                    original_data[id(param)] = None
-                self.optimizer.init_master(pending_master)
-        if pending_master:
-            raise RuntimeError(f"internal error: masters not written for slots {sorted(pending_master)}")
-
-    def _common_seed(self, has_meta: bool) -> int | None:
-        """A seed all ranks share, so a meta model is initialized the same on every rank."""
-        if not has_meta or self.comm.world_size == 1:
-            return None
-        seed = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64)
-        self.comm.broadcast_from_first(seed)
-        return int(seed)
 
     def _cast_buffers(self, model: torch.nn.Module) -> None:
         for module in model.modules():
@@ -286,7 +235,7 @@ class Engine:
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
-        if self.overlap_step and torch.is_grad_enabled() and self._next_micro_batch_is_boundary():
+        if torch.is_grad_enabled() and self.cycle.next_is_boundary:
             self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
             with FetchOnUse(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
@@ -296,7 +245,7 @@ class Engine:
             raise
         if not torch.is_grad_enabled():
             self._end_pass()  # no backward follows
-        self._compute_s += time.perf_counter() - start
+        self.meter.add_compute(time.perf_counter() - start)
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -309,108 +258,75 @@ class Engine:
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
-        boundary = self._next_micro_batch_is_boundary()
-        self.reducer.begin_micro_batch(boundary=boundary)
-        if self.overlap_step and boundary:
+        if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
-            self.reducer.on_slot_final = self.optimizer.slot_grad_final
+        begun = False
         try:
+            self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
+            begun = True
             with self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
+        except BaseException:
+            if begun:
+                self.cycle.abort_backward()
+            raise
         finally:
-            self.reducer.on_slot_final = None
             self._end_pass()
-        self._compute_s += time.perf_counter() - start
-        self.micro_step += 1
-        self.reducer.end_micro_batch(boundary=self.is_gradient_accumulation_boundary())
-        self._backward_pending = True
-
-    def _next_micro_batch_is_boundary(self) -> bool:
-        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        self.meter.add_compute(time.perf_counter() - start)
+        self.cycle.end_backward()
 
     def _begin_overlapped_step(self) -> None:
-        if not self.optimizer.overlapping:
-            self.optimizer.begin_overlapped_step(self._step_check())
+        """With ``overlap_step_with_backward``, the coming step runs during its last backward."""
+        if self.overlap_step:
+            self.cycle.begin_overlapped_step(self._step_check())
 
     def _step_check(self) -> StepCheck:
         """What the coming step's speculative updates assume: nothing clips and nothing overflows. A step that
         follows one which clipped or overflowed likely does too, and waits for the norm instead."""
         unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
-                         speculate=not self._last_step_rejected)
+                         speculate=not self.cycle.last_step_rejected)
 
     def _cancel_unused_overlap(self) -> None:
-        """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
-        did not back-propagate, say): nothing was updated, so the step is taken back."""
-        if self.optimizer.overlapping and not self._backward_pending and not self.optimizer.updates_started:
-            self.optimizer.cancel_overlapped_step()
+        self.cycle.cancel_unused_overlap()
 
     @property
     def step_in_progress(self) -> bool:
         """True from the forward of a boundary micro-batch (or its backward) until ``step()``."""
-        return self._backward_pending or self.optimizer.overlapping
+        return self.cycle.in_progress
 
     @property
     def backward_pending(self) -> bool:
         """True between ``backward()`` and its ``step()`` (no checkpoint may be taken then)."""
-        return self._backward_pending
+        return self.cycle.backward_pending
+
+    @property
+    def micro_step(self) -> int:
+        return self.cycle.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.micro_step = value
+
+    @property
+    def global_step(self) -> int:
+        return self.cycle.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.global_step = value
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_step % self.config.gradient_accumulation_steps == 0
+        return self.cycle.at_boundary
 
     def step(self) -> None:
         """Apply the optimizer at accumulation boundaries; a no-op between them."""
         self._ensure_open()
-        if not self._backward_pending:
-            raise RuntimeError("step() called before backward(): run engine.backward(loss) for this micro-batch first")
-        self._backward_pending = False
-        if not self.is_gradient_accumulation_boundary():
+        skipped = self.cycle.step(self.meter.metrics)
+        if skipped is None:
             return
-        self._global_grad_norm = None
-        start = time.perf_counter()
-        overlapped = self.optimizer.overlapping
-        if overlapped:
-            self._metrics["sub_groups_during_backward"] = self.optimizer.finish_backward_updates()
-        coef, skipped, clipped = self._gradient_coef()
-        self._last_step_rejected = skipped or clipped
-        if overlapped:
-            self._metrics["overlapped_step"] = self.optimizer.settle_overlapped_step(coef, skipped)
-            self._metrics["rollbacks"] = self.optimizer.rollbacks
-        elif not skipped:
-            self.optimizer.step(coef)
-        if skipped:
-            logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
-                        self.global_step, self.loss_scaler.scale)
-        else:
-            self._metrics["optimizer_s"] = time.perf_counter() - start
-        if overlapped or not skipped:  # compute shards changed (an undone update changed them back)
-            for sharded in self.params:
-                sharded.mark_stale()
-        self._finish_step(skipped)
-
-    def _gradient_coef(self) -> tuple[float, bool, bool]:
-        """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is
-        skipped (fp16 overflow) and whether it clipped; the same for the overlapped step and the one after
-        backward."""
-        sq_norm = self.optimizer.grad_sq_norm()
-        coef, skipped = 1.0, False
-        if self.loss_scaler is not None:
-            overflow = torch.tensor([0.0 if math.isfinite(sq_norm) else 1.0])
-            self.comm.all_reduce_max(overflow)  # one rank's overflow skips the step on every rank
-            skipped = not self.loss_scaler.update(overflow=bool(overflow.item()))
-            coef = 1.0 / self.loss_scaler.applied_scale
-        if skipped:
-            return coef, True, False
-        norm = global_grad_norm(sq_norm, self.comm) * coef
-        self._global_grad_norm = norm
-        self._metrics["grad_norm"] = norm
-        clip = self.config.gradient_clipping / (norm + 1e-6) if self.config.gradient_clipping > 0 else 1.0
-        return coef * min(clip, 1.0), False, clip < 1.0
-
-    def _finish_step(self, skipped: bool) -> None:
-        self.reducer.zero()
-        self.global_step += 1
-        self._close_step_metrics(skipped)
+        self.meter.close_step(step=self.global_step, skipped=skipped, lr=self.lr,
+                              loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
         self._apply_lr_schedule()
 
     def _apply_lr_schedule(self) -> None:
@@ -427,7 +343,7 @@ class Engine:
     def lr(self, value: float) -> None:
         if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
             raise ValueError(f"lr must be a non-negative number, got {value!r}")
-        if self.optimizer.updates_started and float(value) != self.optimizer.lr:
+        if self.cycle.updates_started and float(value) != self.optimizer.lr:
             raise RuntimeError(
                 f"engine.lr was set after backward() of the step's last micro-batch, but with "
                 f"overlap_step_with_backward the update already ran during backward with lr={self.optimizer.lr:g}; "
@@ -456,11 +372,16 @@ class Engine:
         """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
         engine names it; None before the first step and after a skipped fp16 step (an overlapped step takes
         it too, from the sub-groups' norms as backward finished them)."""
-        return self._global_grad_norm
+        return self.cycle.global_grad_norm
 
     def step_metrics(self) -> dict:
         """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
-        return dict(self._metrics)
+        return dict(self.meter.metrics)
+
+    @property
+    def _last_counters(self) -> dict:
+        """The counters at the last step's end (tests read the writes that finished after it)."""
+        return self.meter.last_counters
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
@@ -498,39 +419,6 @@ class Engine:
         self._apply_lr_schedule()
         return client_state
 
-    # -- metrics -----------------------------------------------------------------
-    def _counters(self) -> dict:
-        return {"tiers": self.tiers.snapshot(), "collectives": dict(self.comm.nbytes), "copies": self.copies.snapshot()}
-
-    def _close_step_metrics(self, skipped: bool) -> None:
-        now = self._counters()
-        last = self._last_counters
-        tiers = {}
-        for tier, snap in now["tiers"].items():
-            prev = last["tiers"].get(tier, {})
-            tiers[tier] = {
-                "live_nbytes": snap["live_nbytes"], "peak_nbytes": snap["peak_nbytes"],
-                "bytes_read": snap["bytes_read"] - prev.get("bytes_read", 0),
-                "bytes_written": snap["bytes_written"] - prev.get("bytes_written", 0),
-                "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
-            }
-        collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
-        # host<->device traffic: what a GPU run moves over PCIe (zero where device memory is host memory)
-        copies = {name: n - last["copies"][name] for name, n in now["copies"].items()}
-        elapsed = time.perf_counter() - self._step_started
-        self._metrics["timeline"] = self.timeline.close_step()
-        self._metrics.update(step=self.global_step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
-                             compute_s=self._compute_s, step_s=elapsed,
-                             fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
-                             lr=self.lr, loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
-        self._last_counters = now
-        self._step_started = time.perf_counter()
-        self._compute_s = 0.0
-
-    def _land_prefetches(self) -> None:
-        for sharded in self.params:
-            sharded.land_prefetch()
-
     # -- passes ------------------------------------------------------------------
     def _begin_pass(self) -> None:
         """A pass is one micro-batch's forward and backward (or a forward alone without grad)."""
@@ -563,7 +451,7 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self._finish_overlap, self.copies.close, self._write_timeline,
+        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.copies.close, self._write_timeline,
                      self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
             try:
                 part()
@@ -571,9 +459,6 @@ class Engine:
                 errors.append(err)
         if errors:
             raise errors[0]
-
-    def _finish_overlap(self) -> None:
-        self.optimizer.abandon_overlapped_step()
 
     def _write_timeline(self) -> None:
         path = self.timeline.write()

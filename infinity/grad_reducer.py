@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Protocol
 
 import torch
 
@@ -42,6 +43,12 @@ RING_SLICES = 4
 this far behind."""
 
 
+class FinalGradSink(Protocol):
+    """Told, during the step's last backward, of each slot whose gradient is final (the overlapped step)."""
+
+    def slot_final(self, slot: ParamSlot) -> None: ...
+
+
 class GradReducer:
     def __init__(self, layout: ShardLayout, placement: Placement, tiers: Tiers, copies: Copies, comm: Collectives,
                  slot_of_param: dict[int, int], *, grad_dtype: torch.dtype, compute_dtype: torch.dtype):
@@ -56,9 +63,11 @@ class GradReducer:
         """The optimizer's gradient slices, in the trainable flat space."""
         self.slices.zero_()
         self.received: set[int] = set()  # slots with a gradient this micro-batch
-        self.accumulating = False     # False: the next gradient overwrites; True: adds
-        self.boundary = True          # this micro-batch ends the step: its slices are final
-        self.on_slot_final = None     # callback(slot) when a slot's gradient is final for the step
+        # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
+        # accumulation (they overwrite) / are the step's last (final as they arrive), and who is told so.
+        self._fresh = True
+        self._boundary = True
+        self._final_sink: "FinalGradSink | None" = None
         self._crossed: set[int] = set()           # slots copied down this step (DEVICE_THEN_HOST)
         self._landing: dict[int, object] = {}     # slot -> its latest crossing (CopyDone or _Added) this step
         self._device_acc: torch.Tensor | None = None
@@ -74,10 +83,16 @@ class GradReducer:
             self._adder = _HostAdder(copies, self._ring)
         logger.debug("gradient route: %s", self.route.value)
 
-    # -- the backward hook ------------------------------------------------------
-    def begin_micro_batch(self, *, boundary: bool) -> None:
-        """Called before a backward: whether its gradients are the step's last."""
-        self.boundary = boundary
+    # -- one micro-batch's backward (told by the StepCycle) --------------------------
+    def begin_backward(self, *, fresh: bool, boundary: bool, final_sink: "FinalGradSink | None" = None) -> None:
+        """Before a micro-batch's backward: whether its gradients start the step's accumulation (``fresh``: they
+        overwrite the slices, else add) and whether they are the step's last (``boundary``); ``final_sink``
+        (the overlapped step) is told of each slot whose gradient is then final."""
+        self._fresh, self._boundary, self._final_sink = fresh, boundary, final_sink
+
+    def abort_backward(self) -> None:
+        """The backward raised: nothing more is final for anyone."""
+        self._final_sink = None
 
     def on_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: reduce this parameter's gradient and free it."""
@@ -87,22 +102,22 @@ class GradReducer:
         if grad is None:
             return
         shard = self._reduce(grad, slot)
-        first = not (self.accumulating or slot.index in self.received)
+        first = self._fresh and slot.index not in self.received
         target = self.slices[slot.offset:slot.end]
         if self.route is GradRoute.IN_PLACE:
             target.copy_(shard) if first else target.add_(shard)
         elif self.route is GradRoute.DEVICE_THEN_HOST:
             acc = self._device_acc[slot.offset:slot.end]
             acc.copy_(shard) if first else acc.add_(shard)
-            if self.boundary:
+            if self._boundary:
                 self._cross_accumulated(slot)
         elif self.route is GradRoute.DIRECT_TO_HOST:
             self._copy_down(slot, shard, target, first)
         else:
             self._landing[slot.index] = self._adder.submit(shard, target, add=not first)
         self.received.add(slot.index)
-        if self.on_slot_final is not None and self.boundary:
-            self.on_slot_final(slot)
+        if self._final_sink is not None:
+            self._final_sink.slot_final(slot)
 
     def _reduce(self, grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """This rank's slice of the mean gradient over ranks, on the device."""
@@ -137,19 +152,19 @@ class GradReducer:
         self._copies.host_waits(self._copies.to_host(shard, extra))  # the add below reads it
         target.add_(extra)
 
-    def end_micro_batch(self, *, boundary: bool) -> None:
+    def end_backward(self) -> None:
         """Gradients of slots that got none this micro-batch are zero (on a fresh accumulation); at the step's
         boundary every slot not yet copied down goes down now."""
-        if not self.accumulating:
+        self._final_sink = None
+        if self._fresh:
             for slot in self.layout.slots:
                 if slot.trainable and slot.index not in self.received:
                     self._zero_slot(slot)
-        if boundary and self.route is GradRoute.DEVICE_THEN_HOST:
+        if self._boundary and self.route is GradRoute.DEVICE_THEN_HOST:
             for slot in self.layout.slots:
                 if slot.trainable and slot.index not in self._crossed:
                     self._cross_accumulated(slot)
         self.received.clear()
-        self.accumulating = not boundary
 
     def _zero_slot(self, slot: ParamSlot) -> None:
         if self.route is GradRoute.DEVICE_THEN_HOST:
@@ -180,7 +195,6 @@ class GradReducer:
         self.received.clear()
         self._crossed.clear()
         self._landing.clear()
-        self.accumulating = False
         self.slices.zero_()
 
     def close(self) -> None:

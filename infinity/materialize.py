@@ -23,18 +23,26 @@ under it not yet initialized (a nested model, e.g. ``LlamaModel`` inside
 :meth:`Initializer.prepare` replays that construction once, one module at a
 time, and records the generator's state before each module's draws; a module
 is then materialized from those states, so its values do not depend on the
-order in which the engine asks for them.
+order in which the engine asks for them. :func:`write_initial_shards` walks the
+model and writes each module's values into this rank's shards as it goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from infinity.layout import ParamSlot
+
+if TYPE_CHECKING:
+    from infinity.comm import Collectives
+    from infinity.compute_shards import ComputeShards
+    from infinity.offload_optimizer import OffloadOptimizer
+    from infinity.sharded_param import ShardedParam
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +251,67 @@ def _post_order(model: torch.nn.Module, owners: dict[int, torch.nn.Module], pref
             yield name, module, owners[id(module)]
 
     yield from walk(prefix, model)
+
+
+def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", original_data: dict[int, torch.Tensor],
+                     *, initializer: Initializer, weights, comm: "Collectives", compute: "ComputeShards",
+                     optimizer: "OffloadOptimizer") -> None:
+    """Shard every parameter's initial values into its tiers (compute shards, fp32 masters), one module at a time.
+
+    A module whose parameters are on the meta device is materialized here
+    (``reset_parameters``), so at most one module's full values exist at once.
+    With ``weights`` (a pretrained model's files) each rank reads its own slices
+    instead. ``original_data``: each parameter's values (or meta tensor) by id,
+    dropped as it is written.
+    """
+    pending_master: dict[int, torch.Tensor] = {}
+    sharded_by_id = {id(s.param): s for s in params}
+    done: set[int] = set()
+    initializing_meta = weights is None and any(t.is_meta for t in original_data.values())
+    seed = _common_seed(comm) if initializing_meta else None
+    rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    with rng:
+        if seed is not None:
+            torch.manual_seed(seed)
+        if initializing_meta:
+            initializer.prepare()
+        for module_name, module in model.named_modules():
+            direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
+            todo = [(n, p) for n, p in direct if id(p) not in done]
+            if not todo:
+                continue
+            if weights is not None:  # each rank reads its own slices, nothing else
+                values = [None] * len(todo)
+            else:
+                values = initializer.values(module, module_name, todo, original_data)
+            for (local_name, param), value in zip(todo, values):
+                sharded = sharded_by_id[id(param)]
+                if value is None:
+                    shard = weights.read_shard(sharded.slot, comm.rank)
+                else:
+                    if comm.world_size > 1 and not original_data[id(param)].is_meta:
+                        value = value.contiguous()
+                        comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
+                    shard = shard_values(value, sharded.slot, comm.rank)
+                if sharded.slot.trainable:
+                    pending_master[sharded.slot.index] = shard
+                handle = compute.write(sharded.slot, shard.to(compute.dtype))
+                if handle is not None:
+                    handle.wait()
+                done.add(id(param))
+                original_data[id(param)] = None
+            optimizer.init_master(pending_master)
+    if pending_master:
+        raise RuntimeError(f"internal error: masters not written for slots {sorted(pending_master)}")
+
+
+def _common_seed(comm: "Collectives") -> int | None:
+    """A seed all ranks share, so a meta model is initialized the same on every rank."""
+    if comm.world_size == 1:
+        return None
+    seed = torch.tensor([torch.initial_seed() % (1 << 62)], dtype=torch.int64)
+    comm.broadcast_from_first(seed)
+    return int(seed)
 
 
 def shard_values(full: torch.Tensor, slot: ParamSlot, rank: int) -> torch.Tensor:

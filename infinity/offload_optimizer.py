@@ -6,15 +6,18 @@ gradient slices belong to the :class:`~infinity.grad_reducer.GradReducer`;
 the optimizer waits for a sub-group's slices to land before updating it.
 
 New compute shards are written in place when they rest in the memory the
-optimizer runs in; otherwise they go through a scratch buffer (pinned host
-memory, or device memory) and cross through :class:`~infinity.copies.Copies`,
-or are written to NVMe.
+optimizer runs in; otherwise they go through a scratch buffer and cross, or are
+written to NVMe (:class:`~infinity.compute_delivery.ComputeDelivery`).
 
 With the states on NVMe, the sub-groups that fit the host-memory budget rest in
-host memory instead (those the step reads first, first) and only the others
-are swapped: they are pipelined through sets of host buffers, sub-group i+1
+host memory instead (those the step reads first, first; the states in memory
+are :class:`~infinity.memory_states.MemoryStates`) and only the others are
+swapped: they are pipelined through sets of host buffers, sub-group i+1
 read while sub-group i is updated, and sub-group i written while i+1 is
 updated. A buffer set is reused only after its writes have completed.
+
+The step overlapped with backward (:mod:`infinity.overlapped_step`) runs the
+same updates from its worker, through the verbs of the section so named.
 
 The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
@@ -38,10 +41,12 @@ from infinity import kernels
 from infinity.kernels.compact import STATE_NAMES
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
-from infinity.copies import CopyDone, Copies
+from infinity.compute_delivery import ComputeDelivery
+from infinity.copies import Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
-from infinity.overlapped_step import OverlappedStep, StepCheck
+from infinity.memory_states import MemoryStates
+from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck
 from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.storage.stats import format_nbytes
@@ -49,8 +54,6 @@ from infinity.tiers import Tiers
 
 logger = logging.getLogger(__name__)
 
-_SCALE_NAMES = ("exp_avg_scale", "exp_avg_sq_scale")
-"""The int8 moments' block scales: one fp32 a block, beside the moment of ``STATE_NAMES`` they scale."""
 _nothing = contextlib.nullcontext
 
 
@@ -100,27 +103,20 @@ class OffloadOptimizer:
                 f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
         self._rank = rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
-        self._write_in_place = placement.compute_shard_in_optimizer_memory
-        # new compute shards that cross between memories are staged in host buffers pinned like the gradients
-        self._scratch_pinned = placement.grads.pinned and not self._write_in_place
-        self._memory_tier = "device" if self.tier == "device" else "host"
-        """Where the states in memory rest (host memory for NVMe's sub-groups kept within the budget)."""
-        self._states: dict[str, torch.Tensor] = {}  # in memory: one flat tensor per state_layout tensor
-        self._memory_offset: dict[int, int] = {}    # sub-group index -> its start in those flat tensors
-        self._block_offset: dict[int, int] = {}     # sub-group index -> its first block in the scale tensors (int8)
+        self._delivery = ComputeDelivery(layout, placement, tiers, compute, copies)
+        # the states in memory (host memory for NVMe's sub-groups kept within the budget)
+        self._memory = MemoryStates(tiers, copies, tier="device" if self.tier == "device" else "host",
+                                    state_dtype=self.state_dtype, on_device=self._on_device)
+        self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
         self._store = None
         self._staging: list[_Staging] = []
         self._written_groups: set[int] = set()
-        self._host_scratch: torch.Tensor | None = None
         self._grad_scratch: torch.Tensor | None = None
         self._grad_scratch_tier = "host"
-        self._device_scratch: torch.Tensor | None = None
-        self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
-        self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
-        self._overlap: OverlappedStep | None = None
+        self.group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
-        self._undo: dict[str, torch.Tensor] = {}  # in-memory states before a speculative update (lazily made)
-        self._second_side_reserved = False   # room on NVMe for the speculative states of swapped sub-groups
+        self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
+        self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
@@ -128,13 +124,13 @@ class OffloadOptimizer:
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
             for _ in range(max(2, buffer_count) if pipeline else 1):
                 states = {t.name: tiers.empty("host", t.numel, t.dtype) for t in self._state_layout(numel)}
-                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._scratch_pinned)
+                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._delivery.scratch_pinned)
                 self._staging.append(_Staging(states, compute_staging, []))
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
-            self._allocate_memory_states(self._memory_tier, layout.sub_groups)
-        self.swapped_groups = [g for g in layout.sub_groups if g.index not in self._memory_offset]
+            self._memory.allocate(layout.sub_groups)
+        self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         if step_undo:
             self._make_room_to_undo()
@@ -157,30 +153,13 @@ class OffloadOptimizer:
                 total_nbytes += nbytes
         if not kept:
             return
-        self._allocate_memory_states("host", kept)
+        self._memory.allocate(kept)
         logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
                     "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
                     sum(g.numel for g in self.layout.sub_groups))
 
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
-
-    def _allocate_memory_states(self, tier: str, groups) -> None:
-        """One zeroed flat tensor per state tensor for ``groups``, each sub-group at its offset (scales at
-        their own block offsets, so every sub-group's blocks start with it)."""
-        numel = blocks = 0
-        for group in sorted(groups, key=lambda g: g.index):
-            self._memory_offset[group.index], self._block_offset[group.index] = numel, blocks
-            numel += group.numel
-            blocks += kernels.compact.num_blocks(group.numel)
-        for spec in self._state_layout(numel):
-            self._states[spec.name] = self._tiers.empty(tier, blocks if spec.name in _SCALE_NAMES else numel, spec.dtype)
-            self._states[spec.name].zero_()
-
-    def _memory_states(self, group: SubGroup, tensors: "dict[str, torch.Tensor] | None" = None) -> dict[str, torch.Tensor]:
-        """Views of a sub-group's state tensors in memory (in ``tensors``, laid out as the states: the undo copy)."""
-        return {spec.name: self._memory_view(spec.name, group, 0, spec.numel, tensors)
-                for spec in self._state_layout(group.numel)}
 
     def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
@@ -191,7 +170,7 @@ class OffloadOptimizer:
         return (self._rank << 32) | group.index
 
     def in_memory(self, group: SubGroup) -> bool:
-        return group.index in self._memory_offset
+        return self._memory.holds(group)
 
     @property
     def resident_numel(self) -> int:
@@ -223,7 +202,7 @@ class OffloadOptimizer:
                 self._store.write(self._key("master", group), master).wait()
             else:
                 for slot in group.slots:
-                    self._write_memory_tensor("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
+                    self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -232,10 +211,14 @@ class OffloadOptimizer:
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
         self.step_count += 1
-        if grad_coef != 1.0:
-            self._grads.wait_all().mul_(grad_coef)
+        self.scale_grads(grad_coef)
         self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)])
         self.finish_compute_copies()
+
+    def scale_grads(self, grad_coef: float) -> None:
+        """Scale every gradient slice in place, once they have landed (a step nothing will undo any more)."""
+        if grad_coef != 1.0:
+            self._grads.wait_all().mul_(grad_coef)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
                 grad_coef: float = 1.0) -> list[IOHandle]:
@@ -248,7 +231,7 @@ class OffloadOptimizer:
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
-        out = self._compute_out(group, scratch)
+        out = self._delivery.out(group, scratch)
         hyper = dict(step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
@@ -260,76 +243,11 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        return self._deliver_compute(group, out)
-
-    def _compute_out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
-        """Where the kernel writes the sub-group's new compute shards."""
-        if self._write_in_place:
-            return self._compute.sub_group_view(group)
-        numel = self.layout.largest_sub_group_numel
-        if self._on_device:
-            if self._device_scratch is None:
-                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
-            out = self._device_scratch
-        else:
-            out = scratch if scratch is not None else self._host_scratch_buffer()
-        self._wait_scratch_free(out)
-        return out[:group.numel]
-
-    def _host_scratch_buffer(self) -> torch.Tensor:
-        """One sub-group of host scratch for new compute shards, made on first use (states in memory have no
-        staging set of their own to lend one)."""
-        if self._host_scratch is None:
-            self._host_scratch = self._tiers.empty("host", self.layout.largest_sub_group_numel, self._compute.dtype,
-                                                   pinned=self._scratch_pinned)
-        return self._host_scratch
-
-    def _wait_scratch_free(self, scratch: torch.Tensor) -> None:
-        done = self._scratch_copy.pop(scratch.data_ptr(), None)
-        if done is None:
-            return
-        if self._on_device:
-            self._copies.compute_waits(done)  # the kernel overwrites device scratch the copy stream still reads
-        else:
-            self._copies.host_waits(done)  # the CPU kernel overwrites host scratch the copy stream still reads
-
-    def _deliver_compute(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
-        """Take the new compute shards from ``out`` to their tier."""
-        if self._write_in_place:
-            return []
-        if self._compute.tier != "nvme":
-            # across memories: a copy on the copy stream; the scratch is reused only once it has landed
-            flat = self._compute.sub_group_view(group)
-            cross = self._copies.to_host if self._on_device else self._copies.to_device
-            self._scratch_copy[out.data_ptr()] = cross(out, flat)
-            return []
-        if self._on_device:
-            out = self._down_for_nvme(group, out)
-        writes = []
-        for slot in group.slots:
-            start = slot.offset - group.start
-            handle = self._compute.write(slot, out[start:start + slot.shard_numel])
-            if handle is not None:
-                writes.append(handle)
-        return writes
-
-    def _down_for_nvme(self, group: SubGroup, out_device: torch.Tensor) -> torch.Tensor:
-        """Device states, NVMe compute shards: the new shards come down to host scratch before their writes."""
-        host = self._host_scratch_buffer()[:group.numel]
-        self._copies.host_waits(self._copies.to_host(out_device, host))  # the NVMe writes read it next
-        return host
+        return self._delivery.deliver(group, out)
 
     def finish_compute_copies(self) -> None:
-        """End of a step: the next forward's gathers wait for the new compute shards' copies up, and host reads
-        (the next step's copies up, checkpoints) for their copies down."""
-        if not self._scratch_copy:
-            return
-        last = self._copies.last()
-        self._scratch_copy.clear()
-        if self._on_device:
-            self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
-        else:
-            self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
+        """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
+        self._delivery.finish_copies()
 
     def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup]) -> None:
         """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
@@ -361,116 +279,44 @@ class OffloadOptimizer:
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
 
-    # -- the step overlapped with backward -------------------------------------
-    @property
-    def overlapping(self) -> bool:
-        return self._overlap is not None
-
-    @property
-    def updates_started(self) -> bool:
-        """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
-        return self._overlap is not None and self._overlap.started
-
-    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> None:
-        """From now on, a sub-group is updated (on a worker thread) as soon as its gradients are final, under
-        ``check``'s assumptions when the step may still clip or overflow."""
+    # -- the step overlapped with backward (see infinity.overlapped_step) --------
+    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> OverlappedStep:
+        """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
+        gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        self._overlap = OverlappedStep(self, check)
+        return OverlappedStep(self, check)
 
-    def slot_grad_final(self, slot) -> None:
-        """The gradient reducer's callback: ``slot``'s gradient is final for this step."""
-        self._overlap.slot_final(slot, self._group_of_slot[slot.index])
-
-    def finish_backward_updates(self) -> int:
-        """Wait for the worker: every sub-group's squared norm is known and its speculative update done.
-        Returns how many sub-groups were updated while backward still ran."""
-        return self._overlap.finish()
-
-    def settle_overlapped_step(self, grad_coef: float, skipped: bool) -> str:
-        """End an overlapped step with the coefficient the gradients really get: its speculative updates stand
-        when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
-        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
-        overlap, self._overlap = self._overlap, None
-        if not skipped and grad_coef == overlap.check.grad_coef:
-            if overlap.check.needs_norm:  # its swapped sub-groups were written to their other side
-                self._side.symmetric_difference_update(g.index for g in overlap.speculated if not self.in_memory(g))
-            self._update_after_norm(overlap, overlap.deferred, grad_coef)
-            return "committed"
-        # The new states were never published: a swapped sub-group's old states are still under its
-        # current keys, and in-memory ones come back from the undo buffer.
-        for group in overlap.speculated:
-            if self.in_memory(group):
-                self._restore_undo(group)
-        if overlap.speculated:
-            self.rollbacks += 1
-            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
-                        self.step_count, len(overlap.speculated), "fp16 overflow" if skipped else "gradients clipped",
-                        self.rollbacks)
-        if skipped:
-            self.step_count -= 1
-            overlap.release_read_ahead()  # _restore_compute reads into a staging set
-            for group in overlap.speculated:
-                self._restore_compute(group)
-            self.finish_compute_copies()
-            return "skipped"
-        self._update_after_norm(overlap, self.layout.sub_groups, grad_coef)
-        return "redone"
-
-    def _update_after_norm(self, overlap: OverlappedStep, groups: list[SubGroup], grad_coef: float) -> None:
-        """The settled step's remaining updates; nothing is undone any more, so the slices are scaled in place
-        (as the step after backward scales them)."""
-        if grad_coef != 1.0:
-            self._grads.wait_all().mul_(grad_coef)
-        overlap.update_after_norm(groups)
-        self.finish_compute_copies()
-
-    def cancel_overlapped_step(self) -> None:
-        """Take back an overlapped step no gradient reached (its forward ran, its backward did not)."""
-        overlap, self._overlap = self._overlap, None
-        overlap.cancel()
+    def take_back_step(self) -> None:
+        """An overlapped step that updated nothing it keeps (cancelled, or skipped on an fp16 overflow)."""
         self.step_count -= 1
 
-    def abandon_overlapped_step(self) -> None:
-        """Closing mid-step: stop the worker and undo what it updated."""
-        if self._overlap is None:
-            return
-        if not self._overlap.started:
-            self.cancel_overlapped_step()
-            return
-        self._overlap.finish()
-        self.settle_overlapped_step(0.0, skipped=True)
+    def undo_updates(self, groups: list[SubGroup], reason: str) -> None:
+        """Roll back speculative updates: in-memory sub-groups come back from the undo copy; a swapped one's
+        new states were written to the other side of its keys and are simply never published."""
+        for group in groups:
+            if self.in_memory(group):
+                self.undo.restore(group)
+        if groups:
+            self.rollbacks += 1
+            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
+                        self.step_count, len(groups), reason, self.rollbacks)
 
-    # -- speculation: undoing an update ------------------------------------------
-    def can_undo(self, group: SubGroup, check: StepCheck) -> bool:
-        """Whether ``group`` may be updated before ``check``'s outcome is known."""
-        if not check.needs_norm:
-            return True  # nothing to undo
-        if not self.in_memory(group):
-            return self._second_side_reserved  # its old states stay on NVMe while the new ones go to the other side
-        return bool(self._undo)
+    def publish_other_side(self, groups) -> None:
+        """Committed speculative updates of swapped sub-groups: their states now live under their other keys."""
+        self._side.symmetric_difference_update(g.index for g in groups if not self.in_memory(g))
 
     def _make_room_to_undo(self) -> None:
         """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
         keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
         room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
         what ``estimate`` says and a full disk fails here, not mid-run."""
-        self._second_side_reserved = self._disk_holds_two_sides()
-        if self._second_side_reserved:
+        self.second_side_reserved = self._disk_holds_two_sides()
+        if self.second_side_reserved:
             for group in self.swapped_groups:
                 for spec in self._state_layout(group.numel):
                     self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
-        if not self._states:
-            return
-        nbytes = sum(t.numel() * t.element_size() for t in self._states.values())
-        room = self._tiers.stats[self._memory_tier].room_nbytes()
-        if room is not None and room < nbytes:
-            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
-                        "states; their updates wait for the global norm", self._memory_tier)
-            return
-        self._undo = {name: self._tiers.empty(self._memory_tier, t.numel(), t.dtype)
-                      for name, t in self._states.items()}
-        logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
-                    nbytes / 2**20, self._memory_tier)
+        if self._states:
+            self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
 
     def _disk_holds_two_sides(self) -> bool:
         """Whether the NVMe directory has room for both sides of the swapped states (neither is written yet),
@@ -488,24 +334,19 @@ class OffloadOptimizer:
                        self._store.directory, format_nbytes(one_side), format_nbytes(2 * one_side))
         return False
 
-    def _restore_undo(self, group: SubGroup) -> None:
-        undo = self._memory_states(group, self._undo)
-        for name, values in self._memory_states(group).items():
-            values.copy_(undo[name])
-
-    def _restore_compute(self, group: SubGroup) -> None:
+    def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
         if self.in_memory(group):
-            master, staging = self._memory_states(group)["master"], None
+            master, staging = self._memory.views(group)["master"], None
         else:
             staging = self._staging[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
             master = staging.states["master"][:group.numel]
             self._store.read(self._key("master", group), master).wait()
-        out = self._compute_out(group, staging.compute if staging is not None else None)
+        out = self._delivery.out(group, staging.compute if staging is not None else None)
         out.copy_(master)
-        for handle in self._deliver_compute(group, out):
+        for handle in self._delivery.deliver(group, out):
             handle.wait()
 
     def _key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
@@ -526,9 +367,7 @@ class OffloadOptimizer:
     def update_in_memory(self, group: SubGroup, check: StepCheck) -> None:
         """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
         if check.needs_norm:
-            undo = self._memory_states(group, self._undo)
-            for name, values in self._memory_states(group).items():
-                undo[name].copy_(values)
+            self.undo.save(group)
         self._update_in_memory(group, grad_coef=check.grad_coef)
 
     def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck) -> None:
@@ -541,7 +380,7 @@ class OffloadOptimizer:
 
     def _update_in_memory(self, group: SubGroup, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self._memory_states(group), None, grad_coef=grad_coef):
+        for handle in self._update(group, self._memory.views(group), None, grad_coef=grad_coef):
             handle.wait()
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
@@ -565,7 +404,7 @@ class OffloadOptimizer:
             out.zero_()  # moments are written by the first step
         elif self.state_dtype == "fp32":
             if self.in_memory(group):
-                self._read_memory_tensor(name, group, out)
+                self._memory.read(name, group, out)
             else:
                 self._store.read(self._key(name, group), out).wait()
         else:
@@ -594,7 +433,7 @@ class OffloadOptimizer:
                 kernels.compact.state_from_fp32_into(self.state_dtype, name, values, buffers)
             for part, tensor in parts.items():
                 if self.in_memory(group):
-                    self._write_memory_tensor(part, group, tensor)
+                    self._memory.write(part, group, tensor)
                 else:
                     self._store.write(self._key(part, group), tensor).wait()
         finally:
@@ -610,7 +449,7 @@ class OffloadOptimizer:
                     continue
                 parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
                 if self.in_memory(group):
-                    self._read_memory_tensor(spec.name, group, buffer)
+                    self._memory.read(spec.name, group, buffer)
                 else:
                     self._store.read(self._key(spec.name, group), buffer).wait()
         except BaseException:
@@ -618,29 +457,6 @@ class OffloadOptimizer:
                 self._tiers.free("host", tensor)
             raise
         return parts
-
-    def _memory_view(self, name: str, group: SubGroup, at: int, numel: int,
-                     tensors: "dict[str, torch.Tensor] | None" = None) -> torch.Tensor:
-        start = (self._block_offset if name in _SCALE_NAMES else self._memory_offset)[group.index] + at
-        return (self._states if tensors is None else tensors)[name][start:start + numel]
-
-    def _read_memory_tensor(self, name: str, group: SubGroup, out_host: torch.Tensor) -> None:
-        """Copy the start of one of a sub-group's state tensors in memory into host ``out_host`` (same dtype)."""
-        source = self._memory_view(name, group, 0, out_host.numel())
-        if self._on_device:
-            self._copies.host_waits(self._copies.to_host(source, out_host))  # the caller reads it next
-        else:
-            out_host.copy_(source)
-
-    def _write_memory_tensor(self, name: str, group: SubGroup, values_host: torch.Tensor, *, at: int = 0) -> None:
-        """Write host values into one of a sub-group's state tensors in memory, ``at`` elements into it (fp32
-        masters are rounded to nearest into a bf16 master)."""
-        target = self._memory_view(name, group, at, values_host.numel())
-        values_host = values_host.to(target.dtype)
-        if self._on_device:
-            self._copies.host_waits(self._copies.to_device(values_host, target))  # the caller may reuse values
-        else:
-            target.copy_(values_host)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
@@ -651,10 +467,9 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def grad_sq_norm(self) -> float:
-        """This rank's squared gradient norm: the sub-groups' terms summed in their order (an overlapped step
-        took them as backward finished each), so both kinds of step agree to the bit."""
-        if self._overlap is not None:
-            return self._overlap.sq_norm()
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (as
+        :meth:`OverlappedStep.sq_norm` sums those it took as backward finished each), so both kinds of step
+        agree to the bit."""
         return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
     def sub_group_sq_norm(self, group: SubGroup) -> float:
@@ -677,21 +492,13 @@ class OffloadOptimizer:
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)
         self._staging.clear()
-        for tensor in self._states.values():
-            self._tiers.free(self._memory_tier, tensor)
-        self._states.clear()
-        if self._host_scratch is not None:
-            self._tiers.free("host", self._host_scratch)
-            self._host_scratch = None
-        if self._device_scratch is not None:
-            self._tiers.free("device", self._device_scratch)
-            self._device_scratch = None
+        self._memory.close()
+        self._delivery.close()
         if self._grad_scratch is not None:
             self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
             self._grad_scratch = None
-        for tensor in self._undo.values():
-            self._tiers.free(self._memory_tier, tensor)
-        self._undo.clear()
+        if self.undo is not None:
+            self.undo.close()
 
 
 def global_grad_norm(sq_norm_local: float, comm) -> float:

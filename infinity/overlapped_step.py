@@ -6,7 +6,7 @@ Gradient clipping and fp16 loss scaling need every gradient (the global norm,
 the overflow check) before any update. The step then *speculates*: it updates
 with the gradient coefficient it would have if nothing clips or overflows
 (:class:`StepCheck`), keeping what undoes it, and the engine *settles* it once
-the norm is known (:meth:`OffloadOptimizer.settle_overlapped_step`): commit,
+the norm is known (:meth:`OverlappedStep.settle`): commit,
 or roll back and redo with the clipped gradients, or roll back and skip on an
 fp16 overflow. How each tier undoes an update, and why it is cheap there:
 
@@ -14,8 +14,8 @@ fp16 overflow. How each tier undoes an update, and why it is cheap there:
   *side* of the sub-group's keys); commit switches sides, a rollback keeps the
   old ones, which were never overwritten;
 * states in memory: the pre-update values are copied aside first (an undo
-  buffer counted in the states' tier); without room for it the sub-group is
-  not speculated.
+  buffer counted in the states' tier, :class:`InMemoryUndo`); without room for
+  it the sub-group is not speculated.
 
 Speculating costs a wasted update when the step then clips, so a step that
 follows a clipped or overflowing one does not speculate (its updates are
@@ -35,10 +35,13 @@ import math
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from infinity.layout import SubGroup
 from infinity.storage import IOHandle
+from infinity.tiers import Tiers
 
 if TYPE_CHECKING:
     from infinity.offload_optimizer import OffloadOptimizer, _Staging
@@ -97,7 +100,9 @@ class OverlappedStep:
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._worker.start()
 
-    def slot_final(self, slot, group: SubGroup) -> None:
+    def slot_final(self, slot) -> None:
+        """The gradient reducer's word, during the step's last backward: ``slot``'s gradient is final."""
+        group = self._optimizer.group_of_slot[slot.index]
         with self._lock:
             waiting = self._waiting.get(group.index)
             if waiting is None:
@@ -125,13 +130,53 @@ class OverlappedStep:
         return sum(1 for group in self.speculated if group.index not in left)
 
     def cancel(self) -> None:
-        """Stop the worker before any sub-group was handed to it (its reads ahead land first)."""
-        assert not self.started, "an overlapped step whose updates began cannot be cancelled"
+        """Take the step back before any sub-group was handed to the worker (its forward ran, its backward did
+        not): stop the worker, let its reads ahead land."""
+        if self.started:
+            raise RuntimeError("internal error: an overlapped step whose updates began cannot be cancelled")
         self._ready.put(None)
         self._worker.join()
         self.release_read_ahead()
         if self._error is not None:
             raise self._error
+        self._optimizer.take_back_step()
+
+    def abandon(self) -> None:
+        """Closing mid-step: stop the worker and undo what it updated."""
+        if not self.started:
+            self.cancel()
+            return
+        self.finish()
+        self.settle(0.0, skipped=True)
+
+    # -- settling, once the norm is known -----------------------------------------
+    def settle(self, grad_coef: float, skipped: bool) -> str:
+        """After finish(): end the step with the coefficient the gradients really get. Its speculative updates
+        stand when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
+        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
+        optimizer = self._optimizer
+        if not skipped and grad_coef == self.check.grad_coef:
+            if self.check.needs_norm:  # its swapped sub-groups were written to their other side
+                optimizer.publish_other_side(self.speculated)
+            self._update_after_norm(self.deferred, grad_coef)
+            return "committed"
+        optimizer.undo_updates(self.speculated, "fp16 overflow" if skipped else "gradients clipped")
+        if skipped:
+            optimizer.take_back_step()
+            self.release_read_ahead()  # restore_compute reads into a staging set
+            for group in self.speculated:
+                optimizer.restore_compute(group)
+            optimizer.finish_compute_copies()
+            return "skipped"
+        self._update_after_norm(optimizer.layout.sub_groups, grad_coef)
+        return "redone"
+
+    def _update_after_norm(self, groups: list[SubGroup], grad_coef: float) -> None:
+        """The settled step's remaining updates; nothing is undone any more, so the slices are scaled in place
+        (as the step after backward scales them)."""
+        self._optimizer.scale_grads(grad_coef)
+        self.update_after_norm(groups)
+        self._optimizer.finish_compute_copies()
 
     def update_after_norm(self, groups: list[SubGroup]) -> None:
         """After finish(), on the caller's thread, once the gradients carry their final coefficient: update
@@ -172,11 +217,20 @@ class OverlappedStep:
             logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "
                          "the rest wait for it", len(self.sq_norms))
             self._read_next_ahead()  # no set is needed for updates now: fill them all
-        if not self._speculating or not self._optimizer.can_undo(group, self.check):
+        if not self._speculating or not self._can_undo(group):
             self.deferred.append(group)
             return
         self._update(group)
         self.speculated.append(group)
+
+    def _can_undo(self, group: SubGroup) -> bool:
+        """Whether ``group`` may be updated before the check's outcome is known."""
+        if not self.check.needs_norm:
+            return True  # nothing to undo
+        if not self._optimizer.in_memory(group):
+            # Its old states stay on NVMe while the new ones go to the other side, where the disk had room for it.
+            return self._optimizer.second_side_reserved
+        return self._optimizer.undo is not None
 
     def _guarded(self, action) -> None:
         try:
@@ -231,3 +285,43 @@ class OverlappedStep:
         staging = self._free_sets.pop(0)
         staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
         return staging
+
+
+class InMemoryUndo:
+    """A copy of the optimizer states in memory, laid out as they are: a speculative update of an in-memory
+    sub-group copies its states aside first and a rollback copies them back."""
+
+    def __init__(self, states: dict[str, torch.Tensor], tier: str, tiers: Tiers,
+                 views: Callable[[SubGroup, "dict[str, torch.Tensor] | None"], dict[str, torch.Tensor]]):
+        self._tier = tier
+        self._tiers = tiers
+        self._views = views  # a sub-group's views of its state tensors (of the copy, given its tensors)
+        self._copy = {name: tiers.empty(tier, t.numel(), t.dtype) for name, t in states.items()}
+
+    @classmethod
+    def make(cls, states: dict[str, torch.Tensor], tier: str, tiers: Tiers, views) -> "InMemoryUndo | None":
+        """The copy, where the tier's budget has room for it (else None: in-memory sub-groups wait for the norm)."""
+        nbytes = sum(t.numel() * t.element_size() for t in states.values())
+        room = tiers.stats[tier].room_nbytes()
+        if room is not None and room < nbytes:
+            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
+                        "states; their updates wait for the global norm", tier)
+            return None
+        logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
+                    nbytes / 2**20, tier)
+        return cls(states, tier, tiers, views)
+
+    def save(self, group: SubGroup) -> None:
+        copy = self._views(group, self._copy)
+        for name, values in self._views(group, None).items():
+            copy[name].copy_(values)
+
+    def restore(self, group: SubGroup) -> None:
+        copy = self._views(group, self._copy)
+        for name, values in self._views(group, None).items():
+            values.copy_(copy[name])
+
+    def close(self) -> None:
+        for tensor in self._copy.values():
+            self._tiers.free(self._tier, tensor)
+        self._copy.clear()

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, params: list[ShardedParam], *, bucket_numel: int, max_live_numel: int,
+    def __init__(self, *, itemsize: int, bucket_numel: int, max_live_numel: int,
                  max_reuse_distance: int, device_stats: TierStats, reserve_nbytes: int = 0):
-        self._params = params
+        self._itemsize = itemsize             # bytes of a full tensor's element
         self._bucket_numel = bucket_numel
         self._max_live_numel = max_live_numel
         self._max_reuse_distance = max_reuse_distance
@@ -43,9 +43,6 @@ class Prefetcher:
         self._in_flight: list[ShardedParam] = []  # prefetched, not yet fetched: their reads go on to copies up
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
-        for p in params:
-            p.on_fetch = self._on_fetch
-            p.retain = self._retain
 
     # -- a pass ------------------------------------------------------------------
     def begin_pass(self) -> None:
@@ -78,8 +75,9 @@ class Prefetcher:
             self._next_use[i] = last_seen.get(key, len(self.plan))
             last_seen[key] = i
 
-    # -- callbacks from ShardedParam ---------------------------------------------
-    def _on_fetch(self, param: ShardedParam) -> None:
+    # -- what a ShardedParam tells and asks ----------------------------------------
+    def fetch_requested(self, param: ShardedParam) -> None:
+        """Every fetch request, in order: the pass's trace, and the point to issue the next prefetches."""
         position = len(self._trace)
         self._trace.append(param)
         self._last_request[id(param)] = position
@@ -91,7 +89,7 @@ class Prefetcher:
             return
         self._prefetch_after(position)
 
-    def _retain(self, param: ShardedParam) -> bool:
+    def keeps_gathered(self, param: ShardedParam) -> bool:
         """Keep a released parameter gathered when the plan uses it again soon and the budget allows."""
         if not self._on_plan or self._max_reuse_distance == 0:
             return False
@@ -105,6 +103,12 @@ class Prefetcher:
         distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
         return (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
                 and self._room_for(param.full_nbytes))
+
+    def land_in_flight(self) -> None:
+        """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer
+        comes back once that copy has landed (GPU only)."""
+        for p in self._in_flight:
+            p.land_prefetch()
 
     # -- internals ----------------------------------------------------------------
     def _prefetch_after(self, position: int) -> None:
@@ -142,5 +146,4 @@ class Prefetcher:
 
     def _live_numel(self) -> int:
         # device bytes are all gathered parameters (and resident shards when params stay on the device)
-        itemsize = self._params[0].full.element_size() if self._params else 1
-        return self._device.live_nbytes // itemsize
+        return self._device.live_nbytes // self._itemsize

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +28,20 @@ from infinity.layout import ParamSlot
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
 
+if TYPE_CHECKING:
+    from infinity.prefetcher import Prefetcher
+
 logger = logging.getLogger(__name__)
+
+
+def needs_swap_in(shards: ComputeShards, slot: ParamSlot) -> bool:
+    """The slot's shard rests on NVMe: fetching it starts with a read."""
+    return shards.resident(slot) is None
+
+
+def needs_copy_up(shards: ComputeShards, copies: Copies, slot: ParamSlot) -> bool:
+    """The slot's shard is not in device memory: fetching it crosses (or swaps in)."""
+    return copies.distinct and not shards.resident_in_device_memory(slot)
 
 
 class ParamState(enum.Enum):
@@ -40,7 +54,8 @@ class ShardedParam:
     """A parameter's full tensor, its state, and the verbs that move between states."""
 
     def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, *, shards: ComputeShards, comm: Collectives,
-                 tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool):
+                 tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool,
+                 prefetcher: "Prefetcher | None" = None):
         self.param = param
         self.slot = slot
         self.name = slot.name
@@ -54,9 +69,9 @@ class ShardedParam:
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
         self._swap_in = None   # (handle, shard view, pool buffer or None) while an NVMe read is in flight
         self._copy_up: CopyDone | None = None  # the shard's copy into its chunk of `full`, once issued
-        self.on_fetch = None   # callback(self) at every fetch request (the prefetcher's trace)
-        self.retain = None     # callback(self) -> bool: keep the full tensor though no one holds it
-        self.on_pool_exhausted = None  # callback() that lands every prefetch in flight (GPU only)
+        # Told of every fetch request (its trace), asked whether to keep a released parameter gathered,
+        # and asked to land its prefetches when the read pool runs dry; None: fetched on demand only.
+        self._prefetcher = prefetcher
         dtype = shards.dtype
         # With one rank and the shard in device memory, the shard is the full tensor.
         resident = shards.resident(slot)
@@ -78,19 +93,19 @@ class ShardedParam:
     @property
     def needs_swap_in(self) -> bool:
         """Its shard rests on NVMe, so fetching it starts with a read that can be issued ahead."""
-        return self._shards.resident(self.slot) is None
+        return needs_swap_in(self._shards, self.slot)
 
     @property
     def needs_copy_up(self) -> bool:
         """Its shard is not in device memory: fetching it crosses (or swaps in), which can be issued ahead."""
-        return self._copies.distinct and not self._shards.resident_in_device_memory(self.slot)
+        return needs_copy_up(self._shards, self._copies, self.slot)
 
     # -- verbs --------------------------------------------------------------
     def fetch(self) -> None:
         """Make the full tensor available; counted once per holder."""
         self.holders += 1
-        if self.on_fetch is not None:
-            self.on_fetch(self)
+        if self._prefetcher is not None:
+            self._prefetcher.fetch_requested(self)
         if self.state is ParamState.FETCHED and not (self.stale and not self.aliased):
             return
         before = self.state
@@ -128,7 +143,7 @@ class ShardedParam:
         """Drop one holder; free the full tensor when none is left (persistent parameters stay)."""
         if self.holders > 0:
             self.holders -= 1
-        if self.holders == 0 and not self.persistent and not (self.retain is not None and self.retain(self)):
+        if self.holders == 0 and not self.persistent and not (self._prefetcher is not None and self._prefetcher.keeps_gathered(self)):
             self._free()
 
     def force_release(self) -> None:
@@ -195,8 +210,8 @@ class ShardedParam:
                     return False  # a prefetch never waits for a buffer
                 # Buffers held by prefetched shards are given back once their copies up have landed:
                 # issue those copies, wait for them, then take a buffer.
-                if self.on_pool_exhausted is not None:
-                    self.on_pool_exhausted()
+                if self._prefetcher is not None:
+                    self._prefetcher.land_in_flight()
                 self._copies.drain()
                 buffer = self._read_pool.acquire(nbytes)
             target = buffer[:nbytes].view(self.full.dtype)

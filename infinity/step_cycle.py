@@ -1,0 +1,204 @@
+"""The training step's cycle: one enum says where the engine stands between
+``forward``, ``backward`` and ``step``, and the verbs here are the only way it
+changes (each change is a DEBUG line), the way :class:`~infinity.sharded_param.ParamState`
+works for one parameter::
+
+    IDLE ─backward()─► MICRO_BATCH ─step()─► ACCUMULATING ─backward()─► MICRO_BATCH ─► ...
+     │                                            │
+     └── backward() of the step's last micro-batch┴─► BOUNDARY_BACKWARD ─step()─► STEPPING ─► IDLE
+
+``step()`` is called after every ``backward()``; between boundaries it only
+moves MICRO_BATCH to ACCUMULATING.
+
+A gradient's route through one step, for reading: a parameter's
+post-accumulate-grad hook (:class:`~infinity.hooks.ModuleHooks`) hands it to
+:meth:`GradReducer.on_grad_ready <infinity.grad_reducer.GradReducer.on_grad_ready>`,
+which reduce-scatters it into the optimizer's slices. During the step's last
+backward, with ``overlap_step_with_backward``, the reducer was given the
+:class:`~infinity.overlapped_step.OverlappedStep` this cycle owns
+(:meth:`StepCycle.begin_backward`) and tells it of each slot whose gradient is
+final; its worker updates a sub-group once all its slots are. ``step()`` then
+takes the norm and settles that step, or runs the optimizer over every
+sub-group.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+
+import torch
+
+from infinity.comm import Collectives
+from infinity.grad_reducer import GradReducer
+from infinity.loss_scaler import LossScaler
+from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.overlapped_step import OverlappedStep, StepCheck
+from infinity.sharded_param import ShardedParam
+
+logger = logging.getLogger(__name__)
+
+
+class StepPhase(enum.Enum):
+    IDLE = "idle"                            # at a step boundary: no gradient held, nothing due
+    MICRO_BATCH = "micro-batch"              # a backward before the step's last ran; step() is due (a no-op)
+    ACCUMULATING = "accumulating"            # between micro-batches of a step: the next backward adds
+    BOUNDARY_BACKWARD = "boundary backward"  # the step's last backward runs or ran; step() is due
+    STEPPING = "stepping"                    # step() applies the optimizer
+
+
+class StepCycle:
+    """The step's phase, its micro-batch and step counters, and the overlapped step (from the forward of the
+    step's last micro-batch until ``step()`` settles it); the verbs move them together."""
+
+    def __init__(self, *, accumulation_steps: int, reducer: GradReducer, optimizer: OffloadOptimizer,
+                 comm: Collectives, loss_scaler: LossScaler | None, gradient_clipping: float,
+                 params: list[ShardedParam]):
+        self._accumulation_steps = accumulation_steps
+        self._reducer = reducer
+        self._optimizer = optimizer
+        self._comm = comm
+        self._loss_scaler = loss_scaler
+        self._gradient_clipping = gradient_clipping
+        self._params = params
+        self.phase = StepPhase.IDLE
+        self._phase_before_backward = StepPhase.IDLE  # where a backward that raises goes back to
+        self.micro_step = 0
+        self.global_step = 0
+        self.overlap: OverlappedStep | None = None
+        self.last_step_rejected = False  # the last step clipped or overflowed
+        self.global_grad_norm: float | None = None
+
+    def _enter(self, phase: StepPhase) -> None:
+        logger.debug("step %d: %s -> %s", self.global_step, self.phase.name, phase.name)
+        self.phase = phase
+
+    # -- what the phase says ---------------------------------------------------------
+    @property
+    def next_is_boundary(self) -> bool:
+        """The next backward is the step's last micro-batch's."""
+        return (self.micro_step + 1) % self._accumulation_steps == 0
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.micro_step % self._accumulation_steps == 0
+
+    @property
+    def backward_pending(self) -> bool:
+        """A backward ran and its step() did not."""
+        return self.phase in (StepPhase.MICRO_BATCH, StepPhase.BOUNDARY_BACKWARD)
+
+    @property
+    def in_progress(self) -> bool:
+        """From the forward of a boundary micro-batch (or its backward) until ``step()``."""
+        return self.backward_pending or self.overlap is not None
+
+    @property
+    def updates_started(self) -> bool:
+        """An overlapped step has updated (or is updating) sub-groups: its lr can no longer change."""
+        return self.overlap is not None and self.overlap.started
+
+    # -- verbs ------------------------------------------------------------------------
+    def begin_overlapped_step(self, check: StepCheck) -> None:
+        """The coming step runs during its last backward (begun from that micro-batch's forward, so optimizer
+        states can be read ahead); one already begun goes on."""
+        if self.overlap is None:
+            self.overlap = self._optimizer.begin_overlapped_step(check)
+            logger.debug("step %d: overlapped step begun (%s)", self.global_step, check)
+
+    def begin_backward(self) -> None:
+        """A micro-batch's backward begins: the reducer learns whether its gradients start the step's
+        accumulation and whether they are the step's last (then final as they arrive, for the overlapped step)."""
+        if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
+            raise RuntimeError(f"backward() called in step phase {self.phase.value!r}: the step's last "
+                               f"micro-batch already ran backward; call engine.step() before the next backward()")
+        boundary = self.next_is_boundary
+        fresh = self.phase is StepPhase.IDLE
+        self._phase_before_backward = self.phase
+        self._enter(StepPhase.BOUNDARY_BACKWARD if boundary else StepPhase.MICRO_BATCH)
+        self._reducer.begin_backward(fresh=fresh, boundary=boundary, final_sink=self.overlap if boundary else None)
+
+    def end_backward(self) -> None:
+        self.micro_step += 1
+        self._reducer.end_backward()
+
+    def abort_backward(self) -> None:
+        """The backward raised: the cycle is where it was before it."""
+        self._reducer.abort_backward()
+        self._enter(self._phase_before_backward)
+
+    def step(self, metrics: dict) -> bool | None:
+        """Apply the optimizer at a boundary (None between boundaries); True when the step was skipped (fp16
+        overflow). Writes the step's figures into ``metrics``."""
+        if self.phase is StepPhase.MICRO_BATCH:
+            self._enter(StepPhase.ACCUMULATING)
+            return None
+        if self.phase is not StepPhase.BOUNDARY_BACKWARD:
+            raise RuntimeError(f"step() called before backward(): run engine.backward(loss) for this micro-batch "
+                               f"first (step phase {self.phase.value!r})")
+        self._enter(StepPhase.STEPPING)
+        try:
+            return self._apply(metrics)
+        finally:
+            self._enter(StepPhase.IDLE)
+
+    def _apply(self, metrics: dict) -> bool:
+        self.global_grad_norm = None
+        start = time.perf_counter()
+        overlap = self.overlap
+        if overlap is not None:
+            metrics["sub_groups_during_backward"] = overlap.finish()
+        coef, skipped, clipped = self._gradient_coef(overlap, metrics)
+        self.last_step_rejected = skipped or clipped
+        if overlap is not None:
+            self.overlap = None
+            metrics["overlapped_step"] = overlap.settle(coef, skipped)
+            metrics["rollbacks"] = self._optimizer.rollbacks
+        elif not skipped:
+            self._optimizer.step(coef)
+        if skipped:
+            logger.info("step %d skipped: fp16 gradients overflowed; loss scale now %g",
+                        self.global_step, self._loss_scaler.scale)
+        else:
+            metrics["optimizer_s"] = time.perf_counter() - start
+        if overlap is not None or not skipped:  # compute shards changed (an undone update changed them back)
+            for sharded in self._params:
+                sharded.mark_stale()
+        self._reducer.zero()
+        self.global_step += 1
+        return skipped
+
+    def _gradient_coef(self, overlap: OverlappedStep | None, metrics: dict) -> tuple[float, bool, bool]:
+        """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is
+        skipped (fp16 overflow) and whether it clipped; the same for the overlapped step and the one after
+        backward (the overlapped step took the sub-groups' norms as backward finished them)."""
+        sq_norm = overlap.sq_norm() if overlap is not None else self._optimizer.grad_sq_norm()
+        coef, skipped = 1.0, False
+        if self._loss_scaler is not None:
+            overflow = torch.tensor([0.0 if math.isfinite(sq_norm) else 1.0])
+            self._comm.all_reduce_max(overflow)  # one rank's overflow skips the step on every rank
+            skipped = not self._loss_scaler.update(overflow=bool(overflow.item()))
+            coef = 1.0 / self._loss_scaler.applied_scale
+        if skipped:
+            return coef, True, False
+        norm = global_grad_norm(sq_norm, self._comm) * coef
+        self.global_grad_norm = norm
+        metrics["grad_norm"] = norm
+        clip = self._gradient_clipping / (norm + 1e-6) if self._gradient_clipping > 0 else 1.0
+        return coef * min(clip, 1.0), False, clip < 1.0
+
+    def cancel_unused_overlap(self) -> None:
+        """A boundary forward began an overlapped step but its backward never ran (a non-finite loss the caller
+        did not back-propagate, say): nothing was updated, so the step is taken back."""
+        if self.overlap is not None and not self.backward_pending and not self.overlap.started:
+            overlap, self.overlap = self.overlap, None
+            overlap.cancel()
+            logger.debug("step %d: unused overlapped step taken back", self.global_step)
+
+    def abandon_overlap(self) -> None:
+        """Closing mid-step: stop the overlapped step's worker and undo what it updated."""
+        if self.overlap is not None:
+            overlap, self.overlap = self.overlap, None
+            overlap.abandon()
