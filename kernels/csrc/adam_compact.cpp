@@ -259,11 +259,16 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const float m_inv = (m_new > 0.0f && m_new < kInf) ? 1.0f / m_new : 0.0f;
   const float r_inv = (r_new > 0.0f && r_new < kInf) ? 1.0f / r_new : 0.0f;
-  const uint32_t lo = static_cast<uint32_t>(base) + c.k0;
-  const uint32_t hk = mix32(static_cast<uint32_t>(static_cast<uint64_t>(base) >> 32) + c.k1);
+  // compact.random_bits16_shared: elements j and j + 8 of each group of 16
+  // share hash number base / 2 + (j >> 4) * 8 + (j & 7) (base is a multiple of
+  // 256, so the hashes' high index half is that of base / 2 for the whole block).
+  const uint64_t hash_base = static_cast<uint64_t>(base) / 2;
+  const uint32_t lo = static_cast<uint32_t>(hash_base) + c.k0;
+  const uint32_t hk = mix32(static_cast<uint32_t>(hash_base >> 32) + c.k1);
   for (int64_t j = 0; j < len; ++j) {
-    const uint32_t h = mix32((lo + static_cast<uint32_t>(j)) ^ hk);  // compact.random_bits
-    p[j] = bf16_sr(pbuf[j], h >> 16);
+    const uint32_t jj = static_cast<uint32_t>(j);
+    const uint32_t h = mix32((lo + (((jj >> 4) << 3) | (jj & 7u))) ^ hk);
+    p[j] = bf16_sr(pbuf[j], (h >> ((~jj & 8u) << 1)) & 0xFFFFu);  // high half, or low for j & 8
     const float avg = mbuf[j], root = rbuf[j];
     float ym = std::fabs(avg) * m_inv;
     ym = ym < 1.0f ? ym : 1.0f;
@@ -400,13 +405,16 @@ inline void write_out16(F16* out, I, I a, I b) {
 // Code<E, MB>::encode on eight lanes (y in [0, 1], never NaN). The subnormal
 // codes: cvtps rounds y * kSubScale to the nearest integer, halves to even (the
 // default MXCSR mode), as adding 2**23 does in the scalar code.
+// The normal codes subtract the exponent offset before the shift (one constant
+// with the rounding's): for y >= kMinNormal, u is above kField << 23, and below
+// it the subnormal code is taken.
 template <class C>
 inline I encode(V y) {
   constexpr int kDrop = 23 - C::kMantissaBits;
   const I u = bits(y);
   const I odd = _mm256_and_si256(_mm256_srli_epi32(u, kDrop), splat(1u));
-  const I r = _mm256_add_epi32(_mm256_add_epi32(u, splat((1u << (kDrop - 1)) - 1u)), odd);
-  const I normal = _mm256_sub_epi32(_mm256_srli_epi32(r, kDrop), splat(C::kField << C::kMantissaBits));
+  const I r = _mm256_add_epi32(_mm256_add_epi32(u, splat((1u << (kDrop - 1)) - 1u - (C::kField << 23))), odd);
+  const I normal = _mm256_srli_epi32(r, kDrop);
   const I sub = _mm256_cvtps_epi32(_mm256_mul_ps(y, splat(C::kSubScale)));
   const V below = _mm256_cmp_ps(y, splat(C::kMinNormal), _CMP_LT_OQ);
   return _mm256_blendv_epi8(normal, sub, bits(below));
@@ -435,7 +443,7 @@ inline float max_lane(V x) {
   return _mm_cvtss_f32(m);
 }
 
-// The block's random-bit indices: lane l of the first vector is element l.
+// The random-bit indices from `base`: lane l of the first vector is base + l.
 inline I first_index(const Consts& c, int64_t base) {
   return _mm256_add_epi32(splat(static_cast<uint32_t>(base) + c.k0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -511,25 +519,31 @@ void block_int8(const Consts& c, int64_t base, uint16_t* __restrict__ p, const G
   const V m_inv = splat((m_new > 0.0f && m_new < kInf) ? 1.0f / m_new : 0.0f);
   const V r_inv = splat((r_new > 0.0f && r_new < kInf) ? 1.0f / r_new : 0.0f);
   const V one = splat(1.0f), zero = _mm256_setzero_ps();
-  const I hk = high_key(c, base);
-  I index = first_index(c, base);
+  // compact.random_bits16_shared: each vector of eight hashes serves sixteen
+  // elements, the first eight with its high halves, the next with its low.
+  const I hk = high_key(c, base / 2);
+  I index = first_index(c, base / 2);
   for (int64_t j = 0; j < kBlock; j += 32) {
     I p_high[4], m_code[4], v_code[4];
+    I h;
     for (int q = 0; q < 4; ++q) {
       const int64_t e = j + 8 * q;
-      const I h = mix32(_mm256_xor_si256(index, hk));  // compact.random_bits
-      index = _mm256_add_epi32(index, splat(8u));
-      p_high[q] = bf16_sr_high(_mm256_load_ps(pbuf + e), _mm256_srli_epi32(h, 16));
+      if (q % 2 == 0) {
+        h = mix32(_mm256_xor_si256(index, hk));
+        index = _mm256_add_epi32(index, splat(8u));
+      }
+      const I r16 = q % 2 == 0 ? _mm256_srli_epi32(h, 16) : _mm256_and_si256(h, splat(0xFFFFu));
+      p_high[q] = bf16_sr_high(_mm256_load_ps(pbuf + e), r16);
       // min_ps(y, 1) is `y < 1 ? y : 1`, as there (1 for NaN).
       const V avg = _mm256_load_ps(mbuf + e), root = _mm256_load_ps(rbuf + e);
       const I mag = encode<AvgCode>(_mm256_min_ps(_mm256_mul_ps(abs(avg), m_inv), one));
       const I sign = _mm256_and_si256(_mm256_srli_epi32(bits(avg), 24), splat(128u));
       m_code[q] = _mm256_or_si256(sign, mag);
       const I code = encode<SqrtCode>(_mm256_min_ps(_mm256_mul_ps(root, r_inv), one));
-      // A positive root (root > 0, false for NaN) never gets code 0.
-      const I zero_code = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
+      // A positive root (root > 0, false for NaN) never gets code 0: the max
+      // with 1 changes only code 0.
       const I positive = bits(_mm256_cmp_ps(root, zero, _CMP_GT_OQ));
-      v_code[q] = _mm256_or_si256(code, _mm256_and_si256(_mm256_and_si256(zero_code, positive), splat(1u)));
+      v_code[q] = _mm256_max_epu32(code, _mm256_and_si256(positive, splat(1u)));
     }
     const I p16_lo = pack_high16(p_high[0], p_high[1]), p16_hi = pack_high16(p_high[2], p_high[3]);
     store(p + j, p16_lo);

@@ -143,6 +143,25 @@ def test_stochastic_rounding_is_unbiased_and_keeps_specials():
     assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan() and out[3] == 3.0
 
 
+def test_shared_random_bits_round_without_bias():
+    """int8's master rounding: one hash per two elements (i and i + 8 of each 16), 16 bits each."""
+    n = 1 << 16
+    keys = compact.step_keys(3, 1)
+    index = torch.arange(n)
+    r16 = compact.random_bits16_shared(keys, index)
+    h = compact.random_bits(keys, torch.arange(n // 2))
+    groups = r16.view(-1, 2, 8)  # [group of 16][first eight, next eight][lane]
+    assert torch.equal(groups[:, 0], (h >> 16).view(-1, 8)) and torch.equal(groups[:, 1], (h & 0xFFFF).view(-1, 8))
+    assert abs(r16.float().mean().item() / 65535 - 0.5) < 0.01
+    x = torch.full((n,), 1.0 + 2.0**-10)
+    rounded = compact.bf16_stochastic_round(x, r16).float()
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-5
+    # neighbours are not correlated: the rounding of element i says little about i + 1 or i + 8
+    up = (rounded > 1.0).float()
+    for lag in (1, 8):
+        assert abs(torch.corrcoef(torch.stack([up[:-lag], up[lag:]]))[0, 1].item()) < 0.02
+
+
 def test_random_bits_depend_on_seed_step_and_index():
     idx = torch.arange(1000)
     a = compact.random_bits(compact.step_keys(1, 1), idx)
