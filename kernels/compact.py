@@ -19,8 +19,10 @@ would leave it stuck and it would never decay. The first moment moves by
 ``1 - beta1`` = 10 % of ``g - m`` per step and is rounded to nearest.
 
 The random bits are a counter-based hash of ``(seed, step, element index)``
-(``random_bits``), so the C++ kernel and the torch reference draw the same bits
-and a resumed run draws the bits an uninterrupted one would. The index is the
+(``random_bits``; in ``int8``, whose only stochastic rounding is the master's,
+one hash serves two elements: ``random_bits16_shared``), so the C++ kernel and
+the torch reference draw the same bits and a resumed run draws the bits an
+uninterrupted one would. The index is the
 element's position in the tensor given to the step; tensors that are stepped
 separately should get different seeds (the engine derives one per sub-group).
 
@@ -193,6 +195,19 @@ def random_bits(keys: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
     k0, k1 = keys
     high = _mix32(((index >> 32) + k1) & _MASK32)
     return _mix32((((index & _MASK32) + k0) & _MASK32) ^ high)
+
+
+def random_bits16_shared(keys: tuple[int, int], index: torch.Tensor) -> torch.Tensor:
+    """16 random bits (int64 tensor) per int64 element index, one ``random_bits`` hash per two elements.
+
+    In each group of 16 elements, elements ``i`` and ``i + 8`` share hash number
+    ``(i >> 4) * 8 + (i & 7)``: the first takes its high half, the second its low
+    half. The ``int8`` form's master rounding uses these (it needs 16 bits per
+    element); the pairing is the one the kernel's 8-lane vectors take without
+    shuffles.
+    """
+    h = random_bits(keys, ((index >> 4) << 3) | (index & 7))
+    return torch.where((index & 8) != 0, h & 0xFFFF, h >> 16)
 
 
 def _bits32(x: torch.Tensor) -> torch.Tensor:

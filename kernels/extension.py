@@ -249,13 +249,18 @@ def adam_update_compact(
     exp_avg_scale: torch.Tensor | None,
     exp_avg_sq_scale: torch.Tensor | None,
     param_out: torch.Tensor | None,
+    *,
+    isa: str = "auto",
 ) -> None:
-    """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel."""
+    """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel.
+
+    Its bodies are "generic" and "avx2" ("auto": the best this CPU runs).
+    """
     c = constants
     KERNEL.ops().adam_step_compact(
         master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
         state_dtype == "int8", c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
-        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1],
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1], ISA_CODES[isa],
     )  # fmt: skip
 
 

@@ -11,10 +11,11 @@ are stored back:
     v  = v * beta2 + ((1 - beta2) * g) * g
     r  = sqrt(v)                                                 (correctly rounded)
     p  = p + (-step_size * m) / (r / sqrt(bias_correction2) + eps)
-    h = random_bits(seed, step, index)
-    master = SR_bf16(p, h >> 16); param_out = master in its dtype
-    bf16: exp_avg = RNE_bf16(m), exp_avg_sq = SR_bf16(v, h & 0xFFFF)
-    int8: each block's scales from the new m and r, then codes of m and r
+    bf16: h = random_bits(keys, index)
+          master = SR_bf16(p, h >> 16), exp_avg = RNE_bf16(m), exp_avg_sq = SR_bf16(v, h & 0xFFFF)
+    int8: master = SR_bf16(p, random_bits16_shared(keys, index))
+          each block's scales from the new m and r, then codes of m and r
+    param_out = master in its dtype
 
 so the parameter moves by the step computed from the unrounded new moments;
 only what is stored is rounded. Chunks are whole blocks, so the scales are
@@ -83,8 +84,12 @@ def adam_update_compact(
         denom = root / c.bias_correction2_sqrt + c.eps
         p = p + (m * c.neg_step_size) / denom
 
-        h = compact.random_bits(keys, torch.arange(lo, hi, dtype=torch.int64))
-        new_master = compact.bf16_stochastic_round(p, h >> 16)
+        index = torch.arange(lo, hi, dtype=torch.int64)
+        if int8:
+            new_master = compact.bf16_stochastic_round(p, compact.random_bits16_shared(keys, index))
+        else:
+            h = compact.random_bits(keys, index)
+            new_master = compact.bf16_stochastic_round(p, h >> 16)
         p_flat[lo:hi].copy_(new_master)
         if out_flat is not None:
             out_flat[lo:hi].copy_(new_master)

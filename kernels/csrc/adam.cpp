@@ -36,12 +36,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define INFINITY_X86 1
-#include <immintrin.h>
-#else
-#define INFINITY_X86 0
-#endif
+#include "isa.h"
 
 namespace infinity_kernels {
 namespace {
@@ -404,34 +399,6 @@ __attribute__((noinline)) void span_avx512(const Hyper& h, float* p, const G* g,
 // ---------------------------------------------------------------------------
 // Dispatch: body, then decay mode and dtypes, then threads.
 
-enum class Isa : int64_t { kAuto = 0, kGeneric = 1, kAvx2 = 2, kAvx512 = 3 };
-
-Isa best_isa() {
-#if INFINITY_X86
-  static const Isa best = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-      return Isa::kAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::kAvx2;
-    return Isa::kGeneric;
-  }();
-  return best;
-#else
-  return Isa::kGeneric;
-#endif
-}
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kGeneric: return "generic";
-    default: return "auto";
-  }
-}
-
 template <Op K, Decay D, class G, class O>
 void run_parallel(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v, O* out,
                   int64_t n) {
@@ -505,15 +472,6 @@ void check(const at::Tensor& t, const char* name, int64_t n, bool fp32) {
   TORCH_CHECK(!fp32 || t.scalar_type() == at::kFloat, name, " must be float32");
 }
 
-Isa resolve(int64_t isa) {
-  TORCH_CHECK(isa >= 0 && isa <= 3, "isa must be 0..3, got ", isa);
-  const Isa best = best_isa();
-  if (isa == 0) return best;
-  TORCH_CHECK(isa <= static_cast<int64_t>(best), "this CPU cannot run the ", isa_name(Isa(isa)),
-              " body (best: ", isa_name(best), ")");
-  return Isa(isa);
-}
-
 template <Op K>
 void run_op(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
@@ -525,7 +483,7 @@ void run_op(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   check(exp_avg_sq, "exp_avg_sq", n, true);
   if (param_out.has_value()) check(*param_out, "param_out", n, false);
   if (n == 0) return;
-  const Isa isa = resolve(isa_code);
+  const Isa isa = resolve_isa(isa_code, Isa::kAvx512, "fused Adam");
   if constexpr (K == Op::kTouch) {
     with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out);
   } else if (h.l2 != 0.0 && !decoupled) {

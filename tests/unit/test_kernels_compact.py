@@ -45,6 +45,11 @@ def step_state(fn, state_dtype, state, grad, *, step, seed=7, param_out=None, **
        seed=seed, param_out=param_out, **scales(state), **hyper)  # fmt: skip
 
 
+def compact_isas():
+    """The compact kernel's bodies this CPU can run (the kernel must be loaded): generic, and avx2 if it has it."""
+    return ["generic"] if extension.best_isa() == "generic" else ["generic", "avx2"]
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
@@ -138,6 +143,25 @@ def test_stochastic_rounding_is_unbiased_and_keeps_specials():
     assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan() and out[3] == 3.0
 
 
+def test_shared_random_bits_round_without_bias():
+    """int8's master rounding: one hash per two elements (i and i + 8 of each 16), 16 bits each."""
+    n = 1 << 16
+    keys = compact.step_keys(3, 1)
+    index = torch.arange(n)
+    r16 = compact.random_bits16_shared(keys, index)
+    h = compact.random_bits(keys, torch.arange(n // 2))
+    groups = r16.view(-1, 2, 8)  # [group of 16][first eight, next eight][lane]
+    assert torch.equal(groups[:, 0], (h >> 16).view(-1, 8)) and torch.equal(groups[:, 1], (h & 0xFFFF).view(-1, 8))
+    assert abs(r16.float().mean().item() / 65535 - 0.5) < 0.01
+    x = torch.full((n,), 1.0 + 2.0**-10)
+    rounded = compact.bf16_stochastic_round(x, r16).float()
+    assert abs(rounded.mean().item() - x[0].item()) < 2e-5
+    # neighbours are not correlated: the rounding of element i says little about i + 1 or i + 8
+    up = (rounded > 1.0).float()
+    for lag in (1, 8):
+        assert abs(torch.corrcoef(torch.stack([up[:-lag], up[lag:]]))[0, 1].item()) < 0.02
+
+
 def test_random_bits_depend_on_seed_step_and_index():
     idx = torch.arange(1000)
     a = compact.random_bits(compact.step_keys(1, 1), idx)
@@ -168,13 +192,14 @@ def check_against_reference(state_dtype, n, grad_dtype, out_dtype, adamw, wd, st
         return state, out
 
     expected, expected_out = run(reference_compact.adam_update_compact)
-    actual, actual_out = run(extension.adam_update_compact)
-    where = f"{state_dtype} n={n} grad={grad_dtype} out={out_dtype} adamw={adamw} wd={wd} beta1={beta1}"
-    for name in expected:
-        assert same_bits(actual[name], expected[name]), f"{name} differs from the reference: {where}"
-    if out_dtype is not None:
-        assert same_bits(actual_out, expected_out), f"param_out differs from the reference: {where}"
-        assert same_bits(actual_out, actual["master"].to(out_dtype))
+    for isa in compact_isas():
+        actual, actual_out = run(functools.partial(extension.adam_update_compact, isa=isa))
+        where = f"isa={isa} {state_dtype} n={n} grad={grad_dtype} out={out_dtype} adamw={adamw} wd={wd} beta1={beta1}"
+        for name in expected:
+            assert same_bits(actual[name], expected[name]), f"{name} differs from the reference: {where}"
+        if out_dtype is not None:
+            assert same_bits(actual_out, expected_out), f"param_out differs from the reference: {where}"
+            assert same_bits(actual_out, actual["master"].to(out_dtype))
 
 
 @pytest.mark.parametrize("state_dtype", COMPACT)
@@ -186,6 +211,44 @@ def test_kernel_equals_reference_on_small_sizes(cpp_ready, state_dtype, n):
             for adamw, wd in ((True, 0.1), (False, 0.1), (True, 0.0)):
                 check_against_reference(state_dtype, n, grad_dtype, out_dtype, adamw, wd, steps=2)
     check_against_reference(state_dtype, n, torch.float32, None, False, 0.0, steps=2, beta1=0.3)  # other lerp form
+
+
+@pytest.mark.parametrize("state_dtype", COMPACT)
+def test_kernel_equals_reference_on_edge_values(cpp_ready, state_dtype):
+    """Blocks of zeros, of moments far below their block's largest (subnormal codes), and of gradients
+    whose square overflows (infinite scales), on every body."""
+    n = 5 * 256 + 3
+    param, exp_avg, exp_avg_sq = fp32_state(n, seed=5)
+    exp_avg[:256], exp_avg_sq[:256] = 0.0, 0.0
+    exp_avg[256:512:2] *= 1e-6
+    exp_avg_sq[256:512:3] *= 1e-9
+    state0 = compact.from_fp32(state_dtype, param, exp_avg, exp_avg_sq)
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    grad[:256] = 0.0
+    grad[600:610] = 1e25  # (1 - beta2) * g * g overflows: sqrt(v) and its block's scale are inf
+    grad[1024:1030] = torch.tensor([1e-40, -1e-40, 3e38, -3e38, 0.0, -0.0])
+    c = AdamConstants.for_step(step=2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                               adamw=True, bias_correction=True)  # fmt: skip
+    results = {}
+    for name, update in [("reference", reference_compact.adam_update_compact)] + [
+        (isa, functools.partial(extension.adam_update_compact, isa=isa)) for isa in compact_isas()
+    ]:
+        state = {k: v.clone() for k, v in state0.items()}
+        out = torch.empty(n, dtype=torch.float32)
+        update(c, state_dtype, compact.step_keys(3, 2), state["master"], grad, state["exp_avg"], state["exp_avg_sq"],
+               state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"), out)  # fmt: skip
+        results[name] = dict(state, out=out)
+    for isa in compact_isas():
+        for k, expected in results["reference"].items():
+            assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa} {state_dtype}"
+
+
+def test_compact_kernel_has_no_avx512_body(cpp_ready):
+    state = compact.from_fp32("bf16", *fp32_state(10))
+    c = AdamConstants.for_step(step=1, weight_decay=0.0, adamw=True, bias_correction=True, **HYPER)
+    with pytest.raises(RuntimeError, match="no avx512 body"):
+        extension.adam_update_compact(c, "bf16", (1, 2), state["master"], torch.zeros(10), state["exp_avg"],
+                                      state["exp_avg_sq"], None, None, None, isa="avx512")  # fmt: skip
 
 
 @pytest.mark.parametrize("state_dtype", COMPACT)
