@@ -8,9 +8,12 @@ against all off, against two floors measured in the same run:
 
 The three engines (no offload, overlapped, sequential) live side by side and
 their steps alternate, so the machine's noise hits all alike; figures are
-medians. Each step's time includes its own write-behind (waited for before the
-next engine's step, which shares the disk): a little more than training pays,
-where it finishes behind the next forward.
+medians. Each engine runs ``--block`` consecutive steps per round (default 2),
+timed together with the last one's write-behind (waited for before the next
+engine's block, which shares the disk); the step time is the block's over its
+steps. Within a block a step's write-behind and the next one's first reads
+overlap as in training; the block's first reads and last writes do not, which
+a long run would hide.
 The last line is JSON with at least step_s, step_no_overlap_s,
 compute_floor_s and io_floor_s.
 
@@ -76,18 +79,25 @@ def build(cfg: GPTConfig, config: dict):
     return infinity.initialize(model, config)
 
 
-def one_step(engine, batch) -> tuple[float, dict]:
+def one_block(engine, batch, steps: int) -> tuple[float, list[dict]]:
+    """``steps`` consecutive steps of one engine; seconds per step and each step's metrics.
+
+    The block's time includes the write-behind of its last step (waited for before the next engine's block,
+    which shares the disk). Within the block each step's write-behind finishes behind the next forward and
+    the next step's first reads overlap the previous one's tail, as in training; only the block's first
+    reads and last writes are exposed, so a block of one step charges a whole pipeline fill and drain to
+    every offloaded step."""
+    metrics = []
     start = time.perf_counter()
-    loss = engine(*batch)
-    engine.backward(loss)
-    engine.step()
-    # This step's write-behind (its last sub-groups' states) is waited for inside its time. Training hides it
-    # behind the next forward; here the next step is another engine's, which shares the disk and would pay for
-    # it, so whichever engine follows an offloaded one would look slower than it is.
+    for _ in range(steps):
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        metrics.append(engine.step_metrics())
     flush = getattr(engine.optimizer, "flush", None)
     if flush is not None:
         flush()
-    return time.perf_counter() - start, engine.step_metrics()
+    return (time.perf_counter() - start) / steps, metrics
 
 
 def main() -> None:
@@ -97,8 +107,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps of each engine")
+    parser.add_argument("--steps", type=int, default=3, help="measured rounds (blocks) of each engine")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
+    parser.add_argument("--block", type=int, default=2,
+                        help="consecutive steps of each engine per round, timed together (default 2; 1 charges "
+                             "a whole pipeline fill and drain to every offloaded step)")
     parser.add_argument("--sub-group-size", type=int, default=20_000_000)
     parser.add_argument("--block-size", type=int, default=1 << 20, help="aio block size in bytes (default 1 MiB)")
     parser.add_argument("--queue-depth", type=int, default=32, help="aio queue depth (default 32)")
@@ -145,13 +158,14 @@ def main() -> None:
         outcomes: dict[str, int] = {}
         for i in range(args.warmup + args.steps):
             for name, engine in engines.items():  # alternate, so the machine's noise hits all alike
-                elapsed, metrics = one_step(engine, batch)
+                elapsed, block_metrics = one_block(engine, batch, args.block)
                 if i >= args.warmup:
                     times[name].append(elapsed)
-                    metrics_on = metrics if name == "on" else metrics_on
+                    metrics_on = block_metrics[-1] if name == "on" else metrics_on
                 if name == "on":
-                    outcome = metrics.get("overlapped_step", "none")
-                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                    for metrics in block_metrics:
+                        outcome = metrics.get("overlapped_step", "none")
+                        outcomes[outcome] = outcomes.get(outcome, 0) + 1
             print("  round {}: {}".format(i, ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items() if t))
                   if i >= args.warmup else f"  round {i}: warm-up", flush=True)
         for engine in engines.values():
