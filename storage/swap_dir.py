@@ -81,12 +81,8 @@ def create_swap_file(parent: Path, *, buffered_fallback: bool) -> SwapFile:
         raise NotADirectoryError(errno.ENOTDIR, "swap path is not a directory", str(parent))
     problem = direct_io_problem(parent)
     if problem is not None and not buffered_fallback:
-        raise DirectIOUnsupported(
-            errno.EINVAL,
-            f"swap directory does not take direct I/O: {problem}; put the swap on a disk, or pass "
-            "buffered_fallback=True to use buffered I/O there",
-            str(parent),
-        )
+        raise _no_direct_io(problem, parent, "put the swap on a disk, or pass buffered_fallback=True to use "
+                                             "buffered I/O there")
     try:
         private = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)
     except OSError as exc:
@@ -98,12 +94,7 @@ def create_swap_file(parent: Path, *, buffered_fallback: bool) -> SwapFile:
         if problem is None:
             problem = _open_direct(path, fd_box)
             if problem is not None and not buffered_fallback:
-                raise DirectIOUnsupported(
-                    errno.EINVAL,
-                    f"swap directory does not take direct I/O: {problem}; pass buffered_fallback=True "
-                    "to use buffered I/O there",
-                    str(parent),
-                )
+                raise _no_direct_io(problem, parent, "pass buffered_fallback=True to use buffered I/O there")
         if problem is not None:
             warnings.warn(
                 f"swap directory {parent} does not take direct I/O ({problem}); using buffered I/O "
@@ -203,3 +194,8 @@ def remove_dead_stores(parent: str | os.PathLike, *, keep: Path | None = None) -
         logger.warning("swap store: removed %d swap director%s (%.1f MB) left under %s by runs that died",
                        removed, "y" if removed == 1 else "ies", freed / 1e6, parent)
     return removed
+
+
+def _no_direct_io(problem: str, parent, advice: str) -> DirectIOUnsupported:
+    return DirectIOUnsupported(errno.EINVAL, f"swap directory does not take direct I/O: {problem}; {advice}",
+                               str(parent))

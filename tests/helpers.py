@@ -78,6 +78,20 @@ class TiedMLP(nn.Module):
         return F.mse_loss(out.float(), y)
 
 
+def absolute_imports(path) -> list[str]:
+    """The modules a source file imports by absolute name (``import a.b``, ``from a.b import c``), anywhere in it."""
+    import ast
+    from pathlib import Path
+
+    names = []
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module)
+    return names
+
+
 def gpt_batches(n: int, *, batch: int, seq: int = 16, vocab: int = 64, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     out = []

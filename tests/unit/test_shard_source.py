@@ -3,7 +3,6 @@ and loads through it, and the checkpoint, state-dict and export modules import n
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from helpers import absolute_imports
 from infinity.checkpoint import load_checkpoint, save_checkpoint
 from infinity.comm import Collectives
 from infinity.config import InfinityConfig
@@ -127,12 +127,5 @@ def test_checkpoints_state_dicts_and_exports_import_none_of_the_engines_parts():
     paths += [REPO / "infinity" / name for name in ("state_dict.py", "hf_export.py", "consolidation.py")]
     assert len(paths) > 5
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                assert name not in ENGINE_PARTS, f"{path.relative_to(REPO)} imports {name}"
+        for name in absolute_imports(path):
+            assert name not in ENGINE_PARTS, f"{path.relative_to(REPO)} imports {name}"

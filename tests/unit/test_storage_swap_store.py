@@ -351,23 +351,16 @@ def test_garbage_collected_store_removes_its_directory(swap_dir):
 
 
 def test_storage_imports_only_torch_numpy_stdlib_and_libaio():
-    import ast
+    from helpers import absolute_imports
 
     allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "libaio", "__future__"}
     for path in sorted((REPO / "storage").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                names = [node.module]
+        for name in absolute_imports(path):
+            assert not name.startswith("torch.distributed"), f"{path.name} imports {name}"
+            if name.startswith("infinity."):
+                assert name.startswith("infinity.storage"), f"{path.name} imports {name}"
             else:
-                continue
-            for name in names:
-                assert not name.startswith("torch.distributed"), f"{path.name} imports {name}"
-                if name.startswith("infinity."):
-                    assert name.startswith("infinity.storage"), f"{path.name} imports {name}"
-                else:
-                    assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
+                assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
 
 
 def test_a_read_right_after_an_unwaited_write_sees_the_write(tmp_path):
