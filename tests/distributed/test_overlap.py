@@ -14,6 +14,13 @@ import infinity
 from helpers import TinyGPT, delay_storage, engine_config, engine_steps, engine_train, gpt_batches, reference_train
 
 
+def assert_same_training(on_losses, on_state, off_losses, off_state) -> None:
+    """The overlapped run's losses and final state dict are the other run's, bit for bit."""
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
 def _train(model, batches, tmp_path, *, overlap: bool, param="nvme", optimizer="nvme", accum=2, steps=4):
     config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=0.0, lr=3e-3,
                            overlap_step_with_backward=overlap,
@@ -29,9 +36,7 @@ def test_overlap_on_equals_off_bitwise(tmp_path, param, optimizer):
     on_losses, on_state, metrics = _train(model, batches, tmp_path, overlap=True, param=param, optimizer=optimizer)
     assert metrics["sub_groups_during_backward"] >= 1  # the step really ran during backward
     off_losses, off_state, _ = _train(model, batches, tmp_path, overlap=False, param=param, optimizer=optimizer)
-    assert on_losses == off_losses
-    for key in off_state:
-        assert torch.equal(on_state[key], off_state[key]), key
+    assert_same_training(on_losses, on_state, off_losses, off_state)
 
 
 def _speculate_always(monkeypatch):
@@ -71,9 +76,7 @@ def test_overlap_with_clipping_equals_off_bitwise(tmp_path, monkeypatch, param, 
     assert {"committed", "redone"} <= set(outcomes), outcomes
     assert on_metrics[-1]["rollbacks"] >= 1  # some step really was undone
     assert [m["grad_norm"] for m in on_metrics] == [m["grad_norm"] for m in off_metrics]
-    assert on_losses == off_losses
-    for key in off_state:
-        assert torch.equal(on_state[key], off_state[key]), key
+    assert_same_training(on_losses, on_state, off_losses, off_state)
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "speculate-always"])
@@ -99,9 +102,7 @@ def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, pa
     assert [m["skipped"] for m in on_metrics] == [m["skipped"] for m in off_metrics]
     if policy == "speculate-always":
         assert on_metrics[-1]["rollbacks"] >= outcomes.count("skipped")
-    assert on_losses == off_losses
-    for key in off_state:
-        assert torch.equal(on_state[key], off_state[key]), key
+    assert_same_training(on_losses, on_state, off_losses, off_state)
 
 
 def test_a_disk_without_room_for_two_sides_waits_for_the_norm(tmp_path, monkeypatch, caplog):
@@ -137,9 +138,7 @@ def test_a_disk_without_room_for_two_sides_waits_for_the_norm(tmp_path, monkeypa
     assert "swapped sub-groups wait for the global norm" in caplog.text
     assert second_side == []
     assert on_metrics[-1]["rollbacks"] == 0  # nothing was speculated, so nothing was undone
-    assert on_losses == off_losses
-    for key in off_state:
-        assert torch.equal(on_state[key], off_state[key]), key
+    assert_same_training(on_losses, on_state, off_losses, off_state)
 
 
 def test_a_forward_without_backward_leaves_no_step_behind(tmp_path):
