@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import psutil
 import torch
 
 from infinity.checkpoint.files import META_FILE, shard_file, write_meta
@@ -72,16 +73,6 @@ def _tmp_dir_name(pid: int, nonce: int, tag: str) -> str:
     return f"{TMP_PREFIX}{pid}-{nonce:012x}-{tag}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_leftovers(save_dir: Path, keep: str) -> None:
     """Remove what interrupted saves left in ``save_dir``: temporary folders of dead processes, backups."""
     for entry in save_dir.iterdir():
@@ -90,7 +81,7 @@ def _remove_leftovers(save_dir: Path, keep: str) -> None:
             continue
         if name.startswith(TMP_PREFIX) or name.startswith(f"{LATEST_FILE}{TMP_PREFIX}"):
             pid_text = name.split(TMP_PREFIX, 1)[1].split("-", 1)[0]
-            if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and int(pid_text) != os.getpid() and not psutil.pid_exists(int(pid_text)):
                 logger.info("removing %s, left by an interrupted save", entry)
                 shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         elif name.startswith(_OLD_PREFIX) and entry.is_dir():

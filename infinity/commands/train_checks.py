@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from infinity.estimate import format_bytes
 from infinity.tier_names import OffloadDevice
 
@@ -92,16 +94,6 @@ TEMPORARY_PREFIX = "infinity-train-"
 ``infinity-train-<pid>-<random>`` so that a later run can tell a dead run's folder from a live one's."""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def remove_dead_swap_folders(parent: str) -> int:
     """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
     and this command's private folders (``infinity-train-<pid>-*``) of dead processes. How many went."""
@@ -113,7 +105,7 @@ def remove_dead_swap_folders(parent: str) -> int:
     for folder in Path(parent).glob(f"{TEMPORARY_PREFIX}*"):
         pid = folder.name[len(TEMPORARY_PREFIX):].split("-", 1)[0]
         try:
-            if not pid.isdigit() or _pid_alive(int(pid)) or not folder.is_dir() or folder.is_symlink():
+            if not pid.isdigit() or psutil.pid_exists(int(pid)) or not folder.is_dir() or folder.is_symlink():
                 continue
             if time.time() - folder.stat().st_mtime < STALE_AFTER_S:
                 continue
