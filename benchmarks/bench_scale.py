@@ -10,8 +10,13 @@ falling loss and a peak RSS within `--max-rss`.
     python benchmarks/bench_scale.py --presets 2.7b --host-memory 7GiB --max-rss 8GiB --nvme-path /mnt/nvme
     python benchmarks/bench_scale.py --presets 125m,350m --steps 2       # a quick look
 
-Swap files go under --nvme-path (default: a temporary folder), removed after each run. Check the free space
-first: a preset needs about 14 bytes a parameter there.
+Swap files go under --nvme-path (default: a temporary folder), removed after each run. A preset whose NVMe
+share under the budget (from `infinity estimate`: what does not fit in --host-memory) exceeds the free space
+there is skipped, and says so.
+
+    # a GPU machine (125 GiB host, 64 GiB disk): the states that fit stay in host memory
+    python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB
+    python benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 --host-memory 100GiB --max-rss 120GiB
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ import sys
 import tempfile
 import time
 
-from infinity.host_budget import parse_host_memory
-from infinity.models.gpt import count_params, get_preset
+import torch
+
+from infinity.estimate import estimate_gpt
+from infinity.host_budget import parse_host_memory, resolve_host_budget
+from infinity.models.gpt import get_preset
 
 
 def parse_args(argv=None):
@@ -39,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="bf16")
     p.add_argument("--lr", default=None, help="peak learning rate (default: the preset's; a few steps from scratch "
                                               "want less: Adam's first step moves every weight by about lr)")
+    p.add_argument("--optimizer-state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="form of master and moments (issue 13: bf16 6 B, int8 ~4 B an element instead of 12)")
     p.add_argument("--host-memory", default="7GiB", help="the engine's host-memory budget per run")
     p.add_argument("--max-rss", default="8GiB", help="the peak RSS a run must stay within")
     p.add_argument("--nvme-path", default=None)
@@ -46,9 +56,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def nvme_share(preset: str, args) -> int:
+    """The bytes a run of ``preset`` puts on NVMe under the host-memory budget (``infinity estimate``'s plan)."""
+    planned = estimate_gpt(get_preset(preset), micro_batch=args.micro_batch, seq_len=args.seq_len,
+                           precision=args.precision, offload_param="nvme", offload_optimizer="nvme",
+                           gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype,
+                           host_memory_budget=resolve_host_budget(parse_host_memory(args.host_memory, key="--host-memory")))
+    return planned["totals"]["nvme"]
+
+
 def run_preset(preset: str, args, nvme_root: str) -> dict:
     nvme = tempfile.mkdtemp(prefix=f"scale-{preset}-", dir=nvme_root)
-    needed = count_params(get_preset(preset)) * 14
+    needed = nvme_share(preset, args)
     free = shutil.disk_usage(nvme).free
     if needed > free:
         shutil.rmtree(nvme, ignore_errors=True)
@@ -56,7 +75,8 @@ def run_preset(preset: str, args, nvme_root: str) -> dict:
     cmd = [sys.executable, "-m", "infinity.cli", "train", "--preset", preset, "--steps", str(args.steps),
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--precision", args.precision,
            "--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme,
-           "--host-memory", args.host_memory, "--json"] + (["--lr", args.lr] if args.lr else [])
+           "--host-memory", args.host_memory, "--optimizer-state-dtype", args.optimizer_state_dtype,
+           "--json"] + (["--lr", args.lr] if args.lr else [])
     start = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 11, 12 and 13, in three calls of the device tool, each under its 10-minute
+# limit (a session gets 30 minutes of GPU time, start-up included). On the GPU machine, from a copy of the
+# project root that holds .gpu/ (../shared/gpu/README.md):
+#
+#   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_session.sh tests
+#   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_session.sh bench
+#   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_session.sh scale
+#
+# tests: tests/gpu (parity with plain PyTorch on the device), then the whole suite with CUDA present.
+# bench: bench_gpu.py (124M and 1.3B, every tier, accumulation 1 and 4, against plain PyTorch; the nvme
+#        case against the disk; spill against cpu), then the compact states on a disk-bound 1.3B.
+# scale: the largest GPT on one GPU with host memory and NVMe (13B with int8 states, else 6.7B).
+#
+# Every log and JSON line goes under $OUT (the device tool brings it back), written as it comes, so a
+# phase cut off by its time limit still returns what it finished. Swap files go under a temporary folder
+# and are removed. Each step has its own `timeout`, so one slow step cannot eat the next one's time.
+
+set -u
+phase=${1:?"usage: gpu_session.sh tests|bench|scale"}
+case $phase in tests|bench|scale) ;; *) echo "unknown phase $phase: tests, bench or scale" >&2; exit 2 ;; esac
+out=${OUT:-/tmp/gpu-session}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log, note the exit status
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s): $*" | tee -a "$out/phases.log"
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/phases.log"
+  tail -n 15 "$out/$name.log"
+}
+
+{ nvidia-smi; nproc; free -g; df -h /tmp; } > "$out/machine-$phase.txt" 2>&1
+
+case $phase in
+  tests)
+    step tests-gpu 150 "$py" -m pytest -q -rs tests/gpu
+    step tests-all 390 "$py" -m pytest -q -x -rf tests --junitxml="$out/tests-all.xml"
+    ;;
+  bench)
+    step bench-gpu 420 "$py" benchmarks/bench_gpu.py --rounds 3 --warmup 1 --out "$out/bench_gpu.json"
+    step bench-compact 150 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
+      --precision bf16 --steps 2 --warmup 1
+    ;;
+  scale)
+    step scale-13b-int8 540 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
+      --steps 3 --lr 1e-6 --host-memory 100GiB --max-rss 120GiB --out "$out/scale-13b-int8.json"
+    ;;
+esac
