@@ -12,6 +12,9 @@
 #        case against the disk; spill against cpu), then the compact states on a disk-bound 1.3B.
 # scale: the largest GPT on one GPU with host memory and NVMe (13B with int8 states, else 6.7B).
 #
+# The limits add up to ~25 minutes, leaving the rest of the 30 for the machine's start. Run the phases in
+# this order (most needed first), one right after the other, so the machine stays warm between them.
+#
 # Every log and JSON line goes under $OUT (the device tool brings it back), written as it comes, so a
 # phase cut off by its time limit still returns what it finished. Swap files go under a temporary folder
 # and are removed. Each step has its own `timeout`, so one slow step cannot eat the next one's time.
@@ -40,15 +43,15 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
 case $phase in
   tests)
     step tests-gpu 150 "$py" -m pytest -q -rs tests/gpu
-    step tests-all 390 "$py" -m pytest -q -x -rf tests --junitxml="$out/tests-all.xml"
+    step tests-all 330 "$py" -m pytest -q -rf --durations=15 tests --junitxml="$out/tests-all.xml"
     ;;
   bench)
-    step bench-gpu 420 "$py" benchmarks/bench_gpu.py --rounds 3 --warmup 1 --out "$out/bench_gpu.json"
-    step bench-compact 150 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
+    step bench-gpu 400 "$py" benchmarks/bench_gpu.py --rounds 3 --warmup 1 --out "$out/bench_gpu.json"
+    step bench-compact 120 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
       --precision bf16 --steps 2 --warmup 1
     ;;
   scale)
-    step scale-13b-int8 540 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
+    step scale-13b-int8 480 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
       --steps 3 --lr 1e-6 --host-memory 100GiB --max-rss 120GiB --out "$out/scale-13b-int8.json"
     ;;
 esac
