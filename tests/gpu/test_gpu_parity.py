@@ -76,6 +76,7 @@ def test_host_buffers_that_cross_are_pinned(tmp_path):
     engine = infinity.initialize(TinyGPT(), config)
     try:
         assert engine.placement.compute_shard.pinned and engine.placement.grads.pinned
+        engine.tiers.pinner.wait()  # registration runs on a background thread, off initialize's path
         assert engine.compute._flat.is_pinned() and engine.reducer.slices.is_pinned()
     finally:
         engine.close()

@@ -48,6 +48,8 @@ RSS_SCRIPT = textwrap.dedent("""
     # bf16 compute shard 2 B + gradient 2 B (bf16, no accumulation) + fp32 master 4 B + moments 8 B
     states = numel * 16
     x = torch.randint(0, 256, (1, 32)); y = torch.randint(0, 256, (1, 32))
+    if torch.cuda.is_available():  # the CUDA context and cuBLAS (300 MB or more) are not the engine's states
+        (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).sum().item()
     baseline = psutil.Process().memory_info().rss
     with tempfile.TemporaryDirectory() as nvme:
         # gathering budgets sized to the model (DeepSpeed's defaults, 1e9 elements, would keep all of it gathered)

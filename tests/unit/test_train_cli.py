@@ -281,7 +281,10 @@ def test_json_counts_host_device_bytes_in_the_distinct_device_mode(capsys, monke
     """What a GPU run would move over PCIe; nothing crosses where device memory is host memory."""
     pytest.importorskip("infinity.engine")
     monkeypatch.delenv("INFINITY_DISTINCT_DEVICE", raising=False)  # `make test`'s second pass sets it for everything
-    flags = ("--steps", "2", "--offload-param", "cpu", "--offload-optimizer", "cpu", "--precision", "fp32")
+    on_cpu = tmp_path / "on_cpu.json"  # with a GPU present, `auto` would compute there and copies would cross
+    on_cpu.write_text(json.dumps({"device": "cpu"}))
+    flags = ("--config", str(on_cpu), "--steps", "2", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+             "--precision", "fp32")
     one_memory = _run_json(capsys, *flags)
     assert one_memory["copies"] == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
     monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
