@@ -82,11 +82,13 @@ class ComputeDelivery:
         if not self._scratch_copy:
             return
         last = self._copies.last()
-        self._scratch_copy.clear()
         if self._on_device:
             self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
+            self._scratch_copy.clear()
         else:
-            self._copies.compute_waits(last)  # device compute shards are gathered by the compute stream
+            # device compute shards are gathered by the compute stream: a stream wait, the host goes on. The
+            # entries stay, so the next step's kernel host-waits before it overwrites a scratch still copied up.
+            self._copies.compute_waits(last)
 
     def _host_scratch_buffer(self) -> torch.Tensor:
         """One sub-group of host scratch for new compute shards, made on first use (states in memory have no

@@ -74,6 +74,7 @@ class Copies:
         self.device_to_host_nbytes = 0
         self.delay_s = delay_s
         self._lock = threading.Lock()   # counts and the release list are touched by the optimizer's worker too
+        self._issue_lock = threading.Lock()  # issuing a copy and noting it as the last one (see _copy)
         self._after: list[tuple[CopyDone, Callable[[], None]]] = []
         self._last: CopyDone = DONE
         self._stream = self._compute_stream = None
@@ -98,16 +99,19 @@ class Copies:
         if not self.distinct:
             dst.copy_(src)  # one memory: nothing crosses
             return DONE
+        # Copies are issued from three threads (the main one, autograd's device thread, the optimizer's worker):
+        # issuing and noting the last one under one lock keeps `last()` the latest in the copy stream's order.
+        with self._issue_lock:
+            if self._stream is not None:
+                done = self._cuda_copy(src, dst, up=up)
+            else:
+                done = self._worker.submit(src, dst)
+            self._last = done
         with self._lock:
             if up:
                 self.host_to_device_nbytes += nbytes
             else:
                 self.device_to_host_nbytes += nbytes
-        if self._stream is not None:
-            done = self._cuda_copy(src, dst, up=up)
-        else:
-            done = self._worker.submit(src, dst)
-        self._last = done
         return done
 
     def _cuda_copy(self, src: torch.Tensor, dst: torch.Tensor, *, up: bool) -> CopyDone:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from infinity.layout import SubGroup
+from infinity.placement import fits_free_device_memory
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
@@ -303,9 +304,10 @@ class InMemoryUndo:
         """The copy, where the tier's budget has room for it (else None: in-memory sub-groups wait for the norm)."""
         nbytes = sum(t.numel() * t.element_size() for t in states.values())
         room = tiers.stats[tier].room_nbytes()
-        if room is not None and room < nbytes:
-            logger.info("overlapped step with clipping/fp16: no room in the %s memory budget to undo in-memory "
-                        "states; their updates wait for the global norm", tier)
+        device = next(iter(states.values())).device
+        if (room is not None and room < nbytes) or not fits_free_device_memory(device, nbytes):
+            logger.info("overlapped step with clipping/fp16: no room in the %s memory (budget, or a quarter of "
+                        "the free GPU memory) to undo in-memory states; their updates wait for the global norm", tier)
             return None
         logger.info("overlapped step with clipping/fp16: %.1f MiB of %s memory keep in-memory states undoable",
                     nbytes / 2**20, tier)

@@ -158,12 +158,17 @@ def distinct_device_requested() -> bool:
 
 
 def grad_accumulator_fits_device(device: torch.device, trainable_numel: int) -> bool:
-    """An fp32 gradient accumulator fits when it takes at most a quarter of the device memory free now
-    (the rest is for gathered parameters and activations). Without a GPU there is no device budget."""
+    """An fp32 gradient accumulator fits when it takes at most a quarter of the device memory free now."""
+    return fits_free_device_memory(device, trainable_numel * 4)
+
+
+def fits_free_device_memory(device: torch.device, nbytes: int) -> bool:
+    """Whether an optional device buffer of ``nbytes`` takes at most a quarter of the GPU memory free now (the
+    rest is for gathered parameters and activations). Without a GPU there is no device budget: True."""
     if device.type != "cuda":
         return True
     free_nbytes, _ = torch.cuda.mem_get_info(device)
-    return trainable_numel * 4 <= free_nbytes // 4
+    return nbytes <= free_nbytes // 4
 
 
 def _pin_decision(key: str, requested: bool | None, device: torch.device, distinct: bool) -> bool:
