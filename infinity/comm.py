@@ -44,6 +44,10 @@ class Collectives:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = rank_in(group)
         self.backend = dist.get_backend(group) if self.distributed else None
+        # NCCL alone takes CUDA tensors only; the engine's host-side collectives (the gradient norm, the
+        # overflow flag, initial values, checkpoint flags) then go through a device copy. A group made as
+        # "cpu:gloo,cuda:nccl" (what `infinity train` makes) takes host tensors as they are.
+        self._host_via_device = self.backend == "nccl"
         self.nbytes: dict[str, int] = defaultdict(int)
         self.seconds = 0.0
         self._timeline = timeline  # each collective is a span on its "collectives" track
@@ -55,7 +59,12 @@ class Collectives:
                 full.copy_(shard)
             return
         start = time.perf_counter()
-        _all_gather_single(full, shard, group=self.group)
+        if self._host_via_device and full.device.type == "cpu":
+            on_device = full.to(_current_cuda_device(), copy=True)
+            _all_gather_single(on_device, shard.to(on_device.device), group=self.group)
+            full.copy_(on_device)  # a synchronous copy down: the host reads the result next
+        else:
+            _all_gather_single(full, shard, group=self.group)
         self._count("all_gather", full.numel() * full.element_size(), start)
 
     def reduce_scatter_mean(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
@@ -78,7 +87,7 @@ class Collectives:
         if self.world_size == 1:
             return tensor
         start = time.perf_counter()
-        dist.all_reduce(tensor, op=op, group=self.group)
+        self._on_backend_device(tensor, lambda t: dist.all_reduce(t, op=op, group=self.group))
         self._count("all_reduce", 2 * tensor.numel() * tensor.element_size(), start)
         return tensor
 
@@ -86,7 +95,17 @@ class Collectives:
         """Make every rank hold rank 0's ``tensor`` (used once, at initialize)."""
         if self.world_size == 1:
             return
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        src = dist.get_global_rank(self.group, 0) if self.group else 0
+        self._on_backend_device(tensor, lambda t: dist.broadcast(t, src=src, group=self.group))
+
+    def _on_backend_device(self, tensor: torch.Tensor, collective) -> None:
+        """Run ``collective`` on ``tensor``, or on a device copy of a host tensor where the backend is NCCL alone."""
+        if not (self._host_via_device and tensor.device.type == "cpu"):
+            collective(tensor)
+            return
+        on_device = tensor.to(_current_cuda_device(), copy=True)
+        collective(on_device)
+        tensor.copy_(on_device)  # a synchronous copy down: the host reads the result next
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -101,3 +120,7 @@ class Collectives:
 
     def snapshot(self) -> dict:
         return {f"{name}_nbytes": n for name, n in sorted(self.nbytes.items())} | {"seconds": self.seconds}
+
+
+def _current_cuda_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())

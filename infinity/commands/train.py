@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 
@@ -188,8 +189,19 @@ def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=_process_group_backend(torch))
         cleanup.callbacks.append(dist.destroy_process_group)
+
+
+def _process_group_backend(torch) -> str:
+    """One GPU per rank when this machine has one for each of its ranks (torchrun's LOCAL_RANK picks it):
+    NCCL for device tensors, gloo for the host ones (the gradient norm, flags, checkpoint and metric
+    reductions). Otherwise gloo alone, and the ranks compute on the CPU."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and local_ranks <= torch.cuda.device_count():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
 
 
 def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cleanup, stop: GracefulStop) -> int:
