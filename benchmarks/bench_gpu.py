@@ -139,6 +139,7 @@ class Ours:
 
     def close(self) -> None:
         self.engine.close()
+        del self.engine
 
 
 def batches_for(cfg: GPTConfig, args, accum: int, device: torch.device, seed: int):
@@ -176,20 +177,26 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
             tiers = ours.engine.step_metrics()["tiers"]
             nvme_bytes.append(tiers["nvme"]["bytes_read"] + tiers["nvme"]["bytes_written"])
         metrics = ours.engine.step_metrics()
+        placement = ours.engine.placement.describe()
     finally:
         ours.close()
         reference.close()
+        # Nothing of this case may hold device memory into the next one (the engine's parameters and its
+        # prefetcher refer to each other: only the collector frees them).
+        del ours, reference
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     row = {"model": name, "params": count_params(cfg), "tier": tier, "accumulation": accum,
            "reference_step_s": statistics.median(ref_times), "step_s": statistics.median(our_times),
            "ratio": statistics.median(ratios), "loss": loss, "copies": metrics.get("copies", {}),
-           "placement": ours.engine.placement.describe()}
+           "placement": placement}
     if tier in ("nvme", "spill") and disk:
         moved = statistics.median(nvme_bytes)
         io_floor_s = moved / disk["bytes_per_s"]
-        row.update(nvme_bytes_per_step=moved, io_floor_s=io_floor_s, io_ratio=row["step_s"] / io_floor_s)
+        row.update(nvme_bytes_per_step=moved, io_floor_s=io_floor_s)
+        if moved:  # spill may keep every state in host memory: no disk bound then
+            row["io_ratio"] = row["step_s"] / io_floor_s
     return row
 
 
