@@ -16,6 +16,10 @@ Three ways to run, chosen by the :class:`~infinity.placement.Placement`:
   because nothing would cross.
 
 Bytes are counted per direction: the traffic a GPU run moves over PCIe.
+
+The compute stream is the device's current stream when the engine is made (the
+default stream, unless the caller made the engine inside ``torch.cuda.stream``):
+forward and backward must run on that same stream, or the waits order nothing.
 """
 
 from __future__ import annotations

@@ -58,7 +58,10 @@ class Timeline:
             self._io.append((track, key, handle))
 
     def waited(self, start: float, end: float, what: str) -> None:
-        if threading.get_ident() == self._main:
+        """A wait for I/O, counted when compute was the one waiting: the main thread, or the thread autograd
+        runs a GPU's backward hooks on. The engine's own workers (named ``infinity-*``) wait off the critical
+        path."""
+        if threading.get_ident() == self._main or not threading.current_thread().name.startswith("infinity-"):
             self.add("waits", what, start, end)
 
     def _collect_io(self) -> None:

@@ -1,0 +1,26 @@
+"""Which waits count as compute waiting on I/O: the main thread's, and those of a thread that runs backward
+hooks for autograd (a GPU's backward runs there); not those of the engine's own workers."""
+
+from __future__ import annotations
+
+import threading
+
+from infinity.trace import Timeline
+
+
+def _wait_on(thread_name: str | None, timeline: Timeline) -> None:
+    def run():
+        timeline.waited(1.0, 1.5, "fetch")
+    thread = threading.Thread(target=run, name=thread_name) if thread_name else threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+
+def test_waits_of_the_main_thread_and_of_autograds_thread_count_and_workers_do_not():
+    timeline = Timeline()
+    timeline.waited(0.0, 0.25, "fetch")  # the main thread
+    _wait_on(None, timeline)  # autograd's device thread: a thread the engine did not make
+    _wait_on("infinity-optimizer", timeline)  # the step's worker reads ahead off the critical path
+    timeline.add("compute", "backward", 0.0, 2.0)
+    summary = timeline.close_step()
+    assert summary["compute_s"] == 2.0 - 0.25 - 0.5
