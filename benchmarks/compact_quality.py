@@ -22,6 +22,10 @@ import tempfile
 import time
 
 
+BOUNDS = {"bf16": 0.01, "int8": 0.02}
+"""Issue 13's bounds on the loss against fp32 states, checked on the held-out loss."""
+
+
 def run(state_dtype: str, args, work: str) -> dict:
     cmd = [sys.executable, "-m", "infinity.cli", "train", "--preset", args.preset, "--steps", str(args.steps),
            "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--seed", str(args.seed),
@@ -64,8 +68,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--offload", choices=("cpu", "nvme"), default="cpu")
     parser.add_argument("--state-dtypes", default="fp32,bf16,int8")
-    parser.add_argument("--eval-batches", type=int, default=0,
-                        help="also measure the final loss on this many held-out micro-batches (default 0: off); "
+    parser.add_argument("--eval-batches", type=int, default=64,
+                        help="also measure the final loss on this many held-out micro-batches (default 64; 0: off); "
                              "one training batch's loss swings with the batch, the held-out mean does not")
     parser.add_argument("--work", help="folder for the runs' metrics (default: a temporary one, removed)")
     args = parser.parse_args()
@@ -86,8 +90,13 @@ def main() -> None:
             if r["val_loss"] is not None and base["val_loss"] is not None:
                 r["val_vs_fp32"] = r["val_loss"] / base["val_loss"] - 1
                 held_out = f", held-out {100 * r['val_vs_fp32']:+.2f} %"
+            bound = BOUNDS.get(r["state_dtype"])
+            verdict = ""
+            if bound is not None and "val_vs_fp32" in r:
+                r["within_bound"] = abs(r["val_vs_fp32"]) <= bound
+                verdict = f" ({'within' if r['within_bound'] else 'OUTSIDE'} issue 13's ±{100 * bound:.0f} %)"
             print(f"{r['state_dtype']:>5}: final {100 * r['final_vs_fp32']:+.2f} % vs fp32, last-20 mean "
-                  f"{100 * r['last20_vs_fp32']:+.2f} %{held_out}")
+                  f"{100 * r['last20_vs_fp32']:+.2f} %{held_out}{verdict}")
     print(json.dumps({"setting": vars(args), "cpu_count": os.cpu_count(), "results": results}))
 
 
