@@ -35,10 +35,8 @@ inline V floats(I x) { return _mm256_castsi256_ps(x); }
 inline V abs(V x) { return floats(_mm256_and_si256(bits(x), splat(0x7FFFFFFFu))); }
 
 // Eight bf16 (their bits) widened to fp32, exactly.
-inline V load_bf16(const uint16_t* p) {
-  const I u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return floats(_mm256_slli_epi32(u, 16));
-}
+inline V widen_bf16(__m128i h) { return floats(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline V load_bf16(const uint16_t* p) { return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline V load(const float* g) { return _mm256_loadu_ps(g); }
 inline V load(const BF16* g) { return load_bf16(reinterpret_cast<const uint16_t*>(g)); }
 inline V load(const F16* g) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))); }
@@ -140,8 +138,8 @@ inline void store(void* p, I x) { _mm256_storeu_si256(static_cast<__m256i*>(p), 
 
 // write_out for sixteen elements: `packed` is the sixteen bf16 in order; fp32
 // and fp16 copies widen them back from it, whatever lane order the block kept.
-inline V widen_low8(I packed) { return floats(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(packed)), 16)); }
-inline V widen_high8(I packed) { return floats(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(packed, 1)), 16)); }
+inline V widen_low8(I packed) { return widen_bf16(_mm256_castsi256_si128(packed)); }
+inline V widen_high8(I packed) { return widen_bf16(_mm256_extracti128_si256(packed, 1)); }
 inline void write_out16(NoOut*, I) {}
 inline void write_out16(BF16* out, I packed) { store(out, packed); }
 inline void write_out16(float* out, I packed) {
