@@ -59,12 +59,7 @@ class Collectives:
                 full.copy_(shard)
             return
         start = time.perf_counter()
-        if self._host_via_device and full.device.type == "cpu":
-            on_device = full.to(_current_cuda_device(), copy=True)
-            _all_gather_single(on_device, shard.to(on_device.device), group=self.group)
-            full.copy_(on_device)  # a synchronous copy down: the host reads the result next
-        else:
-            _all_gather_single(full, shard, group=self.group)
+        self._on_backend_device(full, lambda t: _all_gather_single(t, shard.to(t.device), group=self.group))
         self._count("all_gather", full.numel() * full.element_size(), start)
 
     def reduce_scatter_mean(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:

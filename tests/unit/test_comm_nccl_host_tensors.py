@@ -53,3 +53,18 @@ def test_with_a_host_backend_the_tensor_is_handed_as_it_is(monkeypatch):
     monkeypatch.setattr(comm.dist, "all_reduce", lambda t, op=None, group=None: handed.append(t))
     collectives.all_reduce_sum(host)
     assert handed == [host] and handed[0] is host
+
+
+def test_a_host_all_gather_goes_through_copies_of_both_tensors(monkeypatch):
+    collectives = _nccl_only(monkeypatch)
+    full, shard = torch.zeros(4), torch.tensor([3.0, 4.0])
+    handed = []
+
+    def gather(out, inp, group=None):
+        handed.append((out, inp))
+        out.copy_(torch.cat([inp, inp]))
+
+    monkeypatch.setattr(comm, "_all_gather_single", gather)
+    collectives.all_gather_into(full, shard)
+    assert handed[0][0] is not full and handed[0][0].data_ptr() != full.data_ptr()
+    assert full.tolist() == [3.0, 4.0, 3.0, 4.0]
