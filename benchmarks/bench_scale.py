@@ -58,10 +58,11 @@ def parse_args(argv=None):
 
 def nvme_share(preset: str, args) -> int:
     """The bytes a run of ``preset`` puts on NVMe under the host-memory budget (``infinity estimate``'s plan)."""
+    budget = resolve_host_budget(parse_host_memory(args.host_memory, key="--host-memory"))
     planned = estimate_gpt(get_preset(preset), micro_batch=args.micro_batch, seq_len=args.seq_len,
                            precision=args.precision, offload_param="nvme", offload_optimizer="nvme",
                            gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype,
-                           host_memory_budget=resolve_host_budget(parse_host_memory(args.host_memory, key="--host-memory")))
+                           host_memory_budget=budget)
     return planned["totals"]["nvme"]
 
 

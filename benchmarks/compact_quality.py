@@ -90,13 +90,12 @@ def main() -> None:
             if r["val_loss"] is not None and base["val_loss"] is not None:
                 r["val_vs_fp32"] = r["val_loss"] / base["val_loss"] - 1
                 held_out = f", held-out {100 * r['val_vs_fp32']:+.2f} %"
-            bound = BOUNDS.get(r["state_dtype"])
-            verdict = ""
-            if bound is not None and "val_vs_fp32" in r:
-                r["within_bound"] = abs(r["val_vs_fp32"]) <= bound
-                verdict = f" ({'within' if r['within_bound'] else 'OUTSIDE'} issue 13's ±{100 * bound:.0f} %)"
+                bound = BOUNDS.get(r["state_dtype"])
+                if bound is not None:
+                    r["within_bound"] = abs(r["val_vs_fp32"]) <= bound
+                    held_out += f" ({'within' if r['within_bound'] else 'OUTSIDE'} issue 13's ±{100 * bound:.0f} %)"
             print(f"{r['state_dtype']:>5}: final {100 * r['final_vs_fp32']:+.2f} % vs fp32, last-20 mean "
-                  f"{100 * r['last20_vs_fp32']:+.2f} %{held_out}{verdict}")
+                  f"{100 * r['last20_vs_fp32']:+.2f} %{held_out}")
     print(json.dumps({"setting": vars(args), "cpu_count": os.cpu_count(), "results": results}))
 
 

@@ -185,18 +185,19 @@ def _build_model(plan: Plan, seed: int):
 def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     if plan.world_size == 1:
         return
-    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend=_process_group_backend(torch))
+        dist.init_process_group(backend=_process_group_backend())
         cleanup.callbacks.append(dist.destroy_process_group)
 
 
-def _process_group_backend(torch) -> str:
+def _process_group_backend() -> str:
     """One GPU per rank when this machine has one for each of its ranks (torchrun's LOCAL_RANK picks it):
     NCCL for device tensors, gloo for the host ones (the gradient norm, flags, checkpoint and metric
     reductions). Otherwise gloo alone, and the ranks compute on the CPU."""
+    import torch
+
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available() and local_ranks <= torch.cuda.device_count():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
