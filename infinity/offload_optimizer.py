@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import shutil
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
 from infinity.compute_delivery import ComputeDelivery
 from infinity.copies import Copies
+from infinity.grad_norm import sq_norm_fp64
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
 from infinity.memory_states import MemoryStates
@@ -474,8 +474,7 @@ class OffloadOptimizer:
 
     def sub_group_sq_norm(self, group: SubGroup) -> float:
         """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
-        grads = self._grads.wait_sub_group(group)
-        return float(sum(chunk.double().pow(2).sum() for chunk in grads.split(1 << 24)))
+        return sq_norm_fp64(self._grads.wait_sub_group(group))
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
@@ -499,9 +498,3 @@ class OffloadOptimizer:
             self._grad_scratch = None
         if self.undo is not None:
             self.undo.close()
-
-
-def global_grad_norm(sq_norm_local: float, comm) -> float:
-    total = torch.tensor([sq_norm_local], dtype=torch.float64)
-    comm.all_reduce_sum(total)
-    return math.sqrt(float(total))

@@ -32,9 +32,10 @@ import time
 import torch
 
 from infinity.comm import Collectives
+from infinity.grad_norm import global_grad_norm
 from infinity.grad_reducer import GradReducer
 from infinity.loss_scaler import LossScaler
-from infinity.offload_optimizer import OffloadOptimizer, global_grad_norm
+from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import OverlappedStep, StepCheck
 from infinity.sharded_param import ShardedParam
 
