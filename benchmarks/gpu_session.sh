@@ -9,7 +9,8 @@
 #
 # tests: tests/gpu (parity with plain PyTorch on the device), then the whole suite with CUDA present.
 # bench: bench_gpu.py (124M and 1.3B, every tier, accumulation 1 and 4, against plain PyTorch; the nvme
-#        case against the disk; spill against cpu), then the compact states on a disk-bound 1.3B.
+#        case against the disk; spill against cpu), then the compact states on a disk-bound 1.3B, then the
+#        gradient norm against torch on 16 cores (bench_grad_norm.py).
 # scale: the largest GPT on one GPU with host memory and NVMe: 13B with int8 states under a 100 GiB budget
 #        (6.7B with fp32 states: bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB).
 #
@@ -49,13 +50,14 @@ case $phase in
     step tests-all 270 "$py" -m pytest -q -rf --durations=15 tests --junitxml="$out/tests-all.xml"
     ;;
   bench)
-    step bench-gpu-124m 150 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1 \
+    step bench-gpu-124m 140 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1 \
       --out "$out/bench_gpu_124m.json"
     # the 1.3B targets first (rows print as they finish, so a cut-off run still returns them)
     step bench-gpu-1.3b 300 "$py" benchmarks/bench_gpu.py --models 1.3b --cases none:4,cpu:4,cpu:1,nvme:1,spill:1 \
       --rounds 3 --warmup 1 --out "$out/bench_gpu_1.3b.json"
     step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
       --precision bf16 --steps 2 --warmup 1
+    step bench-grad-norm 20 "$py" benchmarks/bench_grad_norm.py --numel 100000000 --rounds 5
     ;;
   scale)
     step scale-13b-int8 420 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
