@@ -24,7 +24,7 @@ from infinity.materialize import Initializer, ParamInit, replace_meta_parameters
 from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import StepCheck
 from infinity.host_budget import HostMemoryPlan, resolve_host_budget
-from infinity.placement import Placement, device_memory_is_distinct, grad_accumulator_fits_device
+from infinity.placement import Placement, compute_device, device_memory_is_distinct, grad_accumulator_fits_device
 from infinity.prefetcher import Prefetcher
 from infinity.step_cycle import StepCycle
 from infinity.step_metrics import StepMeter
@@ -70,7 +70,7 @@ class Engine:
         # The timeline first: the collectives record their spans on it from the first one.
         self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
         self.comm = Collectives(process_group, timeline=self.timeline)
-        self.device = _compute_device(config.device, self.comm)
+        self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
         self._check_batch_size()
         if config.not_applicable:
@@ -476,25 +476,6 @@ class Engine:
             self.close()
         except Exception:  # interpreter shutdown: the stores clean up after themselves
             pass
-
-
-def _compute_device(setting: str, comm: Collectives) -> torch.device:
-    """The config's ``device``; ``auto``: the current GPU when there is one and the collectives can use it."""
-    if setting != "auto":
-        device = torch.device(setting)
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"config key device is {setting!r} but CUDA is not available here")
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if comm.world_size > 1 and comm.backend == "gloo":
-        logger.info("%d ranks over gloo: computing on the CPU (gloo's all-gather and reduce-scatter take CPU "
-                    "tensors); initialize the process group with NCCL to compute on the GPU", comm.world_size)
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _cast_floating(tree, dtype: torch.dtype, device: torch.device):

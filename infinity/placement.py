@@ -144,6 +144,26 @@ class Placement:
                 f"optimizer runs on the {where}")
 
 
+def compute_device(setting: str, comm) -> torch.device:
+    """Where forward and backward run: the config's ``device``; ``auto``: the current GPU when there is one
+    and the collectives (``comm``: world size and backend) can use it."""
+    if setting != "auto":
+        device = torch.device(setting)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"config key device is {setting!r} but CUDA is not available here")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if comm.world_size > 1 and comm.backend == "gloo":
+        logger.info("%d ranks over gloo: computing on the CPU (gloo's all-gather and reduce-scatter take CPU "
+                    "tensors); initialize the process group with NCCL to compute on the GPU", comm.world_size)
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def device_memory_is_distinct(device: torch.device) -> bool:
     """A GPU has memory of its own; the CPU's is the host's unless the test mode asks to keep them apart."""
     return device.type == "cuda" or distinct_device_requested()
