@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.kernels.compact import STATE_NAMES
+from infinity.kernels.compact import STATE_NAMES, checkpoint_dtype
 from infinity.layout import ParamSlot, SubGroup
 from infinity.placement import Memory
 from infinity.shard_source import COMPUTE_SHARD, ModelBuffer, ParamShard, RunCounters, ShardRun, ShardSpan
@@ -47,7 +47,8 @@ class EngineShards:
             for state in STATE_NAMES:
                 spans = tuple(ShardSpan(s.index, f"{state}/{s.name}", s.offset - group.start, s.shard_numel)
                               for s in group.slots)
-                runs.append(ShardRun(len(runs), state, torch.float32, group.start, group.numel, tier, spans))
+                dtype = checkpoint_dtype(self._optimizer.state_dtype, state)  # as it rests, where that is exact
+                runs.append(ShardRun(len(runs), state, dtype, group.start, group.numel, tier, spans))
                 self._targets.append(group)
         self.state_runs = tuple(runs)
         for slot in layout.slots:

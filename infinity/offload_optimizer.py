@@ -23,8 +23,9 @@ The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
 6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
 form in its one pass. :meth:`OffloadOptimizer.read_state` and
-:meth:`~OffloadOptimizer.write_state` convert to and from fp32, so checkpoints
-and consolidated state dicts see fp32 states whatever the form.
+:meth:`~OffloadOptimizer.write_state` convert to and from fp32 (``read_state``
+also gives a bf16 state as it rests: checkpoints store each state in
+``compact.checkpoint_dtype``, the narrowest dtype that holds it exactly).
 """
 
 from __future__ import annotations
@@ -397,23 +398,27 @@ class OffloadOptimizer:
         self.read_state("master", group, out)
 
     def read_state(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
-        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (fp32, group.numel)."""
+        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (group.numel
+        elements): fp32, or the dtype the state rests in when one tensor holds it (bf16 masters and moments;
+        a checkpoint stores them as they are, ``compact.checkpoint_dtype``)."""
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
+        parts = kernels.compact.state_parts(self.state_dtype, name)
+        resting_dtype = next(spec.dtype for spec in self._state_layout(group.numel) if spec.name == name)
         if not self.in_memory(group) and name != "master" and self.step_count == 0:
             out.zero_()  # moments are written by the first step
-        elif self.state_dtype == "fp32":
-            if self.in_memory(group):
-                self._memory.read(name, group, out)
-            else:
-                self._store.read(self._key(name, group), out).wait()
-        else:
-            parts = self._read_parts(group, kernels.compact.state_parts(self.state_dtype, name))
+        elif parts == (name,) and out.dtype == resting_dtype:
+            self._read_part(name, group, out)
+        elif out.dtype == torch.float32:
+            tensors = self._read_parts(group, parts)
             try:
-                kernels.compact.state_to_fp32_into(self.state_dtype, name, parts, out)
+                kernels.compact.state_to_fp32_into(self.state_dtype, name, tensors, out)
             finally:
-                for tensor in parts.values():
+                for tensor in tensors.values():
                     self._tiers.free("host", tensor)
+        else:
+            raise ValueError(f"optimizer state {name} rests as {self.state_dtype}: it is read as fp32"
+                             + (f" or {resting_dtype}" if parts == (name,) else "") + f", not {out.dtype}")
 
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group (loading a checkpoint)."""
@@ -448,15 +453,19 @@ class OffloadOptimizer:
                 if spec.name not in names:
                     continue
                 parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
-                if self.in_memory(group):
-                    self._memory.read(spec.name, group, buffer)
-                else:
-                    self._store.read(self._key(spec.name, group), buffer).wait()
+                self._read_part(spec.name, group, buffer)
         except BaseException:
             for tensor in parts.values():
                 self._tiers.free("host", tensor)
             raise
         return parts
+
+    def _read_part(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
+        """One state tensor (a ``state_layout`` name) of a sub-group, as it rests, into ``out`` (blocking)."""
+        if self.in_memory(group):
+            self._memory.read(name, group, out)
+        else:
+            self._store.read(self._key(name, group), out).wait()
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""

@@ -75,8 +75,9 @@ class ShardRun:
     state: str
     """``param`` (:data:`COMPUTE_SHARD`) or an optimizer state: ``master``, ``exp_avg``, ``exp_avg_sq``."""
     dtype: torch.dtype
-    """The dtype ``read`` gives and ``write`` takes: fp32 for optimizer states (whatever dtype they rest in),
-    the compute dtype for compute shards."""
+    """The dtype ``read`` gives: for optimizer states the narrowest that holds them exactly
+    (``compact.checkpoint_dtype``: fp32, or bf16 for bf16 states and masters; ``read`` also gives fp32, and
+    ``write`` takes fp32); the compute dtype for compute shards."""
     offset: int
     """Its first element in the rank's flat space (the layout's offset)."""
     numel: int
@@ -150,12 +151,12 @@ class ShardSource(Protocol):
         """The module's buffers (None ones left out), non-persistent ones included."""
 
     def read(self, run: ShardRun, out_host: torch.Tensor) -> None:
-        """Copy the run's values into the host tensor ``out_host`` (``run.numel`` elements of ``run.dtype``),
-        from whichever tier it rests in; blocking."""
+        """Copy the run's values into the host tensor ``out_host`` (``run.numel`` elements of ``run.dtype``, or
+        of fp32 for an optimizer state), from whichever tier it rests in; blocking."""
 
     def write(self, run: ShardRun, values_host: torch.Tensor) -> None:
-        """Replace the run's values with the host tensor ``values_host``; blocking (``values_host`` may be
-        reused when it returns)."""
+        """Replace the run's values with the host tensor ``values_host`` (the compute dtype for a compute shard,
+        fp32 for an optimizer state); blocking (``values_host`` may be reused when it returns)."""
 
     def host_view(self, run: ShardRun) -> torch.Tensor | None:
         """The run's values themselves when they rest in host memory in ``run.dtype`` (to be read without a

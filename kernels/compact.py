@@ -138,6 +138,23 @@ def state_bytes_per_element(state_dtype: str) -> float:
     return {"fp32": 12.0, "bf16": 6.0, "int8": 4.0 + 8.0 / BLOCK_NUMEL}[state_dtype]
 
 
+def checkpoint_dtype(state_dtype: str, name: str) -> torch.dtype:
+    """The dtype a checkpoint stores one state (``master``, ``exp_avg``, ``exp_avg_sq``) in: the narrowest
+    that holds each element's value exactly, per element, so that checkpoints still reshard per parameter.
+    Master and moments take 12 bytes a parameter with ``fp32`` states, 6 with ``bf16``, 10 with ``int8``.
+
+    ``bf16`` states and every bf16 master are bf16. An ``int8`` moment is its code times its block's scale,
+    which needs fp32. The codes themselves cannot be stored instead: a block of 256 elements straddles
+    parameters, and a checkpoint keeps one tensor per parameter so that it can be resharded.
+    """
+    check_state_dtype(state_dtype)
+    if name not in STATE_NAMES:
+        raise ValueError(f"unknown optimizer state {name!r}; one of {', '.join(STATE_NAMES)}")
+    if state_dtype == "bf16" or (state_dtype == "int8" and name == "master"):
+        return torch.bfloat16
+    return torch.float32
+
+
 def empty_state(state_dtype: str, numel: int, *, empty=torch.empty) -> dict[str, torch.Tensor]:
     """Uninitialised state tensors by name (``empty(numel, dtype=...)`` allocates each)."""
     return {t.name: empty(t.numel, dtype=t.dtype) for t in state_layout(state_dtype, numel)}

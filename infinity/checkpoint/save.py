@@ -178,11 +178,15 @@ def _write_shard_file(source: ShardSource, path: Path) -> tuple[bytes, int]:
                         continue
                     i, n = n % 2, n + 1
                     take(i)
-                    values = buffers[i][:run.numel]
+                    values = buffers[i].view(run.dtype)[:run.numel]
                     source.read(run, values)
                     in_buffer[i] = submit(write_run, run, values)
 
-            states = [host_empty(state_numel, torch.float32) for _ in range(2)] if state_numel else []
+            # One pair of buffers for every state run, in the widest dtype they are saved in (a narrower run
+            # reads into a view of it).
+            widest = max((run.dtype for run in source.state_runs), key=lambda dtype: dtype.itemsize,
+                         default=torch.float32)
+            states = [host_empty(state_numel, widest) for _ in range(2)] if state_numel else []
             stream(source.state_runs, states)
             shards = [host_empty(shard_numel, source.compute_dtype) for _ in range(2)] if shard_numel else []
             stream(source.compute_runs, shards)

@@ -13,8 +13,11 @@ import torch
 import infinity
 from helpers import TinyGPT, engine_config, gpt_batches, train_batches
 from infinity import kernels
+from infinity.checkpoint.files import shard_file
 from infinity.config import InfinityConfig
+from infinity.consolidation import consolidate
 from infinity.estimate import estimate
+from infinity.safetensors_io import SafetensorsReader
 
 LR = 3e-3
 STEPS = 4
@@ -194,6 +197,41 @@ def test_a_checkpoint_moves_between_state_dtypes(gpt, tmp_path):
         assert all(map(torch.isfinite, map(torch.tensor, resumed)))
         if state_dtype == "bf16":
             assert resumed == uninterrupted
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_a_checkpoint_keeps_each_state_in_the_narrowest_exact_dtype(gpt, tmp_path, state_dtype):
+    """Master and moments are saved as they rest where that is exact (bf16 states, bf16 masters), else in fp32
+    (int8 moments: code times scale): a bf16-state checkpoint holds half the state bytes of an fp32 one. The
+    file's values are the engine's states, and its consolidation is the engine's full state dict."""
+    model, batches = gpt
+    engine = infinity.initialize(copy.deepcopy(model), _config(tmp_path, state_dtype, optimizer="nvme"))
+    try:
+        _train(engine, batches[:2])
+        tag = engine.save_checkpoint(tmp_path / "ckpt")
+        states, full = _states(engine), engine.full_state_dict()
+    finally:
+        engine.close()
+    itemsizes = {"fp32": (4, 4, 4), "bf16": (2, 2, 2), "int8": (2, 4, 4)}[state_dtype]
+    reader = SafetensorsReader(tmp_path / "ckpt" / tag / shard_file(0, 1))
+    try:
+        for group in engine.layout.sub_groups:
+            for name, itemsize in zip(("master", "exp_avg", "exp_avg_sq"), itemsizes):
+                for slot in group.slots:
+                    dtype, shape = reader.info(f"{name}/{slot.name}")
+                    assert (torch.empty((), dtype=dtype).element_size(), shape) == (itemsize, (slot.shard_numel,))
+                    start = slot.offset - group.start
+                    want = states[name, group.index][start:start + slot.shard_numel]
+                    assert torch.equal(reader.read(f"{name}/{slot.name}").float(), want), (name, slot.name)
+    finally:
+        reader.close()
+    summary = consolidate(tmp_path / "ckpt", tmp_path / "model.safetensors")
+    consolidated = SafetensorsReader(summary["path"])
+    try:
+        for name, value in full.items():
+            assert torch.equal(consolidated.read(name), value), name
+    finally:
+        consolidated.close()
 
 
 def test_an_int8_checkpoint_round_trips_exactly(gpt, tmp_path):
