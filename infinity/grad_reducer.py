@@ -31,6 +31,7 @@ import torch
 
 from infinity.comm import Collectives
 from infinity.copies import CopyDone, Copies
+from infinity.grad_norm import sq_norm_fp64
 from infinity.layout import ParamSlot, ShardLayout, SubGroup
 from infinity.placement import GradRoute, Placement
 from infinity.storage import HostBufferPool
@@ -183,6 +184,16 @@ class GradReducer:
             elif landing is not None:
                 landing.wait()
         return self.slices[group.start:group.end]
+
+    def sub_group_sq_norm(self, group: SubGroup) -> float:
+        """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
+        return sq_norm_fp64(self.wait_sub_group(group))
+
+    def sq_norm(self) -> float:
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (as
+        :meth:`OverlappedStep.sq_norm` sums those it took as backward finished each), so both kinds of step
+        agree to the bit."""
+        return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
     def wait_all(self) -> torch.Tensor:
         """Every slice, landed (before the global norm or the overflow check reads them all)."""

@@ -43,7 +43,6 @@ from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
 from infinity.compute_delivery import ComputeDelivery
 from infinity.copies import Copies
-from infinity.grad_norm import sq_norm_fp64
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
 from infinity.memory_states import MemoryStates
@@ -285,7 +284,7 @@ class OffloadOptimizer:
         """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
         gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        return OverlappedStep(self, check)
+        return OverlappedStep(self, self._grads, check)
 
     def take_back_step(self) -> None:
         """An overlapped step that updated nothing it keeps (cancelled, or skipped on an fp16 overflow)."""
@@ -474,16 +473,6 @@ class OffloadOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step"])
         self.lr = float(state["lr"])
-
-    def grad_sq_norm(self) -> float:
-        """This rank's squared gradient norm: the sub-groups' terms summed in their order (as
-        :meth:`OverlappedStep.sq_norm` sums those it took as backward finished each), so both kinds of step
-        agree to the bit."""
-        return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
-
-    def sub_group_sq_norm(self, group: SubGroup) -> float:
-        """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
-        return sq_norm_fp64(self._grads.wait_sub_group(group))
 
     def flush(self) -> None:
         """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""

@@ -45,6 +45,7 @@ from infinity.storage import IOHandle
 from infinity.tiers import Tiers
 
 if TYPE_CHECKING:
+    from infinity.grad_reducer import GradReducer
     from infinity.offload_optimizer import OffloadOptimizer, _Staging
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,9 @@ class OverlappedStep:
     turns out wrong costs nothing but the read; the sub-group then reads on arrival.
     """
 
-    def __init__(self, optimizer: "OffloadOptimizer", check: StepCheck):
+    def __init__(self, optimizer: "OffloadOptimizer", grads: "GradReducer", check: StepCheck):
         self._optimizer = optimizer
+        self._grads = grads  # whose sub-groups' norms the step takes as backward finishes them
         self.check = check
         self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
         self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
@@ -212,7 +214,7 @@ class OverlappedStep:
         # lets them land when the step is skipped).
 
     def _arrive(self, group: SubGroup) -> None:
-        self.sq_norms[group.index] = self._optimizer.sub_group_sq_norm(group)
+        self.sq_norms[group.index] = self._grads.sub_group_sq_norm(group)
         if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
             self._speculating = False  # the step will clip or overflow: updating more would only be undone
             logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "

@@ -175,7 +175,7 @@ class StepCycle:
         """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is
         skipped (fp16 overflow) and whether it clipped; the same for the overlapped step and the one after
         backward (the overlapped step took the sub-groups' norms as backward finished them)."""
-        sq_norm = overlap.sq_norm() if overlap is not None else self._optimizer.grad_sq_norm()
+        sq_norm = overlap.sq_norm() if overlap is not None else self._reducer.sq_norm()
         coef, skipped = 1.0, False
         if self._loss_scaler is not None:
             overflow = torch.tensor([0.0 if math.isfinite(sq_norm) else 1.0])
