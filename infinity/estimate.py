@@ -58,6 +58,7 @@ from dataclasses import asdict
 from itertools import product
 
 from infinity.host_budget import state_bytes_per_numel, state_nbytes, staged_sub_group_numel, transient_reserve_nbytes
+from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.layout import ALIGN_NUMEL
 from infinity.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES  # (the name this module's users know)
 from infinity.tier_names import TIER_OF_OFFLOAD, TIERS
@@ -267,6 +268,9 @@ def estimate(
         "tiers": tiers,
         "totals": totals,
         "accounted": accounted,
+        # What save_checkpoint writes per rank: master and moments (each in the narrowest exact dtype) and
+        # the compute shard, for every element of the rank's shards (a frozen parameter's states are zeros).
+        "checkpoint_nbytes": shard_numel * (checkpoint_bytes_per_element(state_dtype) + cbytes),
     }
 
 
@@ -469,6 +473,8 @@ def format_table(chosen: dict, alts: Sequence[dict]) -> str:
             "",
             f"offload_param={s['offload_param']}, offload_optimizer={s['offload_optimizer']} (bytes per rank):",
             _table(["kind", *TIERS], breakdown),
+            f"a checkpoint: {format_bytes(chosen['checkpoint_nbytes'])} per rank ({s['state_dtype']} states saved "
+            f"at {checkpoint_bytes_per_element(s['state_dtype'])} B an element, plus the compute shard)",
             "",
             "alternatives (offload_param / offload_optimizer; * = requested):",
             _table(["setting", *TIERS], alt_rows),

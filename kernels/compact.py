@@ -155,6 +155,11 @@ def checkpoint_dtype(state_dtype: str, name: str) -> torch.dtype:
     return torch.float32
 
 
+def checkpoint_bytes_per_element(state_dtype: str) -> int:
+    """Checkpoint bytes of master and moments per parameter (``checkpoint_dtype``): 12, 6 (bf16) or 10 (int8)."""
+    return sum(checkpoint_dtype(state_dtype, name).itemsize for name in STATE_NAMES)
+
+
 def empty_state(state_dtype: str, numel: int, *, empty=torch.empty) -> dict[str, torch.Tensor]:
     """Uninitialised state tensors by name (``empty(numel, dtype=...)`` allocates each)."""
     return {t.name: empty(t.numel, dtype=t.dtype) for t in state_layout(state_dtype, numel)}

@@ -234,6 +234,24 @@ def test_a_checkpoint_keeps_each_state_in_the_narrowest_exact_dtype(gpt, tmp_pat
         consolidated.close()
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_estimate_gives_the_checkpoint_size(gpt, tmp_path, state_dtype):
+    """``estimate``'s checkpoint_nbytes is the rank file's size, less its header, RNG state and buffers."""
+    model, batches = gpt
+    engine = infinity.initialize(copy.deepcopy(model), _config(tmp_path, state_dtype))
+    try:
+        _train(engine, batches[:1])
+        tag = engine.save_checkpoint(tmp_path / "ckpt")
+        precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[engine.compute.dtype]
+    finally:
+        engine.close()
+    planned = estimate(param_numels=[p.numel() for p in model.parameters()], precision=precision,
+                       state_dtype=state_dtype)["checkpoint_nbytes"]
+    file_nbytes = (tmp_path / "ckpt" / tag / shard_file(0, 1)).stat().st_size
+    buffers_nbytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert 0 <= file_nbytes - planned <= buffers_nbytes + (64 << 10), (file_nbytes, planned)
+
+
 def test_an_int8_checkpoint_round_trips_exactly(gpt, tmp_path):
     """int8 states saved as fp32 and loaded into int8 at the same layout are the same codes and scales."""
     model, batches = gpt
