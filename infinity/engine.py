@@ -266,9 +266,9 @@ class Engine:
             begun = True
             with self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
-        except BaseException:
+        except BaseException as err:
             if begun:
-                self.cycle.abort_backward()
+                self.cycle.abort_backward(err)
             raise
         finally:
             self._end_pass()
@@ -416,6 +416,7 @@ class Engine:
         self._ensure_open()
         self._cancel_unused_overlap()
         client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag)
+        self.cycle.loaded_checkpoint()
         self._apply_lr_schedule()
         return client_state
 

@@ -91,9 +91,24 @@ class GradReducer:
         (the overlapped step) is told of each slot whose gradient is then final."""
         self._fresh, self._boundary, self._final_sink = fresh, boundary, final_sink
 
-    def abort_backward(self) -> None:
-        """The backward raised: nothing more is final for anyone."""
+    def abort_backward(self) -> bool:
+        """The backward raised: nothing more is final for anyone. Returns whether the slices are as they were
+        before it: a fresh backward's deliveries are forgotten (the next backward overwrites the slots it
+        reaches and zeroes the others), but one that added into the step's accumulation left partial sums
+        (then :meth:`discard` starts the accumulation again)."""
         self._final_sink = None
+        self.wait_all()  # its crossings land now, not into slices the next backward writes or zeroes
+        exact = self._fresh or not self.received
+        self.received.clear()
+        self._crossed.clear()
+        return exact
+
+    def discard(self) -> None:
+        """Drop the step's accumulated gradients: the next backward starts a fresh accumulation (it overwrites
+        every trainable slot, or zeroes it)."""
+        self.wait_all()
+        self.received.clear()
+        self._crossed.clear()
 
     def on_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: reduce this parameter's gradient and free it."""
@@ -202,11 +217,12 @@ class GradReducer:
         return self.slices
 
     def zero(self) -> None:
-        """After a step: the next micro-batch starts a fresh accumulation."""
+        """After a step: the next micro-batch starts a fresh accumulation. The slices are not cleared: a fresh
+        backward overwrites every trainable slot it reaches and zeroes the others (end_backward), so a pass
+        over every gradient each step (52 GB at 13B) would only be overwritten."""
         self.received.clear()
         self._crossed.clear()
         self._landing.clear()
-        self.slices.zero_()
 
     def close(self) -> None:
         if self._adder is not None:

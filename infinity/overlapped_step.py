@@ -137,12 +137,17 @@ class OverlappedStep:
         not): stop the worker, let its reads ahead land."""
         if self.started:
             raise RuntimeError("internal error: an overlapped step whose updates began cannot be cancelled")
-        self._ready.put(None)
-        self._worker.join()
-        self.release_read_ahead()
+        self.stop()
         if self._error is not None:
             raise self._error
         self._optimizer.take_back_step()
+
+    def stop(self) -> None:
+        """Stop the worker without handing it the sub-groups still waiting (the backward raised: their
+        gradients will not come); the updates it made stay. Let its reads ahead land."""
+        self._ready.put(None)
+        self._worker.join()
+        self.release_read_ahead()
 
     def abandon(self) -> None:
         """Closing mid-step: stop the worker and undo what it updated."""

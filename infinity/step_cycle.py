@@ -8,7 +8,9 @@ works for one parameter::
      └── backward() of the step's last micro-batch┴─► BOUNDARY_BACKWARD ─step()─► STEPPING ─► IDLE
 
 ``step()`` is called after every ``backward()``; between boundaries it only
-moves MICRO_BATCH to ACCUMULATING.
+moves MICRO_BATCH to ACCUMULATING. A ``backward()`` that raises is taken back
+(:meth:`StepCycle.abort_backward`): the phase is again the one before it, or
+IDLE when the step's gradients had to be dropped.
 
 A gradient's route through one step, for reading: a parameter's
 post-accumulate-grad hook (:class:`~infinity.hooks.ModuleHooks`) hands it to
@@ -71,6 +73,9 @@ class StepCycle:
         self.overlap: OverlappedStep | None = None
         self.last_step_rejected = False  # the last step clipped or overflowed
         self.global_grad_norm: float | None = None
+        # Why training cannot go on (a backward raised after updates that cannot be taken back), until a
+        # checkpoint is loaded; None when it can.
+        self.broken: str | None = None
 
     def _enter(self, phase: StepPhase) -> None:
         logger.debug("step %d: %s -> %s", self.global_step, self.phase.name, phase.name)
@@ -112,6 +117,7 @@ class StepCycle:
     def begin_backward(self) -> None:
         """A micro-batch's backward begins: the reducer learns whether its gradients start the step's
         accumulation and whether they are the step's last (then final as they arrive, for the overlapped step)."""
+        self._refuse_if_broken()
         if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
             raise RuntimeError(f"backward() called in step phase {self.phase.value!r}: the step's last "
                                f"micro-batch already ran backward; call engine.step() before the next backward()")
@@ -125,14 +131,60 @@ class StepCycle:
         self.micro_step += 1
         self._reducer.end_backward()
 
-    def abort_backward(self) -> None:
-        """The backward raised: the cycle is where it was before it."""
-        self._reducer.abort_backward()
-        self._enter(self._phase_before_backward)
+    def abort_backward(self, error: BaseException) -> None:
+        """The backward raised (``error``): take it back, so that training can go on.
+
+        A fresh backward's gradients are forgotten and the cycle is where it was before it. One that added into
+        the step's accumulation left partial sums: the step's gradients are dropped (logged) and the step
+        starts again from its first micro-batch. An overlapped step that updated nothing is taken back, and one
+        whose updates can be undone (clipping or fp16 configured) is undone. One that updated sub-groups in
+        place cannot be: training must go back to a checkpoint, and the next backward or step says so."""
+        exact = self._reducer.abort_backward()
+        if self.overlap is not None and self.phase is StepPhase.BOUNDARY_BACKWARD:
+            self._take_back_overlap(error)
+        if exact:
+            self._enter(self._phase_before_backward)
+            return
+        dropped = self.micro_step % self._accumulation_steps
+        logger.warning("backward() of micro-batch %d of step %d raised (%r) after adding part of its gradients to "
+                       "the step's accumulation: the step's gradients are dropped (%d micro-batch(es)) and it "
+                       "starts again from its first micro-batch", dropped + 1, self.global_step, error, dropped)
+        self._reducer.discard()
+        self.micro_step -= dropped
+        self._enter(StepPhase.IDLE)
+
+    def _take_back_overlap(self, error: BaseException) -> None:
+        overlap, self.overlap = self.overlap, None
+        if not overlap.started:
+            overlap.cancel()
+        elif overlap.check.needs_norm:  # its updates were speculative: each has its undo
+            overlap.abandon()
+        else:
+            overlap.stop()
+            self._optimizer.take_back_step()
+            for sharded in self._params:
+                sharded.mark_stale()  # the updated sub-groups' compute shards changed
+            self.broken = (
+                f"backward() raised ({error!r}) after the overlapped step had updated {len(overlap.speculated)} "
+                f"sub-group(s) in place (with overlap_step_with_backward and no gradient_clipping or fp16, updates "
+                f"made during backward keep no undo copy), so step {self.global_step} cannot be taken back; load a "
+                f"checkpoint "
+                f"(engine.load_checkpoint) to go on, or turn overlap_step_with_backward off, with which a "
+                f"backward that raises leaves the parameters as they were")
+            logger.error("%s", self.broken)
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+
+    def loaded_checkpoint(self) -> None:
+        """A checkpoint replaced every state: training can go on whatever happened before."""
+        self.broken = None
 
     def step(self, metrics: dict) -> bool | None:
         """Apply the optimizer at a boundary (None between boundaries); True when the step was skipped (fp16
         overflow). Writes the step's figures into ``metrics``."""
+        self._refuse_if_broken()
         if self.phase is StepPhase.MICRO_BATCH:
             self._enter(StepPhase.ACCUMULATING)
             return None
