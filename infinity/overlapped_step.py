@@ -149,16 +149,16 @@ class OverlappedStep:
         self._worker.join()
         self.release_read_ahead()
 
-    def abandon(self) -> None:
-        """Closing mid-step: stop the worker and undo what it updated."""
+    def abandon(self, reason: str = "closing mid-step") -> None:
+        """Stop the worker and undo what it updated (closing mid-step, or its backward raised)."""
         if not self.started:
             self.cancel()
             return
         self.finish()
-        self.settle(0.0, skipped=True)
+        self.settle(0.0, skipped=True, undo_reason=reason)
 
     # -- settling, once the norm is known -----------------------------------------
-    def settle(self, grad_coef: float, skipped: bool) -> str:
+    def settle(self, grad_coef: float, skipped: bool, *, undo_reason: str | None = None) -> str:
         """After finish(): end the step with the coefficient the gradients really get. Its speculative updates
         stand when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
         step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
@@ -168,7 +168,7 @@ class OverlappedStep:
                 optimizer.publish_other_side(self.speculated)
             self._update_after_norm(self.deferred, grad_coef)
             return "committed"
-        optimizer.undo_updates(self.speculated, "fp16 overflow" if skipped else "gradients clipped")
+        optimizer.undo_updates(self.speculated, undo_reason or ("fp16 overflow" if skipped else "gradients clipped"))
         if skipped:
             optimizer.take_back_step()
             self.release_read_ahead()  # restore_compute reads into a staging set

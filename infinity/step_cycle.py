@@ -158,7 +158,7 @@ class StepCycle:
         if not overlap.started:
             overlap.cancel()
         elif overlap.check.needs_norm:  # its updates were speculative: each has its undo
-            overlap.abandon()
+            overlap.abandon(reason=f"backward raised {error!r}")
         else:
             overlap.stop()
             self._optimizer.take_back_step()
