@@ -92,23 +92,15 @@ class GradReducer:
         self._fresh, self._boundary, self._final_sink = fresh, boundary, final_sink
 
     def abort_backward(self) -> bool:
-        """The backward raised: nothing more is final for anyone. Returns whether the slices are as they were
-        before it: a fresh backward's deliveries are forgotten (the next backward overwrites the slots it
-        reaches and zeroes the others), but one that added into the step's accumulation left partial sums
-        (then :meth:`discard` starts the accumulation again)."""
+        """The backward raised: nothing more is final for anyone, and the next backward starts a fresh
+        accumulation (it overwrites the slots it reaches and zeroes the others). Returns whether that loses
+        nothing: true for a fresh backward, false for one that added into the step's accumulation (the
+        earlier micro-batches' gradients are then dropped with its partial sums)."""
         self._final_sink = None
-        self.wait_all()  # its crossings land now, not into slices the next backward writes or zeroes
         exact = self._fresh or not self.received
-        self.received.clear()
-        self._crossed.clear()
+        self.wait_all()  # its crossings land now, not into slices the next backward writes or zeroes
+        self.zero()
         return exact
-
-    def discard(self) -> None:
-        """Drop the step's accumulated gradients: the next backward starts a fresh accumulation (it overwrites
-        every trainable slot, or zeroes it)."""
-        self.wait_all()
-        self.received.clear()
-        self._crossed.clear()
 
     def on_grad_ready(self, param: torch.nn.Parameter) -> None:
         """Post-accumulate-grad hook: reduce this parameter's gradient and free it."""

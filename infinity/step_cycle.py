@@ -149,7 +149,6 @@ class StepCycle:
         logger.warning("backward() of micro-batch %d of step %d raised (%r) after adding part of its gradients to "
                        "the step's accumulation: the step's gradients are dropped (%d micro-batch(es)) and it "
                        "starts again from its first micro-batch", dropped + 1, self.global_step, error, dropped)
-        self._reducer.discard()
         self.micro_step -= dropped
         self._enter(StepPhase.IDLE)
 
@@ -162,16 +161,19 @@ class StepCycle:
         else:
             overlap.stop()
             self._optimizer.take_back_step()
-            for sharded in self._params:
-                sharded.mark_stale()  # the updated sub-groups' compute shards changed
+            self._compute_shards_changed()  # those of the sub-groups it updated
             self.broken = (
                 f"backward() raised ({error!r}) after the overlapped step had updated {len(overlap.speculated)} "
                 f"sub-group(s) in place (with overlap_step_with_backward and no gradient_clipping or fp16, updates "
                 f"made during backward keep no undo copy), so step {self.global_step} cannot be taken back; load a "
-                f"checkpoint "
-                f"(engine.load_checkpoint) to go on, or turn overlap_step_with_backward off, with which a "
-                f"backward that raises leaves the parameters as they were")
+                f"checkpoint (engine.load_checkpoint) to go on, or turn overlap_step_with_backward off, with which "
+                f"a backward that raises leaves the parameters as they were")
             logger.error("%s", self.broken)
+
+    def _compute_shards_changed(self) -> None:
+        """The optimizer wrote new compute shards: gathered parameters must be gathered again."""
+        for sharded in self._params:
+            sharded.mark_stale()
 
     def _refuse_if_broken(self) -> None:
         if self.broken is not None:
@@ -216,9 +218,8 @@ class StepCycle:
                         self.global_step, self._loss_scaler.scale)
         else:
             metrics["optimizer_s"] = time.perf_counter() - start
-        if overlap is not None or not skipped:  # compute shards changed (an undone update changed them back)
-            for sharded in self._params:
-                sharded.mark_stale()
+        if overlap is not None or not skipped:  # an undone update changed them back
+            self._compute_shards_changed()
         self._reducer.zero()
         self.global_step += 1
         return skipped
