@@ -154,6 +154,10 @@ class ZeroConfig:
     """A parameter used again within this many elements of fetches is kept gathered."""
     overlap_step_with_backward: bool = True
     """Update a shard as soon as its gradient is final, while backward goes on."""
+    overlap_step_with_forward: bool = True
+    """With ``overlap_step_with_backward``: the updates an overlapped step makes after the global norm is known
+    (all of them when the step clips, or follows one that did) run on a worker thread while the next forward
+    begins; a parameter's fetch waits only for its own sub-group (our key)."""
     host_memory_budget: int | float | None = None
     """Host memory this rank's engine may use (our key): bytes, or a fraction of the memory available at start
     (shared by the ranks on the machine). None: 80 % of what is available. Every host allocation charges it;

@@ -78,6 +78,7 @@ _ZERO_HONOURED = {
     "stage3_max_reuse_distance": "max_reuse_distance",
     "max_reuse_distance": "max_reuse_distance",
     "overlap_step_with_backward": "overlap_step_with_backward",
+    "overlap_step_with_forward": "overlap_step_with_forward",
     "host_memory_budget": "host_memory_budget",
 }
 # Keys whose only values we can honour are listed with that value.
@@ -271,7 +272,7 @@ class _DeepSpeedTranslator:
             kwargs["offload_optimizer"] = OffloadOptimizerConfig(state_dtype="bf16")
         fields = self._fields("zero_optimization", block, _ZERO_HONOURED, _ZERO_NOT_APPLICABLE, _ZERO_ONLY_VALUE)
         for name, value in fields.items():
-            if name == "overlap_step_with_backward":
+            if name in ("overlap_step_with_backward", "overlap_step_with_forward"):
                 kwargs[name] = bool(value)
             elif name == "host_memory_budget":
                 kwargs[name] = value  # bytes, a fraction or a string with units: parsed by ZeroConfig

@@ -159,7 +159,8 @@ class Engine:
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
                                optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
-                               gradient_clipping=config.gradient_clipping, params=self.params)
+                               gradient_clipping=config.gradient_clipping, params=self.params,
+                               finish_behind_forward=zero.overlap_step_with_forward)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline)
         self._apply_lr_schedule()
 
@@ -401,6 +402,7 @@ class Engine:
         """This rank's shards, buffers, counters and scalars as checkpoints, state dicts and exports see them
         (:mod:`infinity.shard_source`); made afresh for each use."""
         from infinity.engine_shards import EngineShards
+        self.optimizer.land_tail()  # the last step's updates behind the forward write the shards it reads
         return EngineShards(self)
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
@@ -415,6 +417,7 @@ class Engine:
         from infinity.checkpoint import load_checkpoint
         self._ensure_open()
         self._cancel_unused_overlap()
+        self.optimizer.drop_tail()  # what the last step's updates behind the forward left is replaced (or failed)
         client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag)
         self.cycle.loaded_checkpoint()
         self._apply_lr_schedule()
@@ -452,7 +455,7 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.copies.close, self._write_timeline,
+        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close, self._write_timeline,
                      self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
             try:
                 part()

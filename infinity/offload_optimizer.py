@@ -46,7 +46,8 @@ from infinity.copies import Copies
 from infinity.grad_reducer import GradReducer
 from infinity.layout import ShardLayout, SubGroup
 from infinity.memory_states import MemoryStates
-from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck
+from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck, UpdateAt
+from infinity.step_tail import StepTail
 from infinity.placement import Placement
 from infinity.storage import IOHandle
 from infinity.storage.stats import format_nbytes
@@ -118,6 +119,7 @@ class OffloadOptimizer:
         self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
         self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
+        self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
             numel = layout.largest_sub_group_numel
@@ -210,9 +212,11 @@ class OffloadOptimizer:
     # -- the step ------------------------------------------------------------
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
+        self.land_tail()
         self.step_count += 1
         self.scale_grads(grad_coef)
-        self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)])
+        at = UpdateAt(step=self.step_count, lr=self.lr)
+        self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)], at)
         self.finish_compute_copies()
 
     def scale_grads(self, grad_coef: float) -> None:
@@ -220,8 +224,8 @@ class OffloadOptimizer:
         if grad_coef != 1.0:
             self._grads.wait_all().mul_(grad_coef)
 
-    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None", *,
-                grad_coef: float = 1.0) -> list[IOHandle]:
+    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None",
+                at: UpdateAt, *, grad_coef: float = 1.0) -> list[IOHandle]:
         """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
         to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
         tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
@@ -232,7 +236,7 @@ class OffloadOptimizer:
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
         out = self._delivery.out(group, scratch)
-        hyper = dict(step=self.step_count, lr=self.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+        hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
@@ -249,7 +253,7 @@ class OffloadOptimizer:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
         self._delivery.finish_copies()
 
-    def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup]) -> None:
+    def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup], at: UpdateAt) -> None:
         """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
         writes are done. The ``in_memory`` sub-groups are updated while the first read is in flight."""
         sets = self._staging
@@ -258,9 +262,9 @@ class OffloadOptimizer:
             # The last step's write-behind may still be reading this set (the set of its last sub-groups):
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
-            reads[0] = self._read_states(groups[0], sets[0])
+            reads[0] = self._read_states(groups[0], sets[0], step=at.step)
         for group in in_memory:
-            self._update_in_memory(group)
+            self._update_in_memory(group, at)
         for i, group in enumerate(groups):
             staging = sets[i % len(sets)]
             for handle in reads.pop(i):
@@ -268,13 +272,13 @@ class OffloadOptimizer:
             following = sets[(i + 1) % len(sets)]
             if i + 1 < len(groups) and following is not staging:
                 following.wait_writes()
-                reads[i + 1] = self._read_states(groups[i + 1], following)
+                reads[i + 1] = self._read_states(groups[i + 1], following, step=at.step)
             states = self._group_states(group, staging.states)
-            staging.writes.extend(self._update(group, states, staging.compute))
+            staging.writes.extend(self._update(group, states, staging.compute, at))
             staging.writes.extend(self._store.write(self._key(name, group), t) for name, t in states.items())
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
-                reads[i + 1] = self._read_states(groups[i + 1], staging)
+                reads[i + 1] = self._read_states(groups[i + 1], staging, step=at.step)
         # Write-behind: the last sub-groups' writes finish while the next forward runs. The store orders
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
@@ -284,7 +288,28 @@ class OffloadOptimizer:
         """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
         gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
         self.step_count += 1
-        return OverlappedStep(self, self._grads, check)
+        return OverlappedStep(self, self._grads, check, after=self.tail)
+
+    def finish_behind_forward(self, overlap: OverlappedStep) -> StepTail:
+        """A settled overlapped step's remaining updates run on a worker thread while the next forward begins
+        (:mod:`infinity.step_tail`); ``tail`` is theirs until it has landed."""
+        self.tail = StepTail(overlap.remaining, overlap.update_remaining, copies=self._copies,
+                             timeline=self._timeline)
+        return self.tail
+
+    def land_tail(self) -> None:
+        """Wait for the last step's updates behind the forward, if any (their failure is raised here, once)."""
+        tail, self.tail = self.tail, None
+        if tail is not None:
+            tail.land()
+
+    def drop_tail(self) -> None:
+        """Wait for the last step's updates behind the forward; a failure is logged, not raised (closing, or
+        loading a checkpoint that replaces whatever they left)."""
+        try:
+            self.land_tail()
+        except Exception as err:
+            logger.warning("the last step's updates behind the forward failed; going on without them: %s", err)
 
     def take_back_step(self) -> None:
         """An overlapped step that updated nothing it keeps (cancelled, or skipped on an fp16 overflow)."""
@@ -364,29 +389,30 @@ class OffloadOptimizer:
                                                    grads.dtype)
         return torch.mul(grads, grad_coef, out=self._grad_scratch[:grads.numel()])
 
-    def update_in_memory(self, group: SubGroup, check: StepCheck) -> None:
+    def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
         if check.needs_norm:
             self.undo.save(group)
-        self._update_in_memory(group, grad_coef=check.grad_coef)
+        self._update_in_memory(group, at, grad_coef=check.grad_coef)
 
-    def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck) -> None:
+    def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
         may not stand, the new states go to the other side of its keys."""
         states = self._group_states(group, staging.states)
-        staging.writes.extend(self._update(group, states, staging.compute, grad_coef=check.grad_coef))
+        staging.writes.extend(self._update(group, states, staging.compute, at, grad_coef=check.grad_coef))
         staging.writes.extend(self._store.write(self._key(name, group, other_side=check.needs_norm), t)
                               for name, t in states.items())
 
-    def _update_in_memory(self, group: SubGroup, *, grad_coef: float = 1.0) -> None:
+    def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self._memory.views(group), None, grad_coef=grad_coef):
+        for handle in self._update(group, self._memory.views(group), None, at, grad_coef=grad_coef):
             handle.wait()
 
-    def _read_states(self, group: SubGroup, staging: _Staging, *, urgent: bool = True) -> list[IOHandle]:
+    def _read_states(self, group: SubGroup, staging: _Staging, *, step: int, urgent: bool = True) -> list[IOHandle]:
+        """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
         handles = []
         for name, buffer in self._group_states(group, staging.states).items():
-            if name != "master" and self.step_count == 1:
+            if name != "master" and step == 1:
                 buffer.zero_()  # moments (codes and scales) start at zero: nothing on disk yet
                 continue
             handles.append(self._store.read(self._key(name, group), buffer, urgent=urgent))
@@ -402,6 +428,7 @@ class OffloadOptimizer:
         a checkpoint stores them as they are, ``compact.checkpoint_dtype``)."""
         if name not in STATE_NAMES:
             raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
+        self.land_tail()  # the last step's updates behind the forward may not have reached this sub-group yet
         parts = kernels.compact.state_parts(self.state_dtype, name)
         resting_dtype = next(spec.dtype for spec in self._state_layout(group.numel) if spec.name == name)
         if not self.in_memory(group) and name != "master" and self.step_count == 0:
@@ -426,6 +453,7 @@ class OffloadOptimizer:
         if values.numel() != group.numel or values.dtype != torch.float32:
             raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
                              f"elements, got {values.numel()} {values.dtype}")
+        self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
         if self.state_dtype == "fp32":
             parts, buffers = {name: values.contiguous()}, {}
         else:  # converted into host buffers a chunk at a time (bounded temporaries)
@@ -475,11 +503,13 @@ class OffloadOptimizer:
         self.lr = float(state["lr"])
 
     def flush(self) -> None:
-        """Wait for every write of earlier steps (they finish behind the next forward otherwise)."""
+        """Wait for every update and write of earlier steps (they finish behind the next forward otherwise)."""
+        self.land_tail()
         for staging in self._staging:
             staging.wait_writes()
 
     def close(self) -> None:
+        self.drop_tail()
         for staging in self._staging:
             try:
                 staging.wait_writes()

@@ -20,7 +20,8 @@ fp16 overflow. How each tier undoes an update, and why it is cheap there:
 Speculating costs a wasted update when the step then clips, so a step that
 follows a clipped or overflowing one does not speculate (its updates are
 *deferred* until the norm is known; their states are read ahead during
-backward into every staging set, so they update the moment it is), and a step
+backward into every staging set, first those the next forward reads first, so
+they update the moment it is, behind that forward: :mod:`infinity.step_tail`), and a step
 stops speculating as soon as the squared norm of the sub-groups seen so far
 already exceeds the clipping threshold. Every sub-group's squared gradient norm is taken here, as it
 becomes final, so the global norm costs no pass over the gradients after
@@ -47,6 +48,7 @@ from infinity.tiers import Tiers
 if TYPE_CHECKING:
     from infinity.grad_reducer import GradReducer
     from infinity.offload_optimizer import OffloadOptimizer, _Staging
+    from infinity.step_tail import StepTail
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,15 @@ class StepCheck:
         return self.max_norm > 0 and math.sqrt(sq_norm_so_far) * self.grad_coef + 1e-6 > self.max_norm
 
 
+@dataclass(frozen=True)
+class UpdateAt:
+    """Which step an update belongs to, and its learning rate: fixed for the step's updates, which may run after
+    the next step has begun (:mod:`infinity.step_tail`) and the schedule has moved the optimizer's rate on."""
+
+    step: int
+    lr: float
+
+
 class OverlappedStep:
     """A worker thread that updates sub-groups in the order their gradients become final.
 
@@ -84,8 +95,14 @@ class OverlappedStep:
     turns out wrong costs nothing but the read; the sub-group then reads on arrival.
     """
 
-    def __init__(self, optimizer: "OffloadOptimizer", grads: "GradReducer", check: StepCheck):
+    def __init__(self, optimizer: "OffloadOptimizer", grads: "GradReducer", check: StepCheck, *,
+                 after: "StepTail | None" = None):
+        """``after``: the last step's tail, if it may still be running; the worker waits for it before it
+        touches the staging sets."""
         self._optimizer = optimizer
+        self.step = optimizer.step_count  # this step's number (the next step may begin while its tail runs)
+        self._lr: float | None = None     # fixed by at()
+        self._after = after
         self._grads = grads  # whose sub-groups' norms the step takes as backward finishes them
         self.check = check
         self._lock = threading.Lock()  # _waiting is changed by backward's thread, read by the worker
@@ -98,7 +115,8 @@ class OverlappedStep:
         self.speculated: list[SubGroup] = []   # updated before the norm was known (worker only)
         self.deferred: list[SubGroup] = []     # left for settle (worker only)
         self._speculating = check.speculate
-        self._after_norm: list[SubGroup] = []      # update_after_norm's queue (caller's thread, worker ended)
+        self.remaining: list[SubGroup] = []        # updates left once settled, in the order they are made
+        self._after_norm: list[SubGroup] = []      # update_remaining's queue (its thread only, the worker ended)
         self.started = False  # a sub-group's gradients were final: updates with this lr have begun
         self._worker = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._worker.start()
@@ -160,13 +178,14 @@ class OverlappedStep:
     # -- settling, once the norm is known -----------------------------------------
     def settle(self, grad_coef: float, skipped: bool, *, undo_reason: str | None = None) -> str:
         """After finish(): end the step with the coefficient the gradients really get. Its speculative updates
-        stand when it is the one they assumed, else they are undone and redone with ``grad_coef`` (or, when the
-        step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``."""
+        stand when it is the one they assumed, else they are undone and are to be redone with ``grad_coef`` (or,
+        when the step is ``skipped``, undone only). Returns ``committed``, ``redone`` or ``skipped``; the updates
+        still to make are :attr:`remaining`, for :meth:`update_remaining`."""
         optimizer = self._optimizer
         if not skipped and grad_coef == self.check.grad_coef:
             if self.check.needs_norm:  # its swapped sub-groups were written to their other side
                 optimizer.publish_other_side(self.speculated)
-            self._update_after_norm(self.deferred, grad_coef)
+            self._remain(self.deferred, grad_coef)
             return "committed"
         optimizer.undo_updates(self.speculated, undo_reason or ("fp16 overflow" if skipped else "gradients clipped"))
         if skipped:
@@ -176,26 +195,41 @@ class OverlappedStep:
                 optimizer.restore_compute(group)
             optimizer.finish_compute_copies()
             return "skipped"
-        self._update_after_norm(optimizer.layout.sub_groups, grad_coef)
+        self._remain(optimizer.layout.sub_groups, grad_coef)
         return "redone"
 
-    def _update_after_norm(self, groups: list[SubGroup], grad_coef: float) -> None:
-        """The settled step's remaining updates; nothing is undone any more, so the slices are scaled in place
-        (as the step after backward scales them)."""
+    def _remain(self, groups: list[SubGroup], grad_coef: float) -> None:
+        """The settled step's remaining updates, in the order the next forward reads their compute shards (those
+        whose states were read ahead first: they hold the staging sets). Nothing is undone any more, so the
+        slices are scaled in place (as the step after backward scales them)."""
+        # The next forward gathers the compute shards updated during backward without waiting for anything else.
+        self._optimizer.finish_compute_copies()
         self._optimizer.scale_grads(grad_coef)
-        self.update_after_norm(groups)
+        self.check = StepCheck()  # nothing left to undo: current keys, no undo copy, the slices as they are
+        self.at()  # the learning rate is the one the step settled with, whatever is set after it
+        groups = sorted(groups, key=lambda g: g.index)
+        self.remaining = ([g for g in groups if g.index in self._read_ahead]
+                          + [g for g in groups if g.index not in self._read_ahead])
+
+    def update_remaining(self, delivered: Callable[[SubGroup], None] = lambda group: None) -> None:
+        """After settle(), on the caller's thread or a :class:`~infinity.step_tail.StepTail`'s: update
+        :attr:`remaining` in order, calling ``delivered(group)`` as each one's new compute shards are on their
+        way. Those whose states were read ahead go first; the others are read into the sets as they free up,
+        the next ones ahead of the one being updated."""
+        self._after_norm = list(self.remaining)
+        while self._after_norm:
+            group = self._after_norm.pop(0)
+            self._update(group)
+            delivered(group)
+        self.release_read_ahead()
         self._optimizer.finish_compute_copies()
 
-    def update_after_norm(self, groups: list[SubGroup]) -> None:
-        """After finish(), on the caller's thread, once the gradients carry their final coefficient: update
-        ``groups``. Those whose states were read ahead during backward go first; the others are read into
-        the sets as they free up, the next ones ahead of the one being updated."""
-        self.check = StepCheck()  # nothing left to undo: current keys, no undo copy, the slices as they are
-        staged = [g for g in groups if g.index in self._read_ahead]
-        self._after_norm = staged + [g for g in groups if g.index not in self._read_ahead]
-        while self._after_norm:
-            self._update(self._after_norm.pop(0))
-        self.release_read_ahead()
+    def at(self) -> "UpdateAt":
+        """The step number and learning rate of this step's updates. The rate is the optimizer's when the first
+        update ran (``engine.lr`` refuses changes from then on) or when the step settled, whichever came first."""
+        if self._lr is None:
+            self._lr = self._optimizer.lr
+        return UpdateAt(step=self.step, lr=self._lr)
 
     def release_read_ahead(self) -> None:
         """Let the reads of states no update will use land (their sets are reused next step)."""
@@ -210,12 +244,17 @@ class OverlappedStep:
 
     # -- the worker -------------------------------------------------------------
     def _run(self) -> None:
-        self._guarded(self._read_next_ahead)
+        if self._after is not None:
+            # The last step's tail still uses the staging sets. Its failure is the main thread's to raise (this
+            # step's backward will not run): then nothing is read ahead, its states are not what a step reads.
+            self._after.wait_ended()
+        if self._after is None or self._after.failed is None:
+            self._guarded(self._read_next_ahead)
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
             self._guarded(lambda: self._arrive(group))
-        # States read ahead for deferred sub-groups stay staged for update_after_norm (release_read_ahead
+        # States read ahead for deferred sub-groups stay staged for update_remaining (release_read_ahead
         # lets them land when the step is skipped).
 
     def _arrive(self, group: SubGroup) -> None:
@@ -249,7 +288,7 @@ class OverlappedStep:
     def _update(self, group: SubGroup) -> None:
         optimizer = self._optimizer
         if optimizer.in_memory(group):
-            optimizer.update_in_memory(group, self.check)
+            optimizer.update_in_memory(group, self.check, self.at())
             return
         entry = self._read_ahead.pop(group.index, None)
         if entry is None:
@@ -259,19 +298,21 @@ class OverlappedStep:
                     handle.wait()
                 self._free_sets.append(staging)
             staging = self._take_set()
-            reads = optimizer._read_states(group, staging)
+            reads = optimizer._read_states(group, staging, step=self.step)
         else:
             staging, reads = entry
         for handle in reads:
             handle.wait()
-        optimizer.update_staged(group, staging, self.check)
+        optimizer.update_staged(group, staging, self.check, self.at())
         self._free_sets.append(staging)
         self._read_next_ahead()
 
     def _read_next_ahead(self) -> None:
         """Read ahead as far as the free sets allow: during backward the sub-groups still waiting, highest
-        first (the order backward finishes them), after the norm the queue. While updates run during backward
-        one set stays free for a sub-group not guessed; a step whose updates wait for the norm fills them all.
+        first (the order backward finishes them) while updates run during backward, lowest first (the order
+        the next forward reads them, once the norm is known) in a step whose updates wait for it; after the
+        norm, the queue. While updates run during backward one set stays free for a sub-group not guessed; a
+        step whose updates wait for the norm fills them all.
 
         The reads are not urgent: they queue behind the parameter reads that compute waits for."""
         groups = self._optimizer.layout.sub_groups
@@ -279,7 +320,7 @@ class OverlappedStep:
             candidates = [g.index for g in self._after_norm]
         else:
             with self._lock:
-                candidates = sorted(self._waiting, reverse=True)
+                candidates = sorted(self._waiting, reverse=self._speculating)
         candidates = [i for i in candidates if i not in self._read_ahead and not self._optimizer.in_memory(groups[i])]
         keep_free = 1 if self._speculating and not self._after_norm else 0
         for index in candidates:
@@ -287,7 +328,8 @@ class OverlappedStep:
                 return
             group = self._optimizer.layout.sub_groups[index]
             staging = self._take_set()
-            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False))
+            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False,
+                                                                             step=self.step))
 
     def _take_set(self) -> "_Staging":
         staging = self._free_sets.pop(0)

@@ -121,6 +121,8 @@ class Prefetcher:
             if ahead_numel + numel > self._bucket_numel and i > position + 1:
                 break
             if p.state is ParamState.RELEASED and (p.needs_swap_in or p.needs_copy_up):
+                if not p.new_shard_delivered:
+                    break  # the last step's tail is still updating it: ask again at the next request
                 if self._live_numel() + p.slot.padded_numel > self._max_live_numel or not self._room_for(p.full_nbytes):
                     break
                 if p.prefetch():

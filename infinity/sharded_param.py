@@ -30,6 +30,7 @@ from infinity.tiers import Tiers
 
 if TYPE_CHECKING:
     from infinity.prefetcher import Prefetcher
+    from infinity.step_tail import StepTail
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class ShardedParam:
         self.persistent = persistent
         self.holders = 0
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
+        self._tail: "StepTail | None" = None  # the step updates still to deliver this shard (behind the forward)
         self._swap_in = None   # (handle, shard view, pool buffer or None) while an NVMe read is in flight
         self._copy_up: CopyDone | None = None  # the shard's copy into its chunk of `full`, once issued
         # Told of every fetch request (its trace), asked whether to keep a released parameter gathered,
@@ -104,6 +106,7 @@ class ShardedParam:
     def fetch(self) -> None:
         """Make the full tensor available; counted once per holder."""
         self.holders += 1
+        self._wait_for_new_shard()
         if self._prefetcher is not None:
             self._prefetcher.fetch_requested(self)
         if self.state is ParamState.FETCHED and not (self.stale and not self.aliased):
@@ -126,6 +129,8 @@ class ShardedParam:
         a copy up from host memory); False if there is nothing to do or no buffer is free."""
         if self.state is not ParamState.RELEASED or not (self.needs_swap_in or self.needs_copy_up):
             return False
+        if not self.new_shard_delivered:
+            return False  # the last step's tail has not updated it yet; the prefetcher tries again later
         self._allocate()
         if not self._start_up(block=False):
             self._deallocate()
@@ -152,14 +157,28 @@ class ShardedParam:
         if not self.persistent:
             self._free()
 
-    def mark_stale(self) -> None:
-        """The shard changed (optimizer step): a fetched full tensor must be gathered again."""
+    def mark_stale(self, tail: "StepTail | None" = None) -> None:
+        """The shard changed (optimizer step), or will once ``tail`` has updated its sub-group: a fetched full
+        tensor must be gathered again, and not before then."""
+        self._tail = tail
         if not self.aliased:
             self.stale = True
             if self.state is not ParamState.RELEASED and self.holders == 0:
                 self._free()  # a prefetch in flight read the old shard: drop it too
 
+    @property
+    def new_shard_delivered(self) -> bool:
+        """No step update is pending for the shard: a read or copy of it issued now sees the new values."""
+        return self._tail is None or self._tail.delivered(self.slot.index)
+
     # -- internals ----------------------------------------------------------
+    def _wait_for_new_shard(self) -> None:
+        """The last step's tail updates the shard behind this forward: wait for it (once; an aliased shard is
+        the full tensor, so this comes before anything reads it)."""
+        if self._tail is not None:
+            self._tail.wait_for(self.slot.index)  # raises while the tail's failure stands
+            self._tail = None
+
     def _allocate(self) -> None:
         self._tiers.stats["device"].allocate(self.full_nbytes)
         self.full.untyped_storage().resize_(self.full_nbytes)

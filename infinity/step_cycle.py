@@ -20,8 +20,9 @@ backward, with ``overlap_step_with_backward``, the reducer was given the
 :class:`~infinity.overlapped_step.OverlappedStep` this cycle owns
 (:meth:`StepCycle.begin_backward`) and tells it of each slot whose gradient is
 final; its worker updates a sub-group once all its slots are. ``step()`` then
-takes the norm and settles that step, or runs the optimizer over every
-sub-group.
+takes the norm and settles that step (the updates it still has to make run
+behind the next forward: :mod:`infinity.step_tail`), or runs the optimizer
+over every sub-group.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from infinity.loss_scaler import LossScaler
 from infinity.offload_optimizer import OffloadOptimizer
 from infinity.overlapped_step import OverlappedStep, StepCheck
 from infinity.sharded_param import ShardedParam
+from infinity.step_tail import StepTail
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class StepCycle:
 
     def __init__(self, *, accumulation_steps: int, reducer: GradReducer, optimizer: OffloadOptimizer,
                  comm: Collectives, loss_scaler: LossScaler | None, gradient_clipping: float,
-                 params: list[ShardedParam]):
+                 params: list[ShardedParam], finish_behind_forward: bool = True):
         self._accumulation_steps = accumulation_steps
         self._reducer = reducer
         self._optimizer = optimizer
@@ -66,6 +68,7 @@ class StepCycle:
         self._loss_scaler = loss_scaler
         self._gradient_clipping = gradient_clipping
         self._params = params
+        self._finish_behind_forward = finish_behind_forward  # a settled step's remaining updates: StepTail
         self.phase = StepPhase.IDLE
         self._phase_before_backward = StepPhase.IDLE  # where a backward that raises goes back to
         self.micro_step = 0
@@ -118,6 +121,7 @@ class StepCycle:
         """A micro-batch's backward begins: the reducer learns whether its gradients start the step's
         accumulation and whether they are the step's last (then final as they arrive, for the overlapped step)."""
         self._refuse_if_broken()
+        self._land_tail()
         if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
             raise RuntimeError(f"backward() called in step phase {self.phase.value!r}: the step's last "
                                f"micro-batch already ran backward; call engine.step() before the next backward()")
@@ -170,10 +174,23 @@ class StepCycle:
                 f"a backward that raises leaves the parameters as they were")
             logger.error("%s", self.broken)
 
-    def _compute_shards_changed(self) -> None:
-        """The optimizer wrote new compute shards: gathered parameters must be gathered again."""
+    def _compute_shards_changed(self, tail: StepTail | None = None) -> None:
+        """The optimizer wrote new compute shards (or, ``tail``, is writing them): gathered parameters must be
+        gathered again, once their sub-group's update has delivered them."""
         for sharded in self._params:
-            sharded.mark_stale()
+            sharded.mark_stale(tail)
+
+    def _land_tail(self) -> None:
+        """The last step's updates behind the forward read the gradient slices the coming backward writes: they
+        must be done. One that failed leaves the states part-updated: training goes back to a checkpoint."""
+        try:
+            self._optimizer.land_tail()
+        except Exception as err:
+            self.broken = (f"optimizer step {self.global_step - 1} failed while its updates finished behind the "
+                           f"forward ({err!r}), so its states are part-updated; load a checkpoint "
+                           f"(engine.load_checkpoint) to go on, or set overlap_step_with_forward false")
+            logger.error("%s", self.broken)
+            raise
 
     def _refuse_if_broken(self) -> None:
         if self.broken is not None:
@@ -207,10 +224,13 @@ class StepCycle:
             metrics["sub_groups_during_backward"] = overlap.finish()
         coef, skipped, clipped = self._gradient_coef(overlap, metrics)
         self.last_step_rejected = skipped or clipped
+        tail = None
         if overlap is not None:
             self.overlap = None
             metrics["overlapped_step"] = overlap.settle(coef, skipped)
             metrics["rollbacks"] = self._optimizer.rollbacks
+            metrics["sub_groups_behind_forward"] = len(overlap.remaining) if self._finish_behind_forward else 0
+            tail = self._update_remaining(overlap)
         elif not skipped:
             self._optimizer.step(coef)
         if skipped:
@@ -219,10 +239,19 @@ class StepCycle:
         else:
             metrics["optimizer_s"] = time.perf_counter() - start
         if overlap is not None or not skipped:  # an undone update changed them back
-            self._compute_shards_changed()
+            self._compute_shards_changed(tail)
         self._reducer.zero()
         self.global_step += 1
         return skipped
+
+    def _update_remaining(self, overlap: OverlappedStep) -> StepTail | None:
+        """The settled step's updates not yet made: behind the next forward (returns their tail), or now."""
+        if not overlap.remaining:
+            return None
+        if self._finish_behind_forward:
+            return self._optimizer.finish_behind_forward(overlap)
+        overlap.update_remaining()
+        return None
 
     def _gradient_coef(self, overlap: OverlappedStep | None, metrics: dict) -> tuple[float, bool, bool]:
         """The coefficient this step's gradients get (fp16 unscaling, then clipping), whether the step is

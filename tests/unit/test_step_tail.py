@@ -1,0 +1,159 @@
+"""A step's updates that finish behind the next forward (``infinity.step_tail``) change timing, never results.
+
+Every step here clips (the threshold is tiny), so every overlapped step waits for the global norm and makes all
+its updates after backward: with ``overlap_step_with_forward`` they run on the tail's worker while the next
+forward begins. The tail is slowed down on purpose, so the forward reaches parameters whose sub-group is not
+updated yet: a fetch that did not wait for it would gather the old values, and the losses would differ.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+import infinity
+from helpers import TinyGPT, engine_config, gpt_batches
+
+
+def _slow_tail(monkeypatch) -> dict:
+    """Each update the tail's worker makes takes 20 ms more; returns counts of the fetches that found their
+    sub-group not yet delivered (so had to wait) and of the updates the tail made."""
+    from infinity.overlapped_step import OverlappedStep
+    from infinity.step_tail import StepTail
+
+    seen = {"waited": 0, "tail_updates": 0}
+    update, wait_for = OverlappedStep._update, StepTail.wait_for
+
+    def slow_update(self, group):
+        if threading.current_thread().name == "infinity-step-tail":
+            time.sleep(0.02)
+            seen["tail_updates"] += 1
+        update(self, group)
+
+    def counting_wait_for(self, slot_index):
+        if not self.delivered(slot_index):
+            seen["waited"] += 1
+        wait_for(self, slot_index)
+
+    monkeypatch.setattr(OverlappedStep, "_update", slow_update)
+    monkeypatch.setattr(StepTail, "wait_for", counting_wait_for)
+    return seen
+
+
+def _train(model, batches, tmp_path, *, param, optimizer, overlap, accum, lrs, clip=1e-3):
+    """Steps with a new learning rate set right after each ``step()`` (while its tail may still run): the losses,
+    the final full state dict and each step's metrics."""
+    config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=clip,
+                           lr=lrs[0], overlap_step_with_backward=overlap)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    losses, metrics, it = [], [], iter(batches)
+    try:
+        for lr in lrs[1:]:
+            for _ in range(accum):
+                loss = engine(*next(it))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            metrics.append(engine.step_metrics())
+            engine.lr = lr  # the tail updates with the rate its step settled with, not this one
+        return losses, engine.full_state_dict(), metrics
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "cpu")])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_updates_behind_the_forward_equal_the_step_after_backward(tmp_path, monkeypatch, param, optimizer, accum):
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(12, batch=4)
+    lrs = [3e-3, 2e-3, 1e-3, 5e-4, 2.5e-4]
+    off_losses, off_state, _ = _train(model, batches, tmp_path, param=param, optimizer=optimizer, overlap=False,
+                                      accum=accum, lrs=lrs)
+    seen = _slow_tail(monkeypatch)
+    on_losses, on_state, on_metrics = _train(model, batches, tmp_path, param=param, optimizer=optimizer,
+                                             overlap=True, accum=accum, lrs=lrs)
+    assert all(m["overlapped_step"] == "redone" or m["overlapped_step"] == "committed" for m in on_metrics)
+    assert all(m["sub_groups_behind_forward"] > 0 for m in on_metrics)  # every step clipped: all updates wait
+    assert seen["tail_updates"] == sum(m["sub_groups_behind_forward"] for m in on_metrics)
+    assert seen["waited"] > 0  # the forward reached parameters before their sub-group's update: the gate mattered
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
+def test_a_step_that_finishes_before_returning_is_the_same(tmp_path):
+    """``overlap_step_with_forward: false``: nothing runs behind the forward, and the results are the same."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(6, batch=4)
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(tmp_path), accum=1, clip=1e-3, lr=3e-3,
+                           overlap_step_with_forward=False)
+    runs = {}
+    for behind in (False, True):
+        config["zero_optimization"]["overlap_step_with_forward"] = behind
+        engine = infinity.initialize(copy.deepcopy(model), config)
+        try:
+            losses, tails = [], []
+            for x, y in batches:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                tails.append(engine.optimizer.tail is not None)
+            runs[behind] = losses, tails, engine.full_state_dict()
+        finally:
+            engine.close()
+    assert not any(runs[False][1]) and any(runs[True][1])
+    assert runs[False][0] == runs[True][0]
+    for key, value in runs[False][2].items():
+        assert torch.equal(value, runs[True][2][key]), key
+
+
+def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(tmp_path, monkeypatch):
+    """An update of the tail that fails (a disk error, say) is raised to the forward that needs its sub-group;
+    every later use of the step's results says to load a checkpoint, and once one is loaded training goes on
+    exactly as from that checkpoint in an engine that never failed."""
+    from infinity.overlapped_step import OverlappedStep
+
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(4, batch=4)
+    (tmp_path / "swap").mkdir()
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(tmp_path / "swap"), accum=1, clip=1e-3,
+                           lr=3e-3)
+    update = OverlappedStep._update
+
+    def failing_update(self, group):
+        if threading.current_thread().name == "infinity-step-tail":
+            raise OSError(5, "Input/output error (injected)")
+        update(self, group)
+
+    def train(engine, micro_batches):
+        losses = []
+        for x, y in micro_batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    with infinity.initialize(copy.deepcopy(model), config) as engine:
+        train(engine, batches[:1])
+        engine.save_checkpoint(tmp_path / "ckpt", tag="one")
+        expected = train(engine, batches[1:3])
+    with infinity.initialize(copy.deepcopy(model), config) as engine:
+        train(engine, batches[:1])
+        x, y = batches[1]
+        engine.backward(engine(x, y))
+        with monkeypatch.context() as patch:
+            patch.setattr(OverlappedStep, "_update", failing_update)
+            engine.step()
+            with pytest.raises(OSError, match="injected"):
+                engine(x, y)
+        with pytest.raises(RuntimeError, match="load a checkpoint"):
+            engine(x, y)
+        engine.load_checkpoint(tmp_path / "ckpt", tag="one")
+        assert train(engine, batches[1:3]) == expected
+    assert not any(p.is_file() for p in (tmp_path / "swap").rglob("*.swap"))
