@@ -51,7 +51,8 @@ PRECISION = {"name": "bf16"}
 """The compute precision of every engine here: --precision, default auto (the machine's fast one)."""
 
 
-def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int, clip: float = 0.0) -> dict:
+def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int, clip: float = 0.0,
+                  behind_forward: bool = True) -> dict:
     offload = "nvme" if nvme_path else "none"
     param = {"device": offload}
     optimizer = {"device": offload}
@@ -66,6 +67,7 @@ def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int, 
         "zero_optimization": {
             "stage": 3, "offload_param": param, "offload_optimizer": optimizer, "sub_group_size": sub_group_size,
             "overlap_step_with_backward": overlap,
+            "overlap_step_with_forward": behind_forward,
             "stage3_prefetch_bucket_size": 200_000_000 if overlap else 0,
             "stage3_max_reuse_distance": 1_000_000_000 if overlap else 0,
         },
@@ -120,6 +122,11 @@ def main() -> None:
     parser.add_argument("--gradient-clipping", type=float, default=0.0,
                         help="clip the overlapped and sequential engines' gradients at this norm (default 0: off); "
                              "adds an overlapped engine without clipping to compare with")
+    parser.add_argument("--without-tail", action="store_true",
+                        help="with --gradient-clipping: add an overlapped, clipped engine whose step makes its updates "
+                             "before returning (overlap_step_with_forward false), to measure what finishing them "
+                             "behind the next forward gains (use --block 2 or more: a block of one step pays the "
+                             "tail in its drain)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute precision (default auto: bf16 where the machine computes it fast, else fp32)")
     args = parser.parse_args()
@@ -154,6 +161,9 @@ def main() -> None:
         }
         if clip > 0:
             engines["unclipped"] = build(cfg, engine_config(nvme, overlap=True, sub_group_size=size))
+        if clip > 0 and args.without_tail:
+            engines["no tail"] = build(cfg, engine_config(nvme, overlap=True, sub_group_size=size, clip=clip,
+                                                          behind_forward=False))
         times = {name: [] for name in engines}
         metrics_on = None
         outcomes: dict[str, int] = {}
@@ -197,6 +207,10 @@ def main() -> None:
         result.update(gradient_clipping=clip, step_unclipped_s=statistics.median(times["unclipped"]),
                       step_over_unclipped=statistics.median(on / un for on, un in zip(times["on"], times["unclipped"])),
                       outcomes=outcomes, grad_norm=metrics_on.get("grad_norm"))
+    if "no tail" in times:
+        result.update(step_without_tail_s=statistics.median(times["no tail"]),
+                      tail_speedup=statistics.median(nt / on for on, nt in zip(times["on"], times["no tail"])),
+                      block=args.block)
     print(f"step, overlap on : {result['step_s']:.2f} s  ({result['step_over_floor']:.2f} x max(floors), median of "
           f"per-round ratios; target <= 1.15)")
     print(f"step, overlap off: {result['step_no_overlap_s']:.2f} s  ({result['speedup_over_no_overlap']:.2f} x slower)")
@@ -204,6 +218,9 @@ def main() -> None:
         print(f"step, overlap on, no clipping: {result['step_unclipped_s']:.2f} s  (clipped / unclipped "
               f"{result['step_over_unclipped']:.2f}, target <= 1.1); clipped steps: {outcomes}, last norm "
               f"{result['grad_norm']:.3g}")
+    if "no tail" in times:
+        print(f"step, clipped, updates before step() returns: {result['step_without_tail_s']:.2f} s  (behind the "
+              f"forward is {result['tail_speedup']:.3f} x faster, median of per-round ratios; blocks of {args.block})")
     print(f"compute floor    : {result['compute_floor_s']:.2f} s")
     print(f"I/O floor        : {result['io_floor_s']:.2f} s  ({nvme_tier['bytes_read'] / 1e9:.2f} GB read, "
           f"{nvme_tier['bytes_written'] / 1e9:.2f} GB written per step)")

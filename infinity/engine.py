@@ -330,6 +330,13 @@ class Engine:
                               loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
         self._apply_lr_schedule()
 
+    def finish_step(self) -> None:
+        """Wait until the last step's updates are all made. With ``overlap_step_with_forward`` those a step makes
+        after the norm is known finish behind the next forward, which waits for each parameter's own; everything
+        else of ours waits for them too. Call this before reading parameters outside the engine's forward."""
+        self._ensure_open()
+        self.cycle.land_tail()
+
     def _apply_lr_schedule(self) -> None:
         """With a DeepSpeed ``scheduler`` block, the learning rate of the next step (set before its forward)."""
         if self.config.scheduler is not None:

@@ -121,7 +121,7 @@ class StepCycle:
         """A micro-batch's backward begins: the reducer learns whether its gradients start the step's
         accumulation and whether they are the step's last (then final as they arrive, for the overlapped step)."""
         self._refuse_if_broken()
-        self._land_tail()
+        self.land_tail()
         if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
             raise RuntimeError(f"backward() called in step phase {self.phase.value!r}: the step's last "
                                f"micro-batch already ran backward; call engine.step() before the next backward()")
@@ -180,7 +180,7 @@ class StepCycle:
         for sharded in self._params:
             sharded.mark_stale(tail)
 
-    def _land_tail(self) -> None:
+    def land_tail(self) -> None:
         """The last step's updates behind the forward read the gradient slices the coming backward writes: they
         must be done. One that failed leaves the states part-updated: training goes back to a checkpoint."""
         try:

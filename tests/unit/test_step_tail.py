@@ -157,3 +157,24 @@ def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(t
         engine.load_checkpoint(tmp_path / "ckpt", tag="one")
         assert train(engine, batches[1:3]) == expected
     assert not any(p.is_file() for p in (tmp_path / "swap").rglob("*.swap"))
+
+
+def test_finish_step_makes_resident_parameters_current(tmp_path, monkeypatch):
+    """Parameters that stay resident (one rank, offload_param none) can be read outside the forward: after
+    ``engine.finish_step()`` they are those of the step made before ``step()`` returns, even with a slow tail."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(3, batch=4)
+    seen = _slow_tail(monkeypatch)
+    values = {}
+    for behind in (False, True):
+        config = engine_config(param="none", optimizer="cpu", nvme_path=None, accum=1, clip=1e-3, lr=3e-3,
+                               overlap_step_with_forward=behind)
+        with infinity.initialize(copy.deepcopy(model), config) as engine:
+            for x, y in batches:
+                engine.backward(engine(x, y))
+                engine.step()
+            engine.finish_step()
+            values[behind] = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    assert seen["tail_updates"] > 0
+    for name, value in values[False].items():
+        assert torch.equal(values[True][name], value), name
