@@ -303,3 +303,29 @@ def delay_storage(monkeypatch) -> None:
         return store
 
     monkeypatch.setattr(infinity.tiers.Tiers, "swap_store", delayed)
+
+
+def slow_step_tail(monkeypatch) -> dict:
+    """Each update a step tail's worker makes (``infinity.step_tail``) takes 20 ms more, so the next forward
+    reaches parameters before their sub-group is updated; returns counts of the fetches that found their
+    sub-group not yet delivered (so had to wait) and of the updates the tail made."""
+    from infinity.overlapped_step import OverlappedStep
+    from infinity.step_tail import StepTail
+
+    seen = {"waited": 0, "tail_updates": 0}
+    update, wait_for = OverlappedStep._update, StepTail.wait_for
+
+    def slow_update(self, group):
+        if threading.current_thread().name == "infinity-step-tail":
+            time.sleep(0.02)
+            seen["tail_updates"] += 1
+        update(self, group)
+
+    def counting_wait_for(self, slot_index):
+        if not self.delivered(slot_index):
+            seen["waited"] += 1
+        wait_for(self, slot_index)
+
+    monkeypatch.setattr(OverlappedStep, "_update", slow_update)
+    monkeypatch.setattr(StepTail, "wait_for", counting_wait_for)
+    return seen

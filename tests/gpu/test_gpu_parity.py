@@ -97,3 +97,24 @@ def test_several_ranks_over_gloo_on_one_gpu_compute_on_the_cpu():
     gloo the engine computes on the CPU (tests/distributed covers their parity); with NCCL and one GPU
     per rank it would compute on the GPU."""
     assert run_ranks(_two_ranks_on_one_gpu, world_size=2) == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("param, optimizer", [("none", "cpu"), ("cpu", "nvme"), ("none", "nvme")])
+def test_updates_behind_the_forward_wait_for_their_copies_on_the_gpu(gpt, tmp_path, monkeypatch, param, optimizer):
+    """A clipped step's updates finish behind the next forward (infinity.step_tail), slowed down so the forward
+    reaches parameters first: the compute stream must wait for each sub-group's copy up; results are the same
+    bits as the step made before step() returns."""
+    from helpers import slow_step_tail
+
+    model, batches = gpt
+    runs = {}
+    for behind in (False, True):
+        if behind:
+            seen = slow_step_tail(monkeypatch)
+        config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=1, clip=1e-3,
+                               lr=LR, overlap_step_with_forward=behind)
+        runs[behind] = _engine(model, config, batches[1], 1)
+    assert seen["tail_updates"] > 0 and seen["waited"] > 0
+    assert runs[True][0] == runs[False][0]
+    for key, value in runs[False][1].items():
+        assert torch.equal(runs[True][1][key], value), key

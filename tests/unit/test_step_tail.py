@@ -10,38 +10,12 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches
-
-
-def _slow_tail(monkeypatch) -> dict:
-    """Each update the tail's worker makes takes 20 ms more; returns counts of the fetches that found their
-    sub-group not yet delivered (so had to wait) and of the updates the tail made."""
-    from infinity.overlapped_step import OverlappedStep
-    from infinity.step_tail import StepTail
-
-    seen = {"waited": 0, "tail_updates": 0}
-    update, wait_for = OverlappedStep._update, StepTail.wait_for
-
-    def slow_update(self, group):
-        if threading.current_thread().name == "infinity-step-tail":
-            time.sleep(0.02)
-            seen["tail_updates"] += 1
-        update(self, group)
-
-    def counting_wait_for(self, slot_index):
-        if not self.delivered(slot_index):
-            seen["waited"] += 1
-        wait_for(self, slot_index)
-
-    monkeypatch.setattr(OverlappedStep, "_update", slow_update)
-    monkeypatch.setattr(StepTail, "wait_for", counting_wait_for)
-    return seen
+from helpers import TinyGPT, engine_config, gpt_batches, slow_step_tail
 
 
 def _train(model, batches, tmp_path, *, param, optimizer, overlap, accum, lrs, clip=1e-3):
@@ -73,7 +47,7 @@ def test_updates_behind_the_forward_equal_the_step_after_backward(tmp_path, monk
     lrs = [3e-3, 2e-3, 1e-3, 5e-4, 2.5e-4]
     off_losses, off_state, _ = _train(model, batches, tmp_path, param=param, optimizer=optimizer, overlap=False,
                                       accum=accum, lrs=lrs)
-    seen = _slow_tail(monkeypatch)
+    seen = slow_step_tail(monkeypatch)
     on_losses, on_state, on_metrics = _train(model, batches, tmp_path, param=param, optimizer=optimizer,
                                              overlap=True, accum=accum, lrs=lrs)
     assert all(m["overlapped_step"] == "redone" or m["overlapped_step"] == "committed" for m in on_metrics)
@@ -164,7 +138,7 @@ def test_finish_step_makes_resident_parameters_current(tmp_path, monkeypatch):
     ``engine.finish_step()`` they are those of the step made before ``step()`` returns, even with a slow tail."""
     torch.manual_seed(0)
     model, batches = TinyGPT(), gpt_batches(3, batch=4)
-    seen = _slow_tail(monkeypatch)
+    seen = slow_step_tail(monkeypatch)
     values = {}
     for behind in (False, True):
         config = engine_config(param="none", optimizer="cpu", nvme_path=None, accum=1, clip=1e-3, lr=3e-3,
