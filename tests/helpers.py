@@ -186,9 +186,10 @@ def train_batches(engine, batches, *, rank: int = 0, world_size: int = 1) -> lis
     return losses
 
 
-def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None):
+def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None, after_step=None):
     """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
-    placement. ``setup(engine)`` runs before the first step (to make copies late, say)."""
+    placement. ``setup(engine)`` runs before the first step (to make copies late, say), ``after_step(engine,
+    step)`` after each (to set the next learning rate, say)."""
     import infinity
 
     engine = infinity.initialize(copy.deepcopy(model), config)
@@ -203,6 +204,8 @@ def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: 
                 engine.step()
                 losses.append(loss.item())
             metrics.append(engine.step_metrics())
+            if after_step is not None:
+                after_step(engine, len(metrics) - 1)
         return losses, engine.full_state_dict(), metrics, engine.placement
     finally:
         engine.close()

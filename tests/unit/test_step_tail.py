@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, slow_step_tail
+from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, slow_step_tail, train_batches
 
 
 def _train(model, batches, tmp_path, *, param, optimizer, overlap, accum, lrs, clip=1e-3):
@@ -23,20 +23,13 @@ def _train(model, batches, tmp_path, *, param, optimizer, overlap, accum, lrs, c
     the final full state dict and each step's metrics."""
     config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=clip,
                            lr=lrs[0], overlap_step_with_backward=overlap)
-    engine = infinity.initialize(copy.deepcopy(model), config)
-    losses, metrics, it = [], [], iter(batches)
-    try:
-        for lr in lrs[1:]:
-            for _ in range(accum):
-                loss = engine(*next(it))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            metrics.append(engine.step_metrics())
-            engine.lr = lr  # the tail updates with the rate its step settled with, not this one
-        return losses, engine.full_state_dict(), metrics
-    finally:
-        engine.close()
+
+    def set_next_lr(engine, step):
+        engine.lr = lrs[step + 1]  # the tail updates with the rate its step settled with, not this one
+
+    losses, state, metrics, _ = engine_steps(model, config, batches, steps=len(lrs) - 1, accum=accum,
+                                             after_step=set_next_lr)
+    return losses, state, metrics
 
 
 @pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "cpu")])
@@ -104,21 +97,12 @@ def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(t
             raise OSError(5, "Input/output error (injected)")
         update(self, group)
 
-    def train(engine, micro_batches):
-        losses = []
-        for x, y in micro_batches:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
-
     with infinity.initialize(copy.deepcopy(model), config) as engine:
-        train(engine, batches[:1])
+        train_batches(engine, batches[:1])
         engine.save_checkpoint(tmp_path / "ckpt", tag="one")
-        expected = train(engine, batches[1:3])
+        expected = train_batches(engine, batches[1:3])
     with infinity.initialize(copy.deepcopy(model), config) as engine:
-        train(engine, batches[:1])
+        train_batches(engine, batches[:1])
         x, y = batches[1]
         engine.backward(engine(x, y))
         with monkeypatch.context() as patch:
@@ -129,7 +113,7 @@ def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(t
         with pytest.raises(RuntimeError, match="load a checkpoint"):
             engine(x, y)
         engine.load_checkpoint(tmp_path / "ckpt", tag="one")
-        assert train(engine, batches[1:3]) == expected
+        assert train_batches(engine, batches[1:3]) == expected
     assert not any(p.is_file() for p in (tmp_path / "swap").rglob("*.swap"))
 
 
