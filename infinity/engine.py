@@ -462,8 +462,9 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close, self._write_timeline,
-                     self.optimizer.close, self.reducer.close, self.compute.close, self.tiers.close):
+        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close,
+                     self._write_timeline, self.optimizer.close, self.reducer.close, self.compute.close,
+                     self.tiers.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it

@@ -212,7 +212,6 @@ class OffloadOptimizer:
     # -- the step ------------------------------------------------------------
     def step(self, grad_coef: float = 1.0) -> None:
         """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
-        self.land_tail()
         self.step_count += 1
         self.scale_grads(grad_coef)
         at = UpdateAt(step=self.step_count, lr=self.lr)

@@ -126,11 +126,11 @@ class ShardedParam:
 
     def prefetch(self) -> bool:
         """Start bringing up the shard of a released parameter that is not in device memory (an NVMe read, or
-        a copy up from host memory); False if there is nothing to do or no buffer is free."""
+        a copy up from host memory); False if there is nothing to do or no buffer is free. The caller (the
+        prefetcher) asks :attr:`new_shard_delivered` first: a shard the last step's tail has not updated yet
+        is not read ahead."""
         if self.state is not ParamState.RELEASED or not (self.needs_swap_in or self.needs_copy_up):
             return False
-        if not self.new_shard_delivered:
-            return False  # the last step's tail has not updated it yet; the prefetcher tries again later
         self._allocate()
         if not self._start_up(block=False):
             self._deallocate()

@@ -229,8 +229,8 @@ class StepCycle:
             self.overlap = None
             metrics["overlapped_step"] = overlap.settle(coef, skipped)
             metrics["rollbacks"] = self._optimizer.rollbacks
-            metrics["sub_groups_behind_forward"] = len(overlap.remaining) if self._finish_behind_forward else 0
             tail = self._update_remaining(overlap)
+            metrics["sub_groups_behind_forward"] = len(overlap.remaining) if tail is not None else 0
         elif not skipped:
             self._optimizer.step(coef)
         if skipped:
