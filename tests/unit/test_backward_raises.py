@@ -73,27 +73,28 @@ def _steps(engine, batches) -> dict[str, torch.Tensor]:
     return {name: value.clone() for name, value in engine.full_state_dict().items()}
 
 
+def _assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 @pytest.mark.parametrize("overlap, clip", [(False, 0.0), (True, 1e-3)], ids=["after-backward", "overlapped-clipped"])
 def test_a_retried_backward_gives_the_step_it_would_have(overlap, clip):
     """Overlapped with clipping, the second layer was updated speculatively before the raise: it is undone."""
-    reference, engine = _engine(_config(overlap=overlap, clip=clip)), _engine(_config(overlap=overlap, clip=clip))
-    try:
+    config = _config(overlap=overlap, clip=clip)
+    with _engine(config) as reference, _engine(config) as engine:
         want = _steps(reference, [_batch(0), _batch(1)])
         _failed_backward(engine, _batch(0))
         got = _steps(engine, [_batch(0), _batch(1)])
         assert engine.global_step == reference.global_step == 2
-    finally:
-        reference.close()
-        engine.close()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    _assert_same_state(got, want)
 
 
 def test_a_backward_raising_mid_accumulation_drops_the_step_and_starts_it_again(caplog):
     """The step's last backward had added part of its gradients to the first micro-batch's: that step's
     gradients are dropped (logged), and the next two micro-batches make the step, as on a fresh engine."""
-    reference, engine = _engine(_config(overlap=False, accum=2)), _engine(_config(overlap=False, accum=2))
-    try:
+    config = _config(overlap=False, accum=2)
+    with _engine(config) as reference, _engine(config) as engine:
         want = _steps(reference, [_batch(2), _batch(3)])
         engine.backward(engine(_batch(0)))
         engine.step()
@@ -103,19 +104,14 @@ def test_a_backward_raising_mid_accumulation_drops_the_step_and_starts_it_again(
         assert engine.micro_step == 0 and not engine.step_in_progress
         got = _steps(engine, [_batch(2), _batch(3)])
         assert engine.global_step == 1
-    finally:
-        reference.close()
-        engine.close()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    _assert_same_state(got, want)
 
 
 def test_in_place_overlapped_updates_refuse_to_go_on_until_a_checkpoint_is_loaded(tmp_path):
     """Without clipping or fp16, the overlapped step's updates keep no undo copy: the next backward and step
     name the way out, and a loaded checkpoint makes training go on exactly as from that checkpoint."""
     config = _config(overlap=True)
-    engine, reference = _engine(config), _engine(config)
-    try:
+    with _engine(config) as engine, _engine(config) as reference:
         engine.save_checkpoint(tmp_path, tag="start")
         _failed_backward(engine, _batch(0))
         with pytest.raises(RuntimeError, match=r"updated \d+ sub-group\(s\) in place.*engine\.load_checkpoint"):
@@ -126,8 +122,4 @@ def test_in_place_overlapped_updates_refuse_to_go_on_until_a_checkpoint_is_loade
         got = _steps(engine, [_batch(0), _batch(1)])
         reference.load_checkpoint(tmp_path, tag="start")
         want = _steps(reference, [_batch(0), _batch(1)])
-    finally:
-        engine.close()
-        reference.close()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    _assert_same_state(got, want)
