@@ -254,7 +254,7 @@ def adam_update_compact(
 ) -> None:
     """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel.
 
-    Its bodies are "generic" and "avx2" ("auto": the best this CPU runs).
+    Its bodies are "generic", "avx2" and "avx512" ("auto": the best this CPU runs).
     """
     c = constants
     KERNEL.ops().adam_step_compact(

@@ -46,8 +46,9 @@ def step_state(fn, state_dtype, state, grad, *, step, seed=7, param_out=None, **
 
 
 def compact_isas():
-    """The compact kernel's bodies this CPU can run (the kernel must be loaded): generic, and avx2 if it has it."""
-    return ["generic"] if extension.best_isa() == "generic" else ["generic", "avx2"]
+    """The compact kernel's bodies this CPU can run (the kernel must be loaded): generic, avx2, avx512."""
+    order = ["generic", "avx2", "avx512"]
+    return order[: order.index(extension.best_isa()) + 1]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -243,12 +244,43 @@ def test_kernel_equals_reference_on_edge_values(cpp_ready, state_dtype):
             assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa} {state_dtype}"
 
 
-def test_compact_kernel_has_no_avx512_body(cpp_ready):
+def test_compact_kernel_refuses_a_body_this_cpu_lacks(cpp_ready):
+    lacking = [isa for isa in ("avx2", "avx512") if isa not in compact_isas()]
+    if not lacking:
+        pytest.skip("this CPU runs every body")
     state = compact.from_fp32("bf16", *fp32_state(10))
     c = AdamConstants.for_step(step=1, weight_decay=0.0, adamw=True, bias_correction=True, **HYPER)
-    with pytest.raises(RuntimeError, match="no avx512 body"):
+    with pytest.raises(RuntimeError, match=f"cannot run the {lacking[-1]} body"):
         extension.adam_update_compact(c, "bf16", (1, 2), state["master"], torch.zeros(10), state["exp_avg"],
-                                      state["exp_avg_sq"], None, None, None, isa="avx512")  # fmt: skip
+                                      state["exp_avg_sq"], None, None, None, isa=lacking[-1])  # fmt: skip
+
+
+def test_int8_avx512_body_is_exact_when_subnormals_read_as_zero(cpp_ready):
+    """The AVX-512 body decodes int8 codes through fp16 subnormals, which the fp16
+    conversion reads whatever MXCSR.DAZ says; an fp32 multiply of subnormals would
+    read zeros. Under torch.set_flush_denormal(True) (DAZ and FTZ on this thread)
+    it must give what the AVX2 body gives under the same flags."""
+    if "avx512" not in compact_isas():
+        pytest.skip("no AVX-512 on this CPU")
+    n = 4096  # one thread: the flags are this thread's
+    state0 = compact.from_fp32("int8", *fp32_state(n, seed=4))
+    assert (state0["exp_avg_sq"] < 64).any() and (state0["exp_avg"] % 128 < 16).any()  # subnormal codes
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    c = AdamConstants.for_step(step=3, weight_decay=0.1, adamw=True, bias_correction=True, **HYPER)
+    results = {}
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for isa in ("avx2", "avx512"):
+            state = {k: v.clone() for k, v in state0.items()}
+            extension.adam_update_compact(c, "int8", (5, 6), state["master"], grad, state["exp_avg"],
+                                          state["exp_avg_sq"], state["exp_avg_scale"], state["exp_avg_sq_scale"],
+                                          None, isa=isa)  # fmt: skip
+            results[isa] = state
+    finally:
+        torch.set_flush_denormal(False)
+    for k, expected in results["avx2"].items():
+        assert same_bits(results["avx512"][k], expected), f"{k} differs between the bodies with DAZ on"
 
 
 @pytest.mark.parametrize("state_dtype", COMPACT)
