@@ -24,6 +24,10 @@ round; a figure is the median over rounds, and a ratio the median of the
 per-round ratios. The machine is shared: read ratios, not times.
 
     .venv/bin/python benchmarks/bench_adam.py [--numel 100000000] [--rounds 11] [--cases fp32,bf16,bf16s,int8s]
+                                              [--compare-body avx2]
+
+--compare-body BODY adds one more contender to the compact cases, our kernel's
+body BODY (the best body this CPU runs is "ours"): what a newer body gains.
 
 The last line is JSON.
 """
@@ -40,6 +44,7 @@ import torch
 import infinity.kernels as kernels
 from infinity.hardware import cpu_name
 from infinity.kernels import compact, extension
+from infinity.kernels.constants import AdamConstants
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 # Bytes each pass moves per element: reads p, g, m, v; writes p, m, v (+ copy).
@@ -63,6 +68,11 @@ def main() -> None:
         "(transparent huge pages, as the engine's host tier allocates them)",
     )  # fmt: skip
     ap.add_argument("--cases", default="fp32,bf16,bf16s,int8s", help="comma-separated cases to run")
+    ap.add_argument(
+        "--compare-body", choices=["generic", "avx2", "avx512"], default=None,
+        help="compact cases: also run the kernel's body BODY (contender 'body') beside the best one, "
+        "to measure what a body gains",
+    )  # fmt: skip
     args = ap.parse_args()
     wanted = args.cases.split(",")
     unknown = set(wanted) - set(BYTES_PER_ELEM)
@@ -120,7 +130,7 @@ def main() -> None:
     }
     for case, state_dtype in COMPACT_CASES.items():
         if case in wanted:
-            cases[case] = compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_bf16)
+            cases[case] = compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_bf16, args.compare_body)
     cases = {case: fns for case, fns in cases.items() if case in wanted}
     times = {case: {name: [] for name in fns} for case, fns in cases.items()}
     order = [(case, name) for case, fns in cases.items() for name in fns]
@@ -157,6 +167,10 @@ def main() -> None:
         result[f"{case}_speedup_vs_torch_iqr"] = [round(q, 3) for q in quartiles(speedups)]
         result[f"{case}_ours_over_floor"] = round(statistics.median(over_floor), 3)
         result[f"{case}_ours_over_floor_iqr"] = [round(q, 3) for q in quartiles(over_floor)]
+        if "body" in by_name:
+            gains = [b / o for b, o in zip(by_name["body"], by_name["ours"])]
+            result[f"{case}_speedup_vs_body"] = round(statistics.median(gains), 3)
+            result[f"{case}_speedup_vs_body_iqr"] = [round(q, 3) for q in quartiles(gains)]
     for case, against, need in (("fp32", "torch fused AdamW", 1.0), ("bf16", "the torch pipeline", 1.3)):
         if case not in times:
             continue
@@ -177,11 +191,18 @@ def main() -> None:
             f"(IQR {lo:.2f}-{hi:.2f}), {result[f'{case}_ours_over_floor']:.2f}x the floor's time "
             f"(IQR {flo:.2f}-{fhi:.2f}; the floor moves {BYTES_PER_ELEM[case]:.2f} B/param, fp32 states 30)"
         )
+        if f"{case}_speedup_vs_body" in result:
+            blo, bhi = result[f"{case}_speedup_vs_body_iqr"]
+            print(
+                f"{case}: the {extension.best_isa()} body {result[f'{case}_speedup_vs_body']:.2f}x as fast as "
+                f"the {args.compare_body} body (IQR {blo:.2f}-{bhi:.2f})"
+            )
     print(json.dumps(result))
 
 
-def compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_fp32_states):
-    """ours, fp32 (the fp32-state step with bf16 grads and copy) and floor for one compact state dtype."""
+def compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_fp32_states, compare_body):
+    """ours, fp32 (the fp32-state step with bf16 grads and copy), floor and, given
+    `compare_body`, that body of our kernel ("body"), for one compact state dtype."""
     state = {}
     for spec in compact.state_layout(state_dtype, n):
         state[spec.name] = empty(spec.numel, dtype=spec.dtype)
@@ -212,7 +233,19 @@ def compact_contenders(state_dtype, n, empty, p, m, v, g16, p16, ours_fp32_state
             scales.get("exp_avg_scale"), scales.get("exp_avg_sq_scale"), p16,
         )  # fmt: skip
 
-    return {"ours": ours, "fp32": ours_fp32_states, "floor": floor}
+    contenders = {"ours": ours, "fp32": ours_fp32_states, "floor": floor}
+    if compare_body:
+        keys = compact.step_keys(1, 1)  # any keys: the bodies cost the same whatever the bits
+
+        def body():
+            c = AdamConstants.for_step(step=step[0] + 1, adamw=True, bias_correction=True, **HYPER)
+            extension.adam_update_compact(
+                c, state_dtype, keys, state["master"], g16, state["exp_avg"], state["exp_avg_sq"],
+                scales.get("exp_avg_scale"), scales.get("exp_avg_sq_scale"), p16, isa=compare_body,
+            )  # fmt: skip
+
+        contenders["body"] = body
+    return contenders
 
 
 def quartiles(xs: list[float]) -> tuple[float, float]:
