@@ -47,6 +47,8 @@ from infinity.storage.bench import check_free_space, measure_nvme
 
 
 AIO = {"block_size": 1 << 20, "queue_depth": 32}
+STAGING = {}
+"""offload_optimizer keys of every offloaded engine: --buffer-count sets buffer_count (default: the config's)."""
 PRECISION = {"name": "bf16"}
 """The compute precision of every engine here: --precision, default auto (the machine's fast one)."""
 
@@ -59,6 +61,7 @@ def engine_config(nvme_path: str | None, *, overlap: bool, sub_group_size: int, 
     if nvme_path:
         param.update(nvme_path=nvme_path, max_in_cpu=0)
         optimizer.update(nvme_path=nvme_path, max_in_cpu=0)  # measure NVMe, not the host-memory spill
+        optimizer.update(STAGING)
     return {
         "aio": dict(AIO),
         "bf16": {"enabled": PRECISION["name"] == "bf16"},
@@ -127,6 +130,9 @@ def main() -> None:
                              "before returning (overlap_step_with_forward false), to measure what finishing them "
                              "behind the next forward gains (use --block 2 or more: a block of one step pays the "
                              "tail in its drain)")
+    parser.add_argument("--buffer-count", type=int, default=None,
+                        help="offload_optimizer.buffer_count of the offloaded engines: staging sets, each one "
+                        "sub-group of states in pinned host memory (more read further ahead; default: the config's)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute precision (default auto: bf16 where the machine computes it fast, else fp32)")
     args = parser.parse_args()
@@ -135,6 +141,8 @@ def main() -> None:
     chosen = resolve_precision(args.precision)
     PRECISION["name"] = chosen.precision
     AIO.update(block_size=args.block_size, queue_depth=args.queue_depth)
+    if args.buffer_count is not None:
+        STAGING["buffer_count"] = args.buffer_count
 
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
     numel = count_params(cfg)
@@ -207,6 +215,8 @@ def main() -> None:
         result.update(gradient_clipping=clip, step_unclipped_s=statistics.median(times["unclipped"]),
                       step_over_unclipped=statistics.median(on / un for on, un in zip(times["on"], times["unclipped"])),
                       outcomes=outcomes, grad_norm=metrics_on.get("grad_norm"))
+    if STAGING:
+        result.update(STAGING)
     if "no tail" in times:
         result.update(step_without_tail_s=statistics.median(times["no tail"]),
                       tail_speedup=statistics.median(nt / on for on, nt in zip(times["on"], times["no tail"])),
