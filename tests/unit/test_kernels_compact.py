@@ -255,6 +255,32 @@ def test_compact_kernel_refuses_a_body_this_cpu_lacks(cpp_ready):
                                       state["exp_avg_sq"], None, None, None, isa=lacking[-1])  # fmt: skip
 
 
+def test_int8_kernel_decodes_blocks_with_huge_scales(cpp_ready):
+    """A block whose exp_avg scale is finite but above 2**120 (moments near fp32's top): the AVX-512 body
+    cannot fold its decode's power of two into the scale without overflow and takes two multiplies. Every
+    body must still give the reference's bits, over two steps (the second decodes what the first stored)."""
+    n = 1024
+    param, exp_avg, exp_avg_sq = fp32_state(n, seed=8)
+    exp_avg[256:512] *= 1e38  # block 1: |m| up to ~4e36, its scale above 2**120 (~1.3e36)
+    exp_avg[600] = 2e38  # block 2: one huge moment among small ones (most codes there are subnormal)
+    state0 = compact.from_fp32("int8", param, exp_avg, exp_avg_sq)
+    assert torch.isfinite(state0["exp_avg_scale"]).all() and (state0["exp_avg_scale"][1:3] > 2.0**120).all()
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(9 + k)) for k in range(2)]
+    results = {}
+    for name, update in [("reference", reference_compact.adam_update_compact)] + [
+        (isa, functools.partial(extension.adam_update_compact, isa=isa)) for isa in compact_isas()
+    ]:
+        state = {k: v.clone() for k, v in state0.items()}
+        for step, grad in enumerate(grads, start=1):
+            c = AdamConstants.for_step(step=step, weight_decay=0.1, adamw=True, bias_correction=True, **HYPER)
+            update(c, "int8", compact.step_keys(4, step), state["master"], grad, state["exp_avg"],
+                   state["exp_avg_sq"], state["exp_avg_scale"], state["exp_avg_sq_scale"], None)  # fmt: skip
+        results[name] = state
+    for isa in compact_isas():
+        for k, expected in results["reference"].items():
+            assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa}"
+
+
 def test_int8_avx512_body_is_exact_when_subnormals_read_as_zero(cpp_ready):
     """The AVX-512 body decodes int8 codes through fp16 subnormals, which the fp16
     conversion reads whatever MXCSR.DAZ says; an fp32 multiply of subnormals would
