@@ -23,9 +23,8 @@ The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
 6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
 form in its one pass. :meth:`OffloadOptimizer.read_state` and
-:meth:`~OffloadOptimizer.write_state` convert to and from fp32 (``read_state``
-also gives a bf16 state as it rests: checkpoints store each state in
-``compact.checkpoint_dtype``, the narrowest dtype that holds it exactly).
+:meth:`~OffloadOptimizer.write_state` convert to and from fp32 for checkpoints
+(:class:`~infinity.resting_states.RestingStates`).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from dataclasses import dataclass
 import torch
 
 from infinity import kernels
-from infinity.kernels.compact import STATE_NAMES
 from infinity.compute_shards import ComputeShards
 from infinity.config import OptimizerConfig
 from infinity.compute_delivery import ComputeDelivery
@@ -49,6 +47,7 @@ from infinity.memory_states import MemoryStates
 from infinity.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck, UpdateAt
 from infinity.step_tail import StepTail
 from infinity.placement import Placement
+from infinity.resting_states import RestingStates
 from infinity.storage import IOHandle
 from infinity.storage.stats import format_nbytes
 from infinity.tiers import Tiers
@@ -132,6 +131,7 @@ class OffloadOptimizer:
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
             self._memory.allocate(layout.sub_groups)
+        self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store, self._key)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         if step_undo:
@@ -422,76 +422,15 @@ class OffloadOptimizer:
         self.read_state("master", group, out)
 
     def read_state(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
-        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out`` (group.numel
-        elements): fp32, or the dtype the state rests in when one tensor holds it (bf16 masters and moments;
-        a checkpoint stores them as they are, ``compact.checkpoint_dtype``)."""
-        if name not in STATE_NAMES:
-            raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
+        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out``: see
+        :meth:`RestingStates.read`."""
         self.land_tail()  # the last step's updates behind the forward may not have reached this sub-group yet
-        parts = kernels.compact.state_parts(self.state_dtype, name)
-        resting_dtype = next(spec.dtype for spec in self._state_layout(group.numel) if spec.name == name)
-        if not self.in_memory(group) and name != "master" and self.step_count == 0:
-            out.zero_()  # moments are written by the first step
-        elif parts == (name,) and out.dtype == resting_dtype:
-            self._read_part(name, group, out)
-        elif out.dtype == torch.float32:
-            tensors = self._read_parts(group, parts)
-            try:
-                kernels.compact.state_to_fp32_into(self.state_dtype, name, tensors, out)
-            finally:
-                for tensor in tensors.values():
-                    self._tiers.free("host", tensor)
-        else:
-            raise ValueError(f"optimizer state {name} rests as {self.state_dtype}: it is read as fp32"
-                             + (f" or {resting_dtype}" if parts == (name,) else "") + f", not {out.dtype}")
+        self._resting.read(name, group, out, moments_written=self.step_count > 0)
 
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
-        """Replace one state of a sub-group (loading a checkpoint)."""
-        if name not in STATE_NAMES:
-            raise ValueError(f"unknown optimizer state {name!r}; one of {STATE_NAMES}")
-        if values.numel() != group.numel or values.dtype != torch.float32:
-            raise ValueError(f"optimizer state {name} of sub-group {group.index}: expected {group.numel} fp32 "
-                             f"elements, got {values.numel()} {values.dtype}")
+        """Replace one state of a sub-group with fp32 ``values`` (loading a checkpoint)."""
         self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
-        if self.state_dtype == "fp32":
-            parts, buffers = {name: values.contiguous()}, {}
-        else:  # converted into host buffers a chunk at a time (bounded temporaries)
-            names = kernels.compact.state_parts(self.state_dtype, name)
-            parts = buffers = {spec.name: self._tiers.empty("host", spec.numel, spec.dtype)
-                               for spec in self._state_layout(group.numel) if spec.name in names}
-        try:
-            if buffers:
-                kernels.compact.state_from_fp32_into(self.state_dtype, name, values, buffers)
-            for part, tensor in parts.items():
-                if self.in_memory(group):
-                    self._memory.write(part, group, tensor)
-                else:
-                    self._store.write(self._key(part, group), tensor).wait()
-        finally:
-            for tensor in buffers.values():
-                self._tiers.free("host", tensor)
-
-    def _read_parts(self, group: SubGroup, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """A sub-group's state tensors ``names`` in its compact form, in new host buffers (the caller frees them)."""
-        parts = {}
-        try:
-            for spec in self._state_layout(group.numel):
-                if spec.name not in names:
-                    continue
-                parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
-                self._read_part(spec.name, group, buffer)
-        except BaseException:
-            for tensor in parts.values():
-                self._tiers.free("host", tensor)
-            raise
-        return parts
-
-    def _read_part(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
-        """One state tensor (a ``state_layout`` name) of a sub-group, as it rests, into ``out`` (blocking)."""
-        if self.in_memory(group):
-            self._memory.read(name, group, out)
-        else:
-            self._store.read(self._key(name, group), out).wait()
+        self._resting.write(name, group, values)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
