@@ -19,7 +19,8 @@
 //   instead takes one operation less but makes the small codes fp32
 //   subnormals, and multiplying those made the step 1.4x slower on Zen 4.)
 //   The conversion ignores MXCSR.DAZ (torch.set_flush_denormal(True)), which
-//   an fp32 multiply would not: the tests run both bodies with it set.
+//   an fp32 multiply would not: a test compares this body with the AVX2 one with
+//   it set, on whichever AVX-512 CPU runs the tests (so far Zen 4).
 // - The sixteen random bits of the shared hashes (compact.random_bits16_shared)
 //   are picked from the hash vector by one word permute per sixteen elements.
 
@@ -211,8 +212,21 @@ void block_bf16(const Consts& c, int64_t base, uint16_t* __restrict__ p, const G
 
 // 2**e as a float, for 0 <= e < 128.
 constexpr float pow2(int e) { return e == 0 ? 1.0f : 2.0f * pow2(e - 1); }
+
+// A code shifted into fp16 bits (see the top of this file): its value is that
+// half's value times kFromHalf<C> = 2**(kField - 127 + 15). That holds while the
+// code's exponent field lands inside fp16's (which the shift puts at bit 10)
+// and its mantissa fits fp16's 10 bits.
 template <class C>
-constexpr float kHalfUnit = pow2(static_cast<int>(C::kField) - 112);  // 2**(kField - 127 + 15)
+constexpr int kHalfShift = 10 - C::kMantissaBits;
+template <class C>
+constexpr float kFromHalf = pow2(static_cast<int>(C::kField) - 112);
+static_assert(AvgCode::kField >= 112 && SqrtCode::kField >= 112, "kFromHalf must be a power of two >= 1");
+static_assert(AvgCode::kMantissaBits <= 10 && SqrtCode::kMantissaBits <= 10, "the mantissa must fit fp16's");
+static_assert((127u + AvgCode::kField - 112u) < 255u && (127u + SqrtCode::kField - 112u) < 255u, "kFromHalf finite");
+static_assert(kHalfShift<AvgCode> + AvgCode::kMantissaBits + 3 <= 15,
+              "exp_avg's 7-bit magnitude must stay below fp16's sign bit");
+static_assert(kHalfShift<SqrtCode> + 8 <= 15, "exp_avg_sq's 8-bit code must stay below fp16's sign bit");
 
 // Code<E, MB>::encode on sixteen lanes (y in [0, 1], never NaN), as the AVX2
 // body's; the subnormal codes overwrite only the lanes below the smallest
@@ -229,75 +243,67 @@ inline I encode(V y) {
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// One int8 block between block_int8's two loops: the first loop's fp32 results
-// and the block's running maxima.
-struct Int8Block {
+// One int8 block between block_int8's two loops: the first loop's fp32 results.
+struct Int8Buffers {
   alignas(64) float pbuf[kBlock];
   alignas(64) float mbuf[kBlock];
   alignas(64) float rbuf[kBlock];
-  int64_t base;
-  // The decode multipliers: kHalfUnit * scale when that is exact (`folded`),
-  // else kHalfUnit, and the scale follows in a second multiply. Folded or not,
-  // the result is the one rounding of the same product.
-  V m_mult, m_scale, v_mult, v_scale;
-  bool folded;
-  V m_max, r_max;
-
-  void begin(int64_t block_base, float ms, float vs) {
-    base = block_base;
-    const float m_folded = kHalfUnit<AvgCode> * ms, v_folded = kHalfUnit<SqrtCode> * vs;
-    // Exact unless a finite scale overflows it.
-    folded = (std::isfinite(m_folded) || !std::isfinite(ms)) && (std::isfinite(v_folded) || !std::isfinite(vs));
-    m_mult = splat(folded ? m_folded : kHalfUnit<AvgCode>);
-    v_mult = splat(folded ? v_folded : kHalfUnit<SqrtCode>);
-    m_scale = splat(ms);
-    v_scale = splat(vs);
-    m_max = r_max = _mm512_setzero_ps();
-  }
-
-  V decode(__m256i halves, V mult, V scale) const {
-    const V x = _mm512_mul_ps(_mm512_cvtph_ps(halves), mult);
-    return folded ? x : _mm512_mul_ps(x, scale);
-  }
 };
 
-// block_int8's first loop on elements [j, j + 16) of the block: decode, the
-// fp32 step, the maxima.
-template <Decay D, class G>
-inline void step16(const Splats& k, Int8Block& s, const uint16_t* __restrict__ p, const G* __restrict__ g,
-                   const uint8_t* __restrict__ m, const uint8_t* __restrict__ v, int64_t j) {
-  constexpr int kAvgShift = 10 - AvgCode::kMantissaBits, kSqrtShift = 10 - SqrtCode::kMantissaBits;
+// The largest |m| and sqrt(v) of a block.
+struct Maxima {
+  float avg, root;
+};
+
+// block_int8's first loop: decode, the fp32 step, the block's maxima. The
+// decode multipliers are kFromHalf * scale when kFolded (the caller checked that
+// they are exact), else kFromHalf, and the scales follow in a second multiply:
+// either way the one rounding of the same product.
+template <bool kFolded, Decay D, class G>
+Maxima step_int8_codes(const Splats& k, V m_mult, V m_scale, V v_mult, V v_scale, const uint16_t* __restrict__ p,
+                       const G* __restrict__ g, const uint8_t* __restrict__ m, const uint8_t* __restrict__ v,
+                       Int8Buffers& buf) {
+  auto decode = [](__m256i halves, V mult, V scale) {
+    const V x = _mm512_mul_ps(_mm512_cvtph_ps(halves), mult);
+    return kFolded ? x : _mm512_mul_ps(x, scale);
+  };
   // The sign-extended code shifted: its sign bit is the half's (bit 15) and its
-  // magnitude's bits sit below the sign's copies, which the mask clears.
-  const __m256i avg_bits = _mm256_set1_epi16(static_cast<int16_t>(0x8000u | (127u << kAvgShift)));
-  const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + j));
-  const __m128i vc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j));
-  V avg = s.decode(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(mc), kAvgShift), avg_bits), s.m_mult,
-                   s.m_scale);
-  const V r_old = s.decode(_mm256_slli_epi16(_mm256_cvtepu8_epi16(vc), kSqrtShift), s.v_mult, s.v_scale);
-  V sq = _mm512_mul_ps(r_old, r_old), root;
-  _mm512_store_ps(s.pbuf + j, adam_fp32<D>(k, load_bf16(p + j), load(g + j), avg, sq, root));
-  _mm512_store_ps(s.mbuf + j, avg);
-  _mm512_store_ps(s.rbuf + j, root);
-  // max_ps(x, acc) returns acc when x is NaN: NaN counts as 0. A root is never
-  // negative (sq sums products of non-negative factors), so it needs no abs.
-  s.m_max = _mm512_max_ps(abs(avg), s.m_max);
-  s.r_max = _mm512_max_ps(root, s.r_max);
+  // 7-bit magnitude sits below the sign's copies, which the mask clears.
+  constexpr uint32_t kMagnitude = (1u << (AvgCode::kMantissaBits + 3)) - 1u;  // compact.EXP_AVG_CODE: 3 + 4 bits
+  const __m256i avg_bits = _mm256_set1_epi16(static_cast<short>(0x8000u | (kMagnitude << kHalfShift<AvgCode>)));
+  V m_max = _mm512_setzero_ps(), r_max = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kBlock; j += 16) {
+    const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + j));
+    const __m128i vc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j));
+    const __m256i m_half = _mm256_slli_epi16(_mm256_cvtepi8_epi16(mc), kHalfShift<AvgCode>);
+    V avg = decode(_mm256_and_si256(m_half, avg_bits), m_mult, m_scale);
+    const V r_old = decode(_mm256_slli_epi16(_mm256_cvtepu8_epi16(vc), kHalfShift<SqrtCode>), v_mult, v_scale);
+    V sq = _mm512_mul_ps(r_old, r_old), root;
+    _mm512_store_ps(buf.pbuf + j, adam_fp32<D>(k, load_bf16(p + j), load(g + j), avg, sq, root));
+    _mm512_store_ps(buf.mbuf + j, avg);
+    _mm512_store_ps(buf.rbuf + j, root);
+    // max_ps(x, acc) returns acc when x is NaN, and when both are zeros: NaN
+    // counts as 0. A square root is never below zero, and a -0 root loses to
+    // the +0 accumulator, so the root needs no abs.
+    m_max = _mm512_max_ps(abs(avg), m_max);
+    r_max = _mm512_max_ps(root, r_max);
+  }
+  return {_mm512_reduce_max_ps(m_max), _mm512_reduce_max_ps(r_max)};
 }
 
 // block_int8's second loop for one block: the new scales, then the roundings
 // and codes thirty-two elements at a time (one vector of shared hashes).
 class Int8Codes {
  public:
-  Int8Codes(const Consts& c, const Int8Block& s)
-      : m_new_(_mm512_reduce_max_ps(s.m_max)), r_new_(_mm512_reduce_max_ps(s.r_max)),
-        m_inv_(splat(inverse(m_new_))), r_inv_(splat(inverse(r_new_))), hk_(high_key(c, s.base / 2)),
-        index_(_mm512_add_epi32(splat(static_cast<uint32_t>(s.base / 2) + c.k0),
+  Int8Codes(const Consts& c, int64_t base, Maxima max)
+      : m_new_(max.avg), r_new_(max.root), m_inv_(splat(inverse(m_new_))), r_inv_(splat(inverse(r_new_))),
+        hk_(high_key(c, base / 2)),
+        index_(_mm512_add_epi32(splat(static_cast<uint32_t>(base / 2) + c.k0),
                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))) {}
 
   // Elements [j, j + 32), from the block's buffers to memory (block pointers).
   template <class O>
-  void encode32(const Int8Block& s, int64_t j, uint16_t* __restrict__ p, uint8_t* __restrict__ m,
+  void encode32(const Int8Buffers& s, int64_t j, uint16_t* __restrict__ p, uint8_t* __restrict__ m,
                 uint8_t* __restrict__ v, O* __restrict__ out) {
     // compact.random_bits16_shared: hash lanes 0-7 serve elements 0-7 (high
     // halves) and 8-15 (low halves), lanes 8-15 elements 16-31 likewise. Each
@@ -349,11 +355,18 @@ void block_int8(const Consts& c, int64_t base, uint16_t* __restrict__ p, const G
                 uint8_t* __restrict__ m, uint8_t* __restrict__ v, float* __restrict__ m_scale,
                 float* __restrict__ v_scale, O* __restrict__ out) {
   const Splats k(c);
-  Int8Block s;
-  s.begin(base, *m_scale, *v_scale);
-  for (int64_t j = 0; j < kBlock; j += 16) step16<D>(k, s, p, g, m, v, j);
-  Int8Codes codes(c, s);
-  for (int64_t j = 0; j < kBlock; j += 32) codes.encode32(s, j, p, m, v, out);
+  Int8Buffers buf;
+  const float ms = *m_scale, vs = *v_scale;
+  const float m_folded = kFromHalf<AvgCode> * ms, v_folded = kFromHalf<SqrtCode> * vs;
+  // A folded multiplier is exact unless a finite scale overflows it (exp_avg's above 2**120).
+  const bool folded =
+      (std::isfinite(m_folded) || !std::isfinite(ms)) && (std::isfinite(v_folded) || !std::isfinite(vs));
+  const Maxima max = folded ? step_int8_codes<true, D>(k, splat(m_folded), splat(ms), splat(v_folded), splat(vs), p,
+                                                       g, m, v, buf)
+                            : step_int8_codes<false, D>(k, splat(kFromHalf<AvgCode>), splat(ms),
+                                                        splat(kFromHalf<SqrtCode>), splat(vs), p, g, m, v, buf);
+  Int8Codes codes(c, base, max);
+  for (int64_t j = 0; j < kBlock; j += 32) codes.encode32(buf, j, p, m, v, out);
   *m_scale = codes.m_new();
   *v_scale = codes.r_new();
 }

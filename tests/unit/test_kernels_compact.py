@@ -256,15 +256,19 @@ def test_compact_kernel_refuses_a_body_this_cpu_lacks(cpp_ready):
 
 
 def test_int8_kernel_decodes_blocks_with_huge_scales(cpp_ready):
-    """A block whose exp_avg scale is finite but above 2**120 (moments near fp32's top): the AVX-512 body
-    cannot fold its decode's power of two into the scale without overflow and takes two multiplies. Every
-    body must still give the reference's bits, over two steps (the second decodes what the first stored)."""
+    """Blocks whose exp_avg scale is finite but above 2**120 (moments near fp32's top), or whose exp_avg_sq
+    scale is above 2**116: the AVX-512 body cannot fold its decode's power of two into such a scale without
+    overflow and takes two multiplies. Every body must still give the reference's bits, over two steps (the
+    second decodes what the first stored)."""
     n = 1024
     param, exp_avg, exp_avg_sq = fp32_state(n, seed=8)
     exp_avg[256:512] *= 1e38  # block 1: |m| up to ~4e36, its scale above 2**120 (~1.3e36)
     exp_avg[600] = 2e38  # block 2: one huge moment among small ones (most codes there are subnormal)
+    exp_avg_sq[768:772] = 0.0  # block 3: zero codes, which a folded infinite multiplier would make NaN
     state0 = compact.from_fp32("int8", param, exp_avg, exp_avg_sq)
     assert torch.isfinite(state0["exp_avg_scale"]).all() and (state0["exp_avg_scale"][1:3] > 2.0**120).all()
+    # block 3: an exp_avg_sq scale no step writes (sqrt(v) <= ~1.8e19) but a state can hold, above 2**116
+    state0["exp_avg_sq_scale"][3] = 2.0**120
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(9 + k)) for k in range(2)]
     results = {}
     for name, update in [("reference", reference_compact.adam_update_compact)] + [
