@@ -78,6 +78,14 @@ class TiedMLP(nn.Module):
         return F.mse_loss(out.float(), y)
 
 
+def kernel_bodies() -> list[str]:
+    """The C++ kernels' bodies this CPU can run, from the oldest (the kernel must be loaded)."""
+    from infinity.kernels import extension
+
+    order = ["generic", "avx2", "avx512"]
+    return order[: order.index(extension.best_isa()) + 1]
+
+
 def absolute_imports(path) -> list[str]:
     """The modules a source file imports by absolute name (``import a.b``, ``from a.b import c``), anywhere in it."""
     import ast

@@ -15,6 +15,8 @@ import infinity.kernels as kernels
 from infinity.kernels import extension, reference
 from infinity.kernels.constants import AdamConstants
 
+from helpers import kernel_bodies
+
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = (1, 7, 1_000_003)
 LOW_DTYPES = (torch.bfloat16, torch.float16)
@@ -27,13 +29,6 @@ def step_fn(request):
         request.getfixturevalue("cpp_ready")
         return kernels.adam_step
     return kernels.adam_step_reference
-
-
-def isas():
-    """The kernel bodies this CPU can run (the kernel must be loaded)."""
-    best = extension.best_isa()
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(best) + 1]
 
 
 def make_state(n: int, seed: int = 0):
@@ -237,7 +232,7 @@ def check_against_reference(n, grad_dtype, out_dtype, adamw, wd, steps, out_offs
         return p, m, v, out
 
     expected = run(reference.adam_update)
-    for isa in isas():
+    for isa in kernel_bodies():
         actual = run(functools.partial(extension.adam_update, isa=isa))
         where = f"isa={isa} n={n} grad={grad_dtype} out={out_dtype} adamw={adamw} wd={wd}"
         for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "param_out"), actual, expected):

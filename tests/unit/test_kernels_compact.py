@@ -15,6 +15,8 @@ import infinity.kernels as kernels
 from infinity.kernels import compact, extension, reference_compact
 from infinity.kernels.constants import AdamConstants
 
+from helpers import kernel_bodies
+
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 COMPACT = ("bf16", "int8")
 
@@ -43,12 +45,6 @@ def scales(state: dict) -> dict:
 def step_state(fn, state_dtype, state, grad, *, step, seed=7, param_out=None, **hyper):
     fn(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], state_dtype=state_dtype, step=step,
        seed=seed, param_out=param_out, **scales(state), **hyper)  # fmt: skip
-
-
-def compact_isas():
-    """The compact kernel's bodies this CPU can run (the kernel must be loaded): generic, avx2, avx512."""
-    order = ["generic", "avx2", "avx512"]
-    return order[: order.index(extension.best_isa()) + 1]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -177,30 +173,41 @@ def test_random_bits_depend_on_seed_step_and_index():
 # The kernel against the reference, bit for bit
 
 
+def run_every_body(state_dtype, state0, grads, *, seed, first_step=1, out_dtype=None, **constants):
+    """The states (and the parameter copy, as "out", given ``out_dtype``) after ``grads``, one step each from
+    ``first_step`` with ``AdamConstants.for_step(**constants)``: with the torch reference ("reference") and
+    with each kernel body this CPU runs."""
+    results = {}
+    for name, update in [("reference", reference_compact.adam_update_compact)] + [
+        (isa, functools.partial(extension.adam_update_compact, isa=isa)) for isa in kernel_bodies()
+    ]:
+        state = {k: v.clone() for k, v in state0.items()}
+        out = None if out_dtype is None else torch.empty(state0["master"].numel(), dtype=out_dtype)
+        for step, grad in enumerate(grads, start=first_step):
+            c = AdamConstants.for_step(step=step, **constants)
+            update(c, state_dtype, compact.step_keys(seed, step), state["master"], grad, state["exp_avg"],
+                   state["exp_avg_sq"], state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"), out)  # fmt: skip
+        results[name] = state if out is None else dict(state, out=out)
+    return results
+
+
+def assert_every_body_equals_reference(results, where: str) -> None:
+    for isa in kernel_bodies():
+        for k, expected in results["reference"].items():
+            assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa} {where}"
+
+
 def check_against_reference(state_dtype, n, grad_dtype, out_dtype, adamw, wd, steps, beta1=0.9):
     state0 = compact.from_fp32(state_dtype, *fp32_state(n, seed=n))
     gen = torch.Generator().manual_seed(n + 1)
     grads = [torch.randn(n, generator=gen).to(grad_dtype) for _ in range(steps)]
-
-    def run(update):
-        state = {k: v.clone() for k, v in state0.items()}
-        out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
-        for step, grad in enumerate(grads, start=1):
-            c = AdamConstants.for_step(step=step, lr=1e-2, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd,
-                                       adamw=adamw, bias_correction=True)  # fmt: skip
-            update(c, state_dtype, compact.step_keys(11, step), state["master"], grad, state["exp_avg"],
-                   state["exp_avg_sq"], state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"), out)  # fmt: skip
-        return state, out
-
-    expected, expected_out = run(reference_compact.adam_update_compact)
-    for isa in compact_isas():
-        actual, actual_out = run(functools.partial(extension.adam_update_compact, isa=isa))
-        where = f"isa={isa} {state_dtype} n={n} grad={grad_dtype} out={out_dtype} adamw={adamw} wd={wd} beta1={beta1}"
-        for name in expected:
-            assert same_bits(actual[name], expected[name]), f"{name} differs from the reference: {where}"
-        if out_dtype is not None:
-            assert same_bits(actual_out, expected_out), f"param_out differs from the reference: {where}"
-            assert same_bits(actual_out, actual["master"].to(out_dtype))
+    results = run_every_body(state_dtype, state0, grads, seed=11, out_dtype=out_dtype, lr=1e-2, beta1=beta1,
+                             beta2=0.999, eps=1e-8, weight_decay=wd, adamw=adamw, bias_correction=True)  # fmt: skip
+    assert_every_body_equals_reference(
+        results, f"{state_dtype} n={n} grad={grad_dtype} out={out_dtype} adamw={adamw} wd={wd} beta1={beta1}")
+    if out_dtype is not None:
+        for isa in kernel_bodies():
+            assert same_bits(results[isa]["out"], results[isa]["master"].to(out_dtype))
 
 
 @pytest.mark.parametrize("state_dtype", COMPACT)
@@ -228,24 +235,13 @@ def test_kernel_equals_reference_on_edge_values(cpp_ready, state_dtype):
     grad[:256] = 0.0
     grad[600:610] = 1e25  # (1 - beta2) * g * g overflows: sqrt(v) and its block's scale are inf
     grad[1024:1030] = torch.tensor([1e-40, -1e-40, 3e38, -3e38, 0.0, -0.0])
-    c = AdamConstants.for_step(step=2, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                               adamw=True, bias_correction=True)  # fmt: skip
-    results = {}
-    for name, update in [("reference", reference_compact.adam_update_compact)] + [
-        (isa, functools.partial(extension.adam_update_compact, isa=isa)) for isa in compact_isas()
-    ]:
-        state = {k: v.clone() for k, v in state0.items()}
-        out = torch.empty(n, dtype=torch.float32)
-        update(c, state_dtype, compact.step_keys(3, 2), state["master"], grad, state["exp_avg"], state["exp_avg_sq"],
-               state.get("exp_avg_scale"), state.get("exp_avg_sq_scale"), out)  # fmt: skip
-        results[name] = dict(state, out=out)
-    for isa in compact_isas():
-        for k, expected in results["reference"].items():
-            assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa} {state_dtype}"
+    results = run_every_body(state_dtype, state0, [grad], seed=3, first_step=2, out_dtype=torch.float32,
+                             weight_decay=0.1, adamw=True, bias_correction=True, **HYPER)  # fmt: skip
+    assert_every_body_equals_reference(results, state_dtype)
 
 
 def test_compact_kernel_refuses_a_body_this_cpu_lacks(cpp_ready):
-    lacking = [isa for isa in ("avx2", "avx512") if isa not in compact_isas()]
+    lacking = [isa for isa in ("avx2", "avx512") if isa not in kernel_bodies()]
     if not lacking:
         pytest.skip("this CPU runs every body")
     state = compact.from_fp32("bf16", *fp32_state(10))
@@ -270,19 +266,9 @@ def test_int8_kernel_decodes_blocks_with_huge_scales(cpp_ready):
     # block 3: an exp_avg_sq scale no step writes (sqrt(v) <= ~1.8e19) but a state can hold, above 2**116
     state0["exp_avg_sq_scale"][3] = 2.0**120
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(9 + k)) for k in range(2)]
-    results = {}
-    for name, update in [("reference", reference_compact.adam_update_compact)] + [
-        (isa, functools.partial(extension.adam_update_compact, isa=isa)) for isa in compact_isas()
-    ]:
-        state = {k: v.clone() for k, v in state0.items()}
-        for step, grad in enumerate(grads, start=1):
-            c = AdamConstants.for_step(step=step, weight_decay=0.1, adamw=True, bias_correction=True, **HYPER)
-            update(c, "int8", compact.step_keys(4, step), state["master"], grad, state["exp_avg"],
-                   state["exp_avg_sq"], state["exp_avg_scale"], state["exp_avg_sq_scale"], None)  # fmt: skip
-        results[name] = state
-    for isa in compact_isas():
-        for k, expected in results["reference"].items():
-            assert same_bits(results[isa][k], expected), f"{k} differs from the reference: isa={isa}"
+    results = run_every_body("int8", state0, grads, seed=4, weight_decay=0.1, adamw=True, bias_correction=True,
+                             **HYPER)  # fmt: skip
+    assert_every_body_equals_reference(results, "int8")
 
 
 def test_int8_avx512_body_is_exact_when_subnormals_read_as_zero(cpp_ready):
@@ -290,7 +276,7 @@ def test_int8_avx512_body_is_exact_when_subnormals_read_as_zero(cpp_ready):
     conversion reads whatever MXCSR.DAZ says; an fp32 multiply of subnormals would
     read zeros. Under torch.set_flush_denormal(True) (DAZ and FTZ on this thread)
     it must give what the AVX2 body gives under the same flags."""
-    if "avx512" not in compact_isas():
+    if "avx512" not in kernel_bodies():
         pytest.skip("no AVX-512 on this CPU")
     n = 4096  # one thread: the flags are this thread's
     state0 = compact.from_fp32("int8", *fp32_state(n, seed=4))
