@@ -85,6 +85,16 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
+// compact.random_bits' key of an index's high 32 bits: one value for a whole
+// block, whose indices share them.
+inline uint32_t high_key(const Consts& c, uint64_t index) { return mix32(static_cast<uint32_t>(index >> 32) + c.k1); }
+
+// What a block's values are multiplied by to encode them against its new scale
+// (its largest value): the inverse, or 0 for a scale of 0, inf or NaN.
+inline float inverse_scale(float scale) {
+  return (scale > 0.0f && scale < std::numeric_limits<float>::infinity()) ? 1.0f / scale : 0.0f;
+}
+
 // compact.bf16_stochastic_round: add 16 random bits below the cut, truncate.
 inline uint16_t bf16_sr(float x, uint32_t r16) {
   const uint32_t u = f2u(x);
@@ -223,7 +233,7 @@ void block_bf16(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
     vbuf[j] = sq;
   }
   const uint32_t lo = static_cast<uint32_t>(base) + c.k0;
-  const uint32_t hk = mix32(static_cast<uint32_t>(static_cast<uint64_t>(base) >> 32) + c.k1);
+  const uint32_t hk = high_key(c, static_cast<uint64_t>(base));
   for (int64_t j = 0; j < len; ++j) {
     const uint32_t h = mix32((lo + static_cast<uint32_t>(j)) ^ hk);  // compact.random_bits
     p[j] = bf16_sr(pbuf[j], h >> 16);
@@ -263,15 +273,13 @@ void block_int8(const Consts& c, int64_t base, int64_t len, uint16_t* __restrict
     r_max = std::max(r_max, br);
   }
   const float m_new = u2f(m_max), r_new = u2f(r_max);
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const float m_inv = (m_new > 0.0f && m_new < kInf) ? 1.0f / m_new : 0.0f;
-  const float r_inv = (r_new > 0.0f && r_new < kInf) ? 1.0f / r_new : 0.0f;
+  const float m_inv = inverse_scale(m_new), r_inv = inverse_scale(r_new);
   // compact.random_bits16_shared: elements j and j + 8 of each group of 16
   // share hash number base / 2 + (j >> 4) * 8 + (j & 7) (base is a multiple of
   // 256, so the hashes' high index half is that of base / 2 for the whole block).
   const uint64_t hash_base = static_cast<uint64_t>(base) / 2;
   const uint32_t lo = static_cast<uint32_t>(hash_base) + c.k0;
-  const uint32_t hk = mix32(static_cast<uint32_t>(hash_base >> 32) + c.k1);
+  const uint32_t hk = high_key(c, hash_base);
   for (int64_t j = 0; j < len; ++j) {
     const uint32_t jj = static_cast<uint32_t>(j);
     const uint32_t h = mix32((lo + (((jj >> 4) << 3) | (jj & 7u))) ^ hk);

@@ -201,9 +201,6 @@ inline I first_index(const Consts& c, int64_t base) {
 inline I first_even_index(const Consts& c, int64_t base) {
   return _mm256_add_epi32(splat(static_cast<uint32_t>(base) + c.k0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
 }
-inline I high_key(const Consts& c, int64_t base) {
-  return splat(infinity_kernels::mix32(static_cast<uint32_t>(static_cast<uint64_t>(base) >> 32) + c.k1));
-}
 
 // block_bf16's second loop: the new master, moments and compute copy of one
 // block from the buffers (even/odd order) to memory (in order).
@@ -211,7 +208,7 @@ template <bool kMayBeNaN, class O>
 void round_bf16_states(const Consts& c, int64_t base, const float* pbuf, const float* mbuf, const float* vbuf,
                        uint16_t* __restrict__ p, uint16_t* __restrict__ m, uint16_t* __restrict__ v,
                        O* __restrict__ out) {
-  const I hk = high_key(c, base);
+  const I hk = splat(high_key(c, base));
   I even_index = first_even_index(c, base);
   for (int64_t j = 0; j < kBlock; j += 16) {
     I p_high[2], m_high[2], v_high[2];
@@ -302,13 +299,11 @@ void block_int8(const Consts& c, int64_t base, uint16_t* __restrict__ p, const G
     r_max = _mm256_max_ps(abs(root), r_max);
   }
   const float m_new = max_lane(m_max), r_new = max_lane(r_max);
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  const V m_inv = splat((m_new > 0.0f && m_new < kInf) ? 1.0f / m_new : 0.0f);
-  const V r_inv = splat((r_new > 0.0f && r_new < kInf) ? 1.0f / r_new : 0.0f);
+  const V m_inv = splat(inverse_scale(m_new)), r_inv = splat(inverse_scale(r_new));
   const V one = splat(1.0f), zero = _mm256_setzero_ps();
   // compact.random_bits16_shared: each vector of eight hashes serves sixteen
   // elements, the first eight with its high halves, the next with its low.
-  const I hk = high_key(c, base / 2);
+  const I hk = splat(high_key(c, base / 2));
   I index = first_index(c, base / 2);
   for (int64_t j = 0; j < kBlock; j += 32) {
     I p_high[4], m_code[4], v_code[4];

@@ -128,9 +128,6 @@ inline I mix32(I x) {
   x = _mm512_mullo_epi32(x, splat(0x846CA68Bu));
   return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
-inline I high_key(const Consts& c, int64_t base) {
-  return splat(infinity_kernels::mix32(static_cast<uint32_t>(static_cast<uint64_t>(base) >> 32) + c.k1));
-}
 
 // The roundings to bf16 leave the result in each lane's high 16 bits, as in the
 // AVX2 body (whose comment says why OR-ing NaN lanes with all ones is bf16_sr).
@@ -155,7 +152,7 @@ template <bool kMayBeNaN, class O>
 void round_bf16_states(const Consts& c, int64_t base, const float* pbuf, const float* mbuf, const float* vbuf,
                        uint16_t* __restrict__ p, uint16_t* __restrict__ m, uint16_t* __restrict__ v,
                        O* __restrict__ out) {
-  const I hk = high_key(c, base);
+  const I hk = splat(high_key(c, base));
   I even_index = _mm512_add_epi32(splat(static_cast<uint32_t>(base) + c.k0),
                                   _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
   for (int64_t j = 0; j < kBlock; j += 32) {
@@ -296,8 +293,8 @@ Maxima step_int8_codes(const Splats& k, V m_mult, V m_scale, V v_mult, V v_scale
 class Int8Codes {
  public:
   Int8Codes(const Consts& c, int64_t base, Maxima max)
-      : m_new_(max.avg), r_new_(max.root), m_inv_(splat(inverse(m_new_))), r_inv_(splat(inverse(r_new_))),
-        hk_(high_key(c, base / 2)),
+      : m_new_(max.avg), r_new_(max.root), m_inv_(splat(inverse_scale(m_new_))),
+        r_inv_(splat(inverse_scale(r_new_))), hk_(splat(high_key(c, base / 2))),
         index_(_mm512_add_epi32(splat(static_cast<uint32_t>(base / 2) + c.k0),
                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))) {}
 
@@ -340,10 +337,6 @@ class Int8Codes {
   float r_new() const { return r_new_; }
 
  private:
-  static float inverse(float x) {
-    constexpr float kInf = std::numeric_limits<float>::infinity();
-    return (x > 0.0f && x < kInf) ? 1.0f / x : 0.0f;
-  }
   float m_new_, r_new_;
   V m_inv_, r_inv_;
   I hk_, index_;
