@@ -8,11 +8,18 @@ That buffer lives in device memory (tier ``device``) or host memory (tier
 ``host``, or the host cache of tier ``nvme``); :meth:`write` and
 :meth:`read_to_host` take and give host values whatever the memory, crossing
 through :class:`~infinity.copies.Copies`.
+
+A shard on NVMe may have no file of its own: when the optimizer's master is
+the compute shard itself (a bf16 master with bf16 compute, both on NVMe), the
+optimizer's update writes only the master and hands the sub-group's shards
+over (:meth:`ComputeShards.rest_in_master`); from then on they are read from
+the master's swap file, until something writes them again.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -39,6 +46,11 @@ class ComputeShards:
         self._copies = copies
         self._store = tiers.swap_store(nvme_path) if self.tier == "nvme" else None
         self._resident: dict[int, torch.Tensor] = {}
+        self._read_master: Callable[[SubGroup, int, torch.Tensor], IOHandle] | None = None
+        self._in_master: dict[int, tuple[SubGroup, int]] = {}
+        """NVMe shards read from their sub-group's master: slot index -> (sub-group, byte offset in it)."""
+        self._own_files: set[int] = set()
+        """NVMe shards that have a file of their own (written, and not deleted since)."""
         self._flat: torch.Tensor | None = None
         self._flat_tier = self.tier
         if self.tier != Tier.NVME:  # device or host: the whole flat buffer is resident
@@ -75,8 +87,17 @@ class ComputeShards:
         return self.memory is Memory.DEVICE and slot.index in self._resident
 
     def read(self, slot: ParamSlot, out: torch.Tensor) -> IOHandle:
-        """Swap in a shard that rests on NVMe."""
-        return self._store.read(self._key(slot), out)
+        """Swap in a shard that rests on NVMe: from its own file, or from its sub-group's master."""
+        in_master = self._in_master.get(slot.index)
+        if in_master is None:
+            return self._store.read(self._key(slot), out)
+        if slot.index in self._own_files:
+            # Its own copy is out of date since the update that handed it over: its bytes go back to the disk.
+            # Here, on the thread that reads the shards, so no read of the copy can start after the delete.
+            self._own_files.discard(slot.index)
+            self._store.delete(self._key(slot))
+        group, at = in_master
+        return self._read_master(group, at, out)
 
     def read_to_host(self, slot: ParamSlot, out_host: torch.Tensor) -> None:
         """Copy a shard's values into a host tensor, from whichever tier it rests in (blocking)."""
@@ -101,8 +122,31 @@ class ComputeShards:
             else:
                 resident.copy_(values)
             return None
+        self._in_master.pop(slot.index, None)  # its values are these now, not the master's (loading, restoring)
+        self._own_files.add(slot.index)
         # urgent: the next forward reads it back first thing; the optimizer's state writes can wait
         return self._store.write(self._key(slot), values, urgent=True)
+
+    # -- shards that are the optimizer's master ---------------------------------------
+    def can_rest_in_master(self, group: SubGroup, master_dtype: torch.dtype) -> bool:
+        """Whether ``group``'s shards could be read from a master of ``master_dtype`` on NVMe: they rest on NVMe
+        (none in the host cache) in that very dtype."""
+        return (self.tier == Tier.NVME and master_dtype == self.dtype
+                and all(slot.index not in self._resident for slot in group.slots))
+
+    def read_masters_with(self, read_master: Callable[[SubGroup, int, torch.Tensor], IOHandle]) -> None:
+        """The optimizer's way to read part of a sub-group's master: ``read_master(group, at, out)`` reads
+        ``out``'s bytes from byte ``at`` of it, ordered after the master's writes in flight."""
+        self._read_master = read_master
+
+    def rest_in_master(self, group: SubGroup) -> None:
+        """``group``'s master now holds its compute shards' values (an update that wrote no copy of them):
+        read them from it from now on. The optimizer calls this before the shards are next fetched."""
+        if self._read_master is None:
+            raise RuntimeError("compute shards handed to a master nobody said how to read (read_masters_with)")
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        for slot in group.slots:
+            self._in_master[slot.index] = (group, (slot.offset - group.start) * element_size)
 
     def sub_group_view(self, group: SubGroup) -> torch.Tensor | None:
         """The resident flat range of a sub-group, when every shard of it rests in the flat buffer."""

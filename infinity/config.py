@@ -74,10 +74,17 @@ class OffloadParamConfig:
     """Page-lock the host buffers that cross to the GPU (resting compute shards, NVMe read buffers), so their
     copies are asynchronous. None (the default): pin where there is a GPU. False is honoured (pageable, copies
     synchronous); True without a GPU is said once in the log."""
+    compute_from_master: bool = True
+    """With ``device`` nvme, a bf16 master on NVMe (``offload_optimizer.state_dtype`` bf16 or int8) and bf16
+    compute, read the compute shards of the swapped sub-groups from the master's swap file instead of writing a
+    copy of their own each step (the same bits, 2 B an element less written). False keeps the copy."""
 
     def __post_init__(self):
         _require_offload_device("offload_param", self)
         _require_optional_bool("offload_param.pin_memory", self.pin_memory)
+        if not isinstance(self.compute_from_master, bool):
+            raise ValueError(f"config key offload_param.compute_from_master must be true or false, "
+                             f"got {self.compute_from_master!r}")
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_param.device is 'nvme' but offload_param.nvme_path is not set")
         _require_positive("offload_param.buffer_count", self.buffer_count)

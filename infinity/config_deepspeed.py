@@ -87,7 +87,8 @@ _ZERO_ONLY_VALUE = {
     "zero_quantized_gradients": False, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
     "legacy_stage1": False, "cpu_offload": False, "cpu_offload_params": False, "zeropp_loco_param": None,
 }
-_OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
+_OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
+                       "compute_from_master"}
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                            "grad_accumulation", "max_in_cpu", "state_dtype"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}

@@ -129,7 +129,9 @@ class Engine:
                                           reserve_nbytes=reserve, backward_order=self.overlap_step,
                                           max_in_cpu=zero.offload_optimizer.max_in_cpu,
                                           step_undo=self.overlap_step and self._step_may_be_undone(),
-                                          state_dtype=zero.offload_optimizer.state_dtype, rank=self.comm.rank)
+                                          state_dtype=zero.offload_optimizer.state_dtype,
+                                          compute_from_master=zero.offload_param.compute_from_master,
+                                          rank=self.comm.rank)
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.prefetcher = self._make_prefetcher(reserve)

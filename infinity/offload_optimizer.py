@@ -19,6 +19,12 @@ updated. A buffer set is reused only after its writes have completed.
 The step overlapped with backward (:mod:`infinity.overlapped_step`) runs the
 same updates from its worker, through the verbs of the section so named.
 
+A bf16 master (``state_dtype`` bf16 or int8) with bf16 compute holds the
+compute shards' very bits. With both on NVMe, a swapped sub-group's update then
+writes the master alone, and its compute shards are read from the master's
+swap file from then on (:meth:`ComputeShards.rest_in_master`): 2 bytes an
+element less written each step (``offload_param.compute_from_master``).
+
 The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
 6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
@@ -83,7 +89,8 @@ class OffloadOptimizer:
                  compute: ComputeShards, grads: GradReducer, copies: Copies, *,
                  nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
                  reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
-                 step_undo: bool = False, state_dtype: str = "fp32", rank: int = 0):
+                 step_undo: bool = False, state_dtype: str = "fp32", compute_from_master: bool = True,
+                 rank: int = 0):
         self.layout = layout
         self.state_dtype = kernels.compact.check_state_dtype(state_dtype)
         self.config = config
@@ -134,6 +141,8 @@ class OffloadOptimizer:
         self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store, self._key)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        self._shares_master = self._groups_sharing_master(compute_from_master)
+        """Swapped sub-groups whose master is read as their compute shards (their update writes no copy)."""
         if step_undo:
             self._make_room_to_undo()
 
@@ -159,6 +168,25 @@ class OffloadOptimizer:
         logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
                     "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
                     sum(g.numel for g in self.layout.sub_groups))
+
+    def _groups_sharing_master(self, enabled: bool) -> frozenset[int]:
+        """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
+        shards on NVMe (none cached in host memory). The kernel writes them as ``master.to(bf16)``, the master's
+        very bits, so a copy of their own would only cost its write."""
+        if not enabled or self._store is None:
+            return frozenset()
+        master_dtype = self._state_layout(1)[0].dtype
+        groups = frozenset(g.index for g in self.swapped_groups if self._compute.can_rest_in_master(g, master_dtype))
+        if groups:
+            self._compute.read_masters_with(self._read_master_part)
+            logger.info("compute shards of %d of %d sub-groups are read from their %s master on NVMe after its first "
+                        "update (offload_param.compute_from_master): 2 B an element less written a step",
+                        len(groups), len(self.layout.sub_groups), self.state_dtype)
+        return groups
+
+    def _read_master_part(self, group: SubGroup, at: int, out: torch.Tensor) -> IOHandle:
+        """``out``'s bytes of ``group``'s master from byte ``at``: compute shards that rest in it."""
+        return self._store.read(self._key("master", group), out, at=at)
 
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
@@ -234,7 +262,8 @@ class OffloadOptimizer:
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
-        out = self._delivery.out(group, scratch)
+        shares_master = group.index in self._shares_master
+        out = None if shares_master else self._delivery.out(group, scratch)
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
@@ -246,7 +275,7 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        return self._delivery.deliver(group, out)
+        return [] if shares_master else self._delivery.deliver(group, out)
 
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
@@ -274,7 +303,7 @@ class OffloadOptimizer:
                 reads[i + 1] = self._read_states(groups[i + 1], following, step=at.step)
             states = self._group_states(group, staging.states)
             staging.writes.extend(self._update(group, states, staging.compute, at))
-            staging.writes.extend(self._store.write(self._key(name, group), t) for name, t in states.items())
+            self._write_states(group, staging, other_side=False)
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
                 reads[i + 1] = self._read_states(groups[i + 1], staging, step=at.step)
@@ -361,6 +390,8 @@ class OffloadOptimizer:
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
+        if group.index in self._shares_master:
+            return  # they are read from the master, which the undone update did not overwrite (other side)
         if self.in_memory(group):
             master, staging = self._memory.views(group)["master"], None
         else:
@@ -399,8 +430,20 @@ class OffloadOptimizer:
         may not stand, the new states go to the other side of its keys."""
         states = self._group_states(group, staging.states)
         staging.writes.extend(self._update(group, states, staging.compute, at, grad_coef=check.grad_coef))
-        staging.writes.extend(self._store.write(self._key(name, group, other_side=check.needs_norm), t)
-                              for name, t in states.items())
+        self._write_states(group, staging, other_side=check.needs_norm)
+
+    def _write_states(self, group: SubGroup, staging: _Staging, *, other_side: bool) -> None:
+        """Queue the writes of a swapped sub-group's updated states; a master that holds the compute shards goes
+        ahead of the queue (the next forward reads it), and its shards are read from it from now on. Written to
+        the other side, the master the shards are read from is the one on the current side until the step
+        commits: the shards' old values, as long as the update may still be undone."""
+        shares_master = group.index in self._shares_master
+        for name, tensor in self._group_states(group, staging.states).items():
+            urgent = shares_master and name == "master"
+            staging.writes.append(self._store.write(self._key(name, group, other_side=other_side), tensor,
+                                                    urgent=urgent))
+        if shares_master:
+            self._compute.rest_in_master(group)
 
     def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""

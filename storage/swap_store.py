@@ -189,10 +189,13 @@ class SwapStore:
         self._register(key, handle, WRITE)
         return handle
 
-    def read(self, key: str, out: torch.Tensor, *, urgent: bool = True) -> IOHandle:
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = True, at: int | None = None) -> IOHandle:
         """Start reading ``key``'s bytes into ``out`` (same number of bytes, any dtype). ``out`` is
         complete once ``wait()`` returns or ``done()`` is True; keep it alive until then. ``urgent=False``
-        for a read nobody waits for yet (a read-ahead): it then queues behind urgent requests."""
+        for a read nobody waits for yet (a read-ahead): it then queues behind urgent requests.
+
+        ``at`` reads only part of the key: ``out``'s size in bytes from byte ``at`` of its payload, which must
+        be a multiple of 4096 (a direct read starts on a block)."""
         self._check_key(key)
         addr, nbytes = self._check_tensor(key, out, "read into")
         with self._lock:
@@ -203,27 +206,24 @@ class SwapStore:
             ext = self._extents.get(key)
             if ext is None:
                 raise KeyError(f"swap key {key!r} was never written (or was deleted) in {self.directory}")
-            if ext.nbytes != nbytes:
-                raise ValueError(
-                    f"swap key {key!r} holds {ext.nbytes} bytes but the output tensor has {nbytes} bytes "
-                    f"(shape {tuple(out.shape)}, {out.dtype})"
-                )
+            start = self._check_range(key, ext, out, nbytes, at)
         body = nbytes - nbytes % ALIGNMENT
         tail = nbytes - body
         bounce, copy_from, copy_to, copy_n = None, 0, 0, 0  # copy_to: offset into `out`
         if nbytes == 0:
             segments = []
         elif addr % ALIGNMENT == 0:  # in place, but for the tail
-            segments = [(addr, body, ext.offset)] if body else []
-            if tail:
+            segments = [(addr, body, start)] if body else []
+            if tail:  # its whole block is inside the extent: extents are whole blocks, and `at` starts one
                 bounce = self._take_tail_buffer()
-                segments.append((bounce.data_ptr(), ALIGNMENT, ext.offset + body))
+                segments.append((bounce.data_ptr(), ALIGNMENT, start + body))
                 copy_from, copy_to, copy_n = bounce.data_ptr(), body, tail
         else:
             logger.debug("swap read %r: tensor at %#x is not %d-aligned; bouncing %d bytes", key, addr,
                          ALIGNMENT, nbytes)  # fmt: skip
-            bounce = aligned_empty(ext.capacity, torch.uint8)
-            segments = [(bounce.data_ptr(), ext.capacity, ext.offset)]
+            capacity = round_up(nbytes)
+            bounce = aligned_empty(capacity, torch.uint8)
+            segments = [(bounce.data_ptr(), capacity, start)]
             copy_from, copy_to, copy_n = bounce.data_ptr(), 0, nbytes
 
         def finalize(error: OSError | None) -> OSError | None:
@@ -244,6 +244,23 @@ class SwapStore:
         handle = IOHandle([req], finalize=finalize, stats=self.stats)
         self._register(key, handle, READ)
         return handle
+
+    @staticmethod
+    def _check_range(key: str, ext: _Extent, out: torch.Tensor, nbytes: int, at: int | None) -> int:
+        """Where in the file a read of ``nbytes`` starts: the key's extent, or byte ``at`` of it."""
+        if at is None:
+            if ext.nbytes != nbytes:
+                raise ValueError(
+                    f"swap key {key!r} holds {ext.nbytes} bytes but the output tensor has {nbytes} bytes "
+                    f"(shape {tuple(out.shape)}, {out.dtype})"
+                )
+            return ext.offset
+        if at < 0 or at % ALIGNMENT or at + nbytes > ext.nbytes:
+            raise ValueError(
+                f"swap key {key!r} holds {ext.nbytes} bytes: cannot read {nbytes} bytes from byte {at} "
+                f"(a part read starts at a multiple of {ALIGNMENT} and ends inside the key)"
+            )
+        return ext.offset + at
 
     def reserve(self, key: str, nbytes: int) -> None:
         """Allocate ``key``'s extent now, counted, without writing it, so that its first write cannot run out of

@@ -293,6 +293,11 @@ class DelayedStore:
             self._real.read(key, out, **kwargs).wait()
         return _SlowHandle(action)
 
+    def delete(self, key):
+        for handle in self._pending.pop(key, ()):  # the store deletes a key after its requests in flight
+            handle.wait()
+        self._real.delete(key)
+
     def __getattr__(self, name):
         return getattr(self._real, name)
 

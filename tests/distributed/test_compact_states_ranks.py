@@ -67,3 +67,33 @@ def test_int8_states_resume_bitwise_at_two_ranks_and_reshard_to_one_in_bf16(tmp_
     finally:
         engine.close()
     assert all(abs(a / b - 1) < 0.02 for a, b in zip(rest, ranks[0]["rest"])), (rest, ranks[0]["rest"])
+
+
+def _shards_from_the_master(rank, world_size, nvme):
+    """At two ranks, each reads its compute shards from its own master's file: as with files of their own."""
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(4, batch=4)
+    out = {}
+    for from_master in (False, True):
+        folder = Path(nvme) / f"{from_master}-{rank}"
+        folder.mkdir(parents=True)
+        config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(folder), accum=1, clip=0.5, lr=3e-3,
+                               precision="bf16", sub_group_size=4096)
+        config["zero_optimization"]["offload_optimizer"]["state_dtype"] = "int8"
+        config["zero_optimization"]["offload_param"]["compute_from_master"] = from_master
+        engine = infinity.initialize(copy.deepcopy(model), config)
+        try:
+            out[from_master] = (_train(engine, batches, rank, world_size), engine.full_state_dict(),
+                                len(engine.optimizer._shares_master))
+        finally:
+            engine.close()
+    return out
+
+
+def test_compute_shards_read_from_the_master_at_two_ranks(tmp_path):
+    for r in run_ranks(_shards_from_the_master, str(tmp_path)):
+        (losses, state, _), (got_losses, got_state, shared) = r[False], r[True]
+        assert shared > 0
+        assert got_losses == losses
+        for key in state:
+            assert torch.equal(got_state[key], state[key]), key

@@ -106,6 +106,33 @@ def test_tail_reads_never_touch_memory_past_the_tensor(swap_dir, backend):
         assert bool((page[10000:] == 0xAB).all())  # the bytes after the tensor are untouched
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_part_of_a_key_reads_its_own_bytes_of_the_file(swap_dir, backend):
+    """``read(key, out, at=...)``: the bytes from ``at`` on, whatever ``out``'s alignment and size (a tail
+    block inside the extent, a whole bounced range), after a write still in flight; bad ranges name the key."""
+    with SwapStore(swap_dir, backend=backend, block_size=8192, queue_depth=4) as store:
+        src = _random(50001, torch.uint8, 3, aligned=True)
+        store.write("k", src)  # not waited for: the part reads queue behind it
+        cases = [(0, 4096), (4096, 10000), (8192, 50001 - 8192), (40960, 1), (12288, 4096 * 3)]
+        for i, (at, nbytes) in enumerate(cases):
+            for aligned in (True, False):
+                out = _random(nbytes, torch.uint8, seed=-i, aligned=aligned)
+                store.read("k", out, at=at).wait()
+                assert torch.equal(out, src[at:at + nbytes]), (at, nbytes, aligned)
+        halves = torch.empty(2048, dtype=torch.bfloat16)  # any dtype: the bytes are what is read
+        store.read("k", halves, at=4096).wait()
+        assert torch.equal(halves.view(torch.uint8), src[4096:8192])
+        page = aligned_empty(2 * 4096, torch.uint8)
+        page.fill_(0xAB)
+        store.read("k", page[:4100], at=45056).wait()  # 4945 bytes left in the key: the tail is bounced
+        assert torch.equal(page[:4100], src[45056:45056 + 4100]) and bool((page[4100:] == 0xAB).all())
+        with pytest.raises(ValueError, match=r"'k' holds 50001 bytes: cannot read 100 bytes from byte 100"):
+            store.read("k", torch.empty(100, dtype=torch.uint8), at=100)
+        with pytest.raises(ValueError, match=r"'k' holds 50001 bytes: cannot read 8192 bytes from byte 45056"):
+            store.read("k", torch.empty(8192, dtype=torch.uint8), at=45056)
+        assert store.stats.snapshot()["bytes_read"] == 2 * sum(n for _, n in cases) + 4096 + 4100
+
+
 def test_rewrite_same_size_in_place_and_freed_extents_are_reused(swap_dir):
     with SwapStore(swap_dir, backend="threads", block_size=8192, queue_depth=4) as store:
         a = _random(20000, torch.uint8, 0, aligned=True)
