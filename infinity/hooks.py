@@ -158,11 +158,25 @@ class FetchOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for arg in tree_flatten((args, kwargs))[0]:
-            if isinstance(arg, torch.nn.Parameter):
-                sharded = self._by_param.get(id(arg))
-                if sharded is not None and sharded.state is ParamState.RELEASED:
+        self._fetch_released(args)
+        if kwargs:
+            self._fetch_released(kwargs.values())
+        return func(*args, **kwargs)
+
+    def _fetch_released(self, values) -> None:
+        """Fetch the released managed parameters among ``values`` and the lists, tuples and dicts in them. Every
+        op of the forward comes through here: a lookup by id per leaf, not a pytree flatten (which took half
+        of a small model's forward on the CPU)."""
+        for value in values:
+            if type(value) in (list, tuple):
+                self._fetch_released(value)
+            elif type(value) is dict:
+                self._fetch_released(value.values())
+            elif isinstance(value, tuple):  # a named tuple
+                self._fetch_released(value)
+            else:
+                sharded = self._by_param.get(id(value))
+                if sharded is not None and sharded.param is value and sharded.state is ParamState.RELEASED:
                     group = self._hooks.running[-1] if self._hooks.running else self._root_group
                     group.add_external(sharded)
                     sharded.fetch()
-        return func(*args, **kwargs)

@@ -107,15 +107,19 @@ class ShardedParam:
         """Make the full tensor available; counted once per holder."""
         self.holders += 1
         self._wait_for_new_shard()
-        if self._prefetcher is not None:
-            self._prefetcher.fetch_requested(self)
-        if self.state is ParamState.FETCHED and not (self.stale and not self.aliased):
-            return
+        up_to_date = self.state is ParamState.FETCHED and not (self.stale and not self.aliased)
         before = self.state
-        if self.state is ParamState.RELEASED:
-            self._allocate()
-        if self.state is not ParamState.FETCHING:  # a prefetch has started this already
+        if not up_to_date and self.state is not ParamState.FETCHING:  # else a prefetch has started it already
+            if self.state is ParamState.RELEASED:
+                self._allocate()
             self._start_up(block=True)
+            self.state = ParamState.FETCHING
+        if self._prefetcher is not None:
+            # After this parameter's own read: compute waits for it now, so it goes ahead of the prefetches
+            # this request issues (urgent reads are served in the order they were queued).
+            self._prefetcher.fetch_requested(self)
+        if up_to_date:
+            return
         own = self._finish_up()
         # every rank reaches this collective in the same program order; prefetches only read locally
         self._comm.all_gather_into(self.full, own)
