@@ -17,6 +17,8 @@ line is JSON.
     python benchmarks/bench_compact.py                           # ~85M parameters, params on NVMe too
     python benchmarks/bench_compact.py --offload-param cpu       # the optimizer's bytes alone
     python benchmarks/bench_compact.py --layers 2 --steps 2      # a quick look
+    python benchmarks/bench_compact.py --precision bf16 --compare-own-copies   # + bf16/int8 with the compute
+                                                                 # shards in files of their own, not read from the master
     python benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 --precision bf16   # 1.3B, on a GPU
 
 With CUDA present the engines compute on the GPU (the batch lives there and each
@@ -45,10 +47,10 @@ from bench_overlap import build  # noqa: E402  (the same model on meta, seeded, 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 
 
-def engine_config(nvme_path: str, args, state_dtype: str) -> dict:
+def engine_config(nvme_path: str, args, state_dtype: str, *, from_master: bool = True) -> dict:
     param = {"device": args.offload_param}
     if args.offload_param == "nvme":
-        param.update(nvme_path=nvme_path, max_in_cpu=0)
+        param.update(nvme_path=nvme_path, max_in_cpu=0, compute_from_master=from_master)
     optimizer = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0, "state_dtype": state_dtype}
     return {
         "aio": {"block_size": 1 << 20, "queue_depth": 32},
@@ -88,6 +90,9 @@ def main() -> None:
     parser.add_argument("--offload-param", choices=("nvme", "cpu"), default="nvme")
     parser.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="run the optimizer step after backward (its time then is the NVMe state step alone)")
+    parser.add_argument("--compare-own-copies", action="store_true",
+                        help="also step bf16 and int8 engines that write the compute shards files of their own "
+                             "(offload_param.compute_from_master false) in the same rounds")
     parser.add_argument("--nvme-path", default=None, help="a directory on the NVMe tier (default: a temporary one)")
     args = parser.parse_args()
     from infinity.hardware import machine_description
@@ -107,12 +112,16 @@ def main() -> None:
         bw = measure_nvme(nvme, nbytes=1 << 30, block_size=1 << 20, queue_depth=32)
         print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write {bw.write_GBps:.2f} GB/s, "
               f"read {bw.read_GBps:.2f} GB/s")
-        engines = {d: build(cfg, engine_config(nvme, args, d)) for d in STATE_DTYPES}
+        variants = {d: (d, True) for d in STATE_DTYPES}
+        if args.compare_own_copies:
+            variants.update({f"{d} own copies": (d, False) for d in STATE_DTYPES[1:]})
+        engines = {name: build(cfg, engine_config(nvme, args, d, from_master=from_master))
+                   for name, (d, from_master) in variants.items()}
         times = {d: [] for d in engines}
         nbytes = {d: [0, 0] for d in engines}
         optimizer_s = {d: [] for d in engines}
         for i in range(args.warmup + args.steps):
-            for name, engine in engines.items():  # alternate, so the machine's noise hits all three alike
+            for name, engine in engines.items():  # alternate, so the machine's noise hits all of them alike
                 elapsed, metrics = one_step(engine, batch)
                 if i >= args.warmup:
                     times[name].append(elapsed)
@@ -127,9 +136,12 @@ def main() -> None:
     result = {"params": numel, "machine": machine_description(), "setting": vars(args),
               "read_GBps": bw.read_GBps, "write_GBps": bw.write_GBps, "by_state_dtype": {}}
     base_bytes = sum(nbytes["fp32"]) / args.steps
-    for name in STATE_DTYPES:
+    for name, (state_dtype, from_master) in variants.items():
         per_step = sum(nbytes[name]) / args.steps
         entry = {
+            "state_dtype": state_dtype,
+            "compute_from_master": from_master and state_dtype != "fp32" and args.offload_param == "nvme"
+                                   and args.precision == "bf16",
             "step_s": statistics.median(times[name]),
             "optimizer_s": statistics.median(optimizer_s[name]),
             "nvme_bytes_per_step": per_step,
@@ -141,7 +153,7 @@ def main() -> None:
             "io_floor_s": (nbytes[name][0] / bw.read_GBps + nbytes[name][1] / bw.write_GBps) / 1e9 / args.steps,
         }
         result["by_state_dtype"][name] = entry
-        print(f"{name:>5}: step {entry['step_s']:.2f} s (speed-up vs fp32 {entry['speedup_vs_fp32']:.2f} x, median of "
+        print(f"{name:>15}: step {entry['step_s']:.2f} s (speed-up vs fp32 {entry['speedup_vs_fp32']:.2f} x, median of "
               f"per-round ratios), NVMe {per_step / 1e9:.3f} GB a step ({entry['bytes_vs_fp32']:.3f} x fp32's), "
               f"I/O floor {entry['io_floor_s']:.2f} s; engine.step() {entry['optimizer_s']:.2f} s "
               f"({entry['optimizer_speedup_vs_fp32']:.2f} x)")
