@@ -124,12 +124,14 @@ class Copies:
         self._stream.wait_stream(self._compute_stream)
         with torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
-        device_tensor = dst if up else src
+        device_tensor, host_tensor = (dst, src) if up else (src, dst)
         # The compute stream may free the device tensor before the copy ran: keep its block until then.
         device_tensor.record_stream(self._stream)
         event = torch.cuda.Event()
         event.record(self._stream)
-        return CopyDone(cuda_event=event, keep_alive=(src, dst))
+        # The host tensor is held until a wait on the copy (the allocator knows nothing of it); the device one
+        # is not, so that its block goes back to the caching allocator as soon as its owner lets go of it.
+        return CopyDone(cuda_event=event, keep_alive=(host_tensor,))
 
     # -- waiting ------------------------------------------------------------------
     def compute_waits(self, done: CopyDone) -> None:
@@ -215,6 +217,10 @@ class _CopyWorker:
             except BaseException as err:  # handed to whoever waits on it
                 done._error = err
                 logger.error("copy of %d bytes failed: %s", dst.numel() * dst.element_size(), err)
+            # The copy has run: its tensors may go now, not when somebody waits on it (the last copy's
+            # stay referenced by Copies.last() until the next one; a gradient going down is a whole tensor).
+            done._keep_alive = ()
+            del src, dst, job
             done._host_event.set()
 
     def close(self) -> None:

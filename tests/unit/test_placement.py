@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -157,6 +159,28 @@ def test_release_after_runs_once_the_copy_has_landed():
     assert not released.is_set()
     copies.drain()
     assert released.is_set()
+    copies.close()
+
+
+def test_a_landed_copy_lets_go_of_its_tensors_before_anyone_waits():
+    """Nothing may keep a copied tensor alive once the copy has run: not the copy's handle (the reducer keeps
+    the last one, ``last()`` too), nor the copy stream's worker. Holding them kept gradients going down alive
+    a step longer, 0.14 GB of untracked memory in the RSS test."""
+    copies = _copies(distinct=True)
+    src, dst = torch.ones(1 << 16), torch.zeros(1 << 16)
+    gone = weakref.ref(src)
+    done = copies.to_host(src, dst)
+    del src
+    deadline = time.monotonic() + 5
+    while not done.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert done.query() and copies.last() is done  # landed, not waited on, still referenced
+    for _ in range(100):  # the worker drops its own references right after setting the event
+        if gone() is None:
+            break
+        time.sleep(0.01)
+    assert gone() is None
+    assert torch.all(dst == 1)
     copies.close()
 
 
