@@ -14,6 +14,13 @@ the compute shard itself (a bf16 master with bf16 compute, both on NVMe), the
 optimizer's update writes only the master and hands the sub-group's shards
 over (:meth:`ComputeShards.rest_in_master`); from then on they are read from
 the master's swap file, until something writes them again.
+
+On NVMe, the shards of persistent parameters (at most
+``param_persistence_threshold`` elements: biases, norms) rest in host memory
+as well, packed in a buffer of their own. Their full tensors never leave
+device memory, so only the new values cross after each step, and a small
+NVMe read costs as much to issue and finish as a large one (two thirds of a
+GPT layer's reads are such shards, for a thousandth of its bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Callable
 import torch
 
 from infinity.copies import Copies
-from infinity.layout import ParamSlot, ShardLayout, SubGroup
+from infinity.layout import ParamSlot, ShardLayout, SubGroup, packed_offsets
 from infinity.placement import Memory, StatePlace
 from infinity.tier_names import Tier
 from infinity.storage import IOHandle
@@ -35,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 class ComputeShards:
     def __init__(self, layout: ShardLayout, dtype: torch.dtype, place: StatePlace, tiers: Tiers, copies: Copies, *,
-                 nvme_path: str | None = None, max_in_cpu: int = 0):
+                 nvme_path: str | None = None, max_in_cpu: int = 0, persistent: frozenset[int] = frozenset()):
+        """``persistent``: the slot indices of persistent parameters, whose shards rest in host memory on NVMe."""
         self.layout = layout
         self.dtype = dtype
         self.tier = place.tier
@@ -53,12 +61,15 @@ class ComputeShards:
         """NVMe shards that have a file of their own (written, and not deleted since)."""
         self._flat: torch.Tensor | None = None
         self._flat_tier = self.tier
+        self._persistent_flat: torch.Tensor | None = None
+        """On NVMe: the persistent shards the host cache left out, packed (tier ``host``)."""
         if self.tier != Tier.NVME:  # device or host: the whole flat buffer is resident
             self._flat = tiers.empty(self.tier, layout.total_numel, dtype, pinned=place.pinned)
             for slot in layout.slots:
                 self._resident[slot.index] = self._flat[slot.offset:slot.end]
         else:
             self._cache_in_host(max_in_cpu)
+            self._keep_persistent_in_host(persistent)
 
     def _cache_in_host(self, max_in_cpu: int) -> None:
         """Keep the first shards, up to ``max_in_cpu`` elements, in host memory instead of on NVMe."""
@@ -77,6 +88,18 @@ class ComputeShards:
             self._resident[slot.index] = self._flat[slot.offset:slot.end]
         logger.info("offload_param.max_in_cpu: %d of %d shards (%d elements) stay in host memory",
                     len(cached), len(self.layout.slots), total)
+
+    def _keep_persistent_in_host(self, persistent: frozenset[int]) -> None:
+        """The persistent shards not in the cache rest in one more host buffer, each at an aligned offset."""
+        slots = [slot for slot in self.layout.slots if slot.index in persistent and slot.index not in self._resident]
+        if not slots:
+            return
+        offsets, total = packed_offsets([slot.shard_numel for slot in slots])
+        self._persistent_flat = self._tiers.empty("host", total, self.dtype, pinned=self.place.pinned)
+        for slot, at in zip(slots, offsets):
+            self._resident[slot.index] = self._persistent_flat[at:at + slot.shard_numel]
+        logger.info("%d persistent shards (%d elements) rest in host memory, not on NVMe", len(slots),
+                    sum(slot.shard_numel for slot in slots))
 
     # -- reading ----------------------------------------------------------------
     def resident(self, slot: ParamSlot) -> torch.Tensor | None:
@@ -129,10 +152,22 @@ class ComputeShards:
 
     # -- shards that are the optimizer's master ---------------------------------------
     def can_rest_in_master(self, group: SubGroup, master_dtype: torch.dtype) -> bool:
-        """Whether ``group``'s shards could be read from a master of ``master_dtype`` on NVMe: they rest on NVMe
-        (none in the host cache) in that very dtype."""
+        """Whether ``group``'s shards on NVMe could be read from a master of ``master_dtype`` on NVMe: they are
+        in that very dtype, and some rest on NVMe. Those in host memory are copied from the master by the update
+        (:meth:`write_resident_from_master`)."""
         return (self.tier == Tier.NVME and master_dtype == self.dtype
-                and all(slot.index not in self._resident for slot in group.slots))
+                and any(slot.index not in self._resident for slot in group.slots))
+
+    def resident_slots(self, group: SubGroup) -> list[ParamSlot]:
+        """``group``'s shards that rest in memory."""
+        return [slot for slot in group.slots if slot.index in self._resident]
+
+    def write_resident_from_master(self, group: SubGroup, master: torch.Tensor) -> None:
+        """The resident shards of a sub-group whose master holds the compute shards' bits (host ``master``, the
+        whole sub-group's): copied from it. Those on NVMe are read from the master itself."""
+        for slot in self.resident_slots(group):
+            start = slot.offset - group.start
+            self.write(slot, master[start:start + slot.shard_numel])
 
     def read_masters_with(self, read_master: Callable[[SubGroup, int, torch.Tensor], IOHandle]) -> None:
         """The optimizer's way to read part of a sub-group's master: ``read_master(group, at, out)`` reads
@@ -146,6 +181,8 @@ class ComputeShards:
             raise RuntimeError("compute shards handed to a master nobody said how to read (read_masters_with)")
         element_size = torch.empty((), dtype=self.dtype).element_size()
         for slot in group.slots:
+            if slot.index in self._resident:
+                continue  # the update copied it from the master (write_resident_from_master)
             self._in_master[slot.index] = (group, (slot.offset - group.start) * element_size)
 
     def sub_group_view(self, group: SubGroup) -> torch.Tensor | None:
@@ -159,10 +196,14 @@ class ComputeShards:
         return f"param.{slot.index}"
 
     def nbytes_resident(self) -> int:
-        return 0 if self._flat is None else self._flat.numel() * self._flat.element_size()
+        return sum(flat.numel() * flat.element_size() for flat in (self._flat, self._persistent_flat)
+                   if flat is not None)
 
     def close(self) -> None:
         if self._flat is not None:
             self._tiers.free(self._flat_tier, self._flat)
             self._flat = None
-            self._resident.clear()
+        if self._persistent_flat is not None:
+            self._tiers.free("host", self._persistent_flat)
+            self._persistent_flat = None
+        self._resident.clear()

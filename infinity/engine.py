@@ -112,9 +112,11 @@ class Engine:
         self._read_pool = self._make_read_pool()
         budget = self.host_budget
         reserve = budget.reserve_nbytes(self._read_pool.budget_nbytes if self._read_pool is not None else 0)
+        persistent = layout.persistent_slots(zero.param_persistence_threshold)
         self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
                                      nvme_path=zero.offload_param.nvme_path,
-                                     max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve))
+                                     max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve),
+                                     persistent=persistent)
         by_name = {name: p for name, p in named}
         grad_dtype = self.dtype if placement.grads_lossless else torch.float32
         self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
@@ -141,7 +143,7 @@ class Engine:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
                                    copies=self.copies, read_pool=self._read_pool,
-                                   persistent=slot.numel <= zero.param_persistence_threshold,
+                                   persistent=slot.index in persistent,
                                    prefetcher=self.prefetcher)
             self.params.append(sharded)
         write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,

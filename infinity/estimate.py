@@ -9,7 +9,8 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.layout``,
   and each shard starts at a multiple of ``ALIGN_NUMEL`` elements;
 * the **compute shard** (2 bytes/element in bf16/fp16, 4 in fp32) rests in the
   ``offload_param`` tier (none -> device, cpu -> host, nvme -> nvme; with nvme
-  the first ``max_in_cpu`` elements stay in host memory);
+  the first ``max_in_cpu`` elements stay in host memory, and so do the
+  persistent parameters' shards, packed);
 * the **master** and the Adam **moments** ``exp_avg`` + ``exp_avg_sq`` rest in
   the ``offload_optimizer`` tier, in the form ``state_dtype`` says: fp32 (4 B
   + 8 B), bf16 (2 B + 4 B) or int8 (a bf16 master, 2 B, + one byte a moment
@@ -59,7 +60,7 @@ from itertools import product
 
 from infinity.host_budget import state_bytes_per_numel, state_nbytes, staged_sub_group_numel, transient_reserve_nbytes
 from infinity.kernels.compact import checkpoint_bytes_per_element
-from infinity.layout import ALIGN_NUMEL
+from infinity.layout import ALIGN_NUMEL, packed_offsets
 from infinity.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES  # (the name this module's users know)
 from infinity.tier_names import TIER_OF_OFFLOAD, TIERS
 
@@ -165,7 +166,12 @@ def estimate(
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
         sub_groups = _sub_group_numels(shards, sub_group_size)
         largest_sub_group = max(sub_groups, default=0)
-        host_cached = _prefix_within(shards, max_in_cpu)
+        host_cached, cached_count = _prefix_within(shards, max_in_cpu)
+        # persistent shards past the cache rest in host memory too, packed (infinity.compute_shards)
+        persistent_left = [s for i, (n, s) in enumerate(zip(numels, shards))
+                           if i >= cached_count and n <= param_persistence_threshold]
+        persistent_host = packed_offsets(persistent_left)[1]
+        persistent_off_nvme = sum(_round_up(s, ALIGN_NUMEL) for s in persistent_left)
     elif num_params is not None:
         num_params = int(num_params)
         shard_numel = flat_numel = math.ceil(num_params / world_size)
@@ -175,6 +181,7 @@ def estimate(
         sub_groups = [largest_sub_group] * (flat_numel // largest_sub_group) + (
             [flat_numel % largest_sub_group] if largest_sub_group and flat_numel % largest_sub_group else [])
         host_cached = min(max_in_cpu, flat_numel)
+        persistent_host = persistent_off_nvme = 0
     else:
         raise ValueError("give num_params or param_numels")
     if num_params <= 0:
@@ -189,8 +196,8 @@ def estimate(
     optim_memory = "host" if offload_optimizer != "none" else "device"
 
     if offload_param == "nvme":
-        tiers["host"]["compute_shard"] += host_cached * cbytes
-        tiers["nvme"]["compute_shard"] += (flat_numel - host_cached) * cbytes
+        tiers["host"]["compute_shard"] += (host_cached + persistent_host) * cbytes
+        tiers["nvme"]["compute_shard"] += (flat_numel - host_cached - persistent_off_nvme) * cbytes
     else:
         tiers[param_tier]["compute_shard"] += flat_numel * cbytes
     master_bytes = 4 if state_dtype == "fp32" else 2
@@ -342,15 +349,17 @@ def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:
     return max(_sub_group_numels(shards, sub_group_size), default=0)
 
 
-def _prefix_within(shards: Sequence[int], limit: int) -> int:
-    """Aligned elements of the leading shards whose shards total at most ``limit`` (``offload_param.max_in_cpu``)."""
-    total, offset = 0, 0
+def _prefix_within(shards: Sequence[int], limit: int) -> tuple[int, int]:
+    """Aligned elements of the leading shards whose shards total at most ``limit`` (``offload_param.max_in_cpu``),
+    and how many shards they are."""
+    total, offset, count = 0, 0, 0
     for n in shards:
         if total + n > limit:
             break
         total += n
         offset = _round_up(offset, ALIGN_NUMEL) + n
-    return offset
+        count += 1
+    return offset, count
 
 
 def gpt_like_largest_layer(num_params: int) -> int:

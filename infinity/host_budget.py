@@ -6,7 +6,8 @@ enforced by the tiers' accounting: host buffers, pinned or not, and — where
 device memory is host memory — device buffers all charge it, and an
 allocation past it fails. Within it, the engine plans in this order:
 
-1. the minimum working set: gradient slices, states that rest in memory, two
+1. the minimum working set: gradient slices, states that rest in memory (the
+   persistent parameters' shards too, where the others are on NVMe), two
    staging sets, the largest gathered module (where the device is the host),
    and a reserve for transient buffers (checkpoint and state-dict streaming).
    A budget below it is refused before any work, naming what to change;
@@ -26,6 +27,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from infinity.layout import packed_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +192,13 @@ class HostMemoryPlan:
         charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
         grad_bytes = itemsize if placement.grads_lossless else 4
         grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
-        shards = layout.total_numel * itemsize if placement.compute_shard.tier in charged else 0
+        if placement.compute_shard.tier in charged:
+            shards = layout.total_numel * itemsize
+        elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
+            persistent = layout.persistent_slots(self.config.zero.param_persistence_threshold)
+            shards = packed_offsets([s.shard_numel for s in layout.slots if s.index in persistent])[1] * itemsize
+        else:
+            shards = 0
         states = state_nbytes(self.state_dtype, layout.trainable_numel) if placement.master.tier in charged else 0
         staging = 0
         if placement.master.tier == "nvme":
@@ -222,7 +231,7 @@ class HostMemoryPlan:
         if self.placement.compute_shard.tier != "nvme" or room_nbytes is None:
             return configured
         parts = dict(self.minimum_working_set(self.staging_sets).parts)
-        later = sum(n for name, n in parts.items() if name in ("gradient slices", "optimizer states")
+        later = sum(n for name, n in parts.items() if name in ("gradient slices", "compute shards", "optimizer states")
                     or name.endswith("staging sets"))
         fits = max(0, room_nbytes - later - reserve_nbytes) // self.itemsize
         if fits < configured:

@@ -84,6 +84,11 @@ class ShardLayout:
     def largest_shard_numel(self) -> int:
         return max((s.shard_numel for s in self.slots), default=0)
 
+    def persistent_slots(self, param_persistence_threshold: int) -> frozenset[int]:
+        """The slot indices of persistent parameters (at most ``param_persistence_threshold`` elements): their
+        full tensors stay in device memory from one use to the next."""
+        return frozenset(slot.index for slot in self.slots if slot.numel <= param_persistence_threshold)
+
     @property
     def largest_sub_group_numel(self) -> int:
         return max((g.numel for g in self.sub_groups), default=0)
@@ -106,6 +111,16 @@ def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[Su
         current.append(slot)
     close()
     return tuple(groups)
+
+
+def packed_offsets(numels: list[int]) -> tuple[list[int], int]:
+    """Offsets of shards of ``numels`` elements packed end to end in a buffer of their own, each at a multiple of
+    ``ALIGN_NUMEL`` as in the flat spaces (a view goes to NVMe without a bounce), and the elements of the whole."""
+    offsets, total = [], 0
+    for numel in numels:
+        offsets.append(total)
+        total += _round_up(numel, ALIGN_NUMEL)
+    return offsets, total
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -171,8 +171,9 @@ class OffloadOptimizer:
 
     def _groups_sharing_master(self, enabled: bool) -> frozenset[int]:
         """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
-        shards on NVMe (none cached in host memory). The kernel writes them as ``master.to(bf16)``, the master's
-        very bits, so a copy of their own would only cost its write."""
+        shards on NVMe (those resting in host memory are copied from the master after each update). The kernel
+        writes them as ``master.to(bf16)``, the master's very bits, so a copy of their own would only cost its
+        write."""
         if not enabled or self._store is None:
             return frozenset()
         master_dtype = self._state_layout(1)[0].dtype
@@ -275,7 +276,10 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        return [] if shares_master else self._delivery.deliver(group, out)
+        if shares_master:
+            self._compute.write_resident_from_master(group, states["master"])
+            return []
+        return self._delivery.deliver(group, out)
 
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
@@ -390,7 +394,8 @@ class OffloadOptimizer:
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
-        if group.index in self._shares_master:
+        shares_master = group.index in self._shares_master
+        if shares_master and not self._compute.resident_slots(group):
             return  # they are read from the master, which the undone update did not overwrite (other side)
         if self.in_memory(group):
             master, staging = self._memory.views(group)["master"], None
@@ -399,6 +404,9 @@ class OffloadOptimizer:
             staging.wait_writes()  # its buffers are about to be overwritten by the read
             master = staging.states["master"][:group.numel]
             self._store.read(self._key("master", group), master).wait()
+        if shares_master:  # the rest are read from the master on NVMe, as above
+            self._compute.write_resident_from_master(group, master)
+            return
         out = self._delivery.out(group, staging.compute if staging is not None else None)
         out.copy_(master)
         for handle in self._delivery.deliver(group, out):

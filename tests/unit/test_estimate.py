@@ -27,14 +27,16 @@ def test_a_small_case_by_hand():
     r = estimate(**kw, prefetch_bucket_size=0, max_reuse_distance=0)  # no prefetcher
     assert r["shard_numel"] == 2048 + 50
     t = r["tiers"]
-    assert t["nvme"]["compute_shard"] == 4096 * 2
+    # the persistent shard rests in host memory, in a buffer of its own (its aligned 2048 elements)
+    assert t["nvme"]["compute_shard"] == 2048 * 2
+    assert t["host"]["compute_shard"] == 2048 * 2
     assert t["host"]["master"] == 4096 * 4
     assert t["host"]["moments"] == 4096 * 8
     assert t["host"]["gradients"] == 4096 * 2  # one micro-batch a step in bf16: bf16 gradients
     assert t["device"]["gathered_params"] == (100 + 4096) * 2  # the persistent one + the largest
     assert t["host"]["param_io_buffers"] == 2048 * 2  # the largest shard in flight
     assert t["host"]["optimizer_staging"] == 4096 * 2  # new compute shards on their way to NVMe
-    assert r["totals"] == {"device": 8392, "host": 16384 + 32768 + 8192 + 4096 + 8192, "nvme": 8192}
+    assert r["totals"] == {"device": 8392, "host": 16384 + 32768 + 8192 + 4096 + 8192 + 4096, "nvme": 4096}
     # with the prefetcher (the defaults), everything within max_live_parameters stays gathered,
     # and the reads in flight are bounded by the rank's shards
     r = estimate(**kw)
