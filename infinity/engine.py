@@ -15,6 +15,7 @@ from infinity.comm import Collectives, rank_in
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.copies import Copies
+from infinity.full_blocks import FreshBlocks, ReusedBlocks
 from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
@@ -137,13 +138,14 @@ class Engine:
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.prefetcher = self._make_prefetcher(reserve)
+        self.full_blocks = self._make_full_blocks()
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         for slot in layout.slots:
             param = by_name[slot.name]
             sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
                                    copies=self.copies, read_pool=self._read_pool,
-                                   persistent=slot.index in persistent,
+                                   persistent=slot.index in persistent, blocks=self.full_blocks,
                                    prefetcher=self.prefetcher)
             self.params.append(sharded)
         write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
@@ -199,6 +201,14 @@ class Engine:
             buffer_size = largest
         return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
                               stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
+
+    def _make_full_blocks(self) -> FreshBlocks | ReusedBlocks:
+        """Released full tensors' blocks are kept for the next fetch where device memory is host memory (the CPU
+        allocator would map fresh pages for each); a GPU's caching allocator already does that."""
+        stats = self.tiers.stats["device"]
+        if self.device.type == "cpu" and not self.placement.distinct and ReusedBlocks.available():
+            return ReusedBlocks(stats)
+        return FreshBlocks(stats)
 
     def _cast_buffers(self, model: torch.nn.Module) -> None:
         for module in model.modules():
@@ -468,7 +478,7 @@ class Engine:
         errors = []
         for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close,
                      self._write_timeline, self.optimizer.close, self.reducer.close, self.compute.close,
-                     self.tiers.close):
+                     self.full_blocks.close, self.tiers.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it

@@ -7,7 +7,10 @@ system only from its top. An offload engine allocates and frees such blocks
 all the time (a layer's full parameters, a sub-group's staging), so the heap
 grows with fragmentation: here, up to a third of the model states' size on
 top of what is really live. A fixed threshold keeps every block of 4 MiB or
-more in its own mapping, given back on free.
+more in its own mapping, given back on free. The price is a page fault and a
+zeroed page for every page of such a block at first touch; the blocks that
+come and go most, gathered parameters where the device is the CPU, are kept
+for the next fetch instead (:mod:`infinity.full_blocks`).
 
 Set ``INFINITY_MALLOC_TUNING=0`` to leave malloc alone.
 """

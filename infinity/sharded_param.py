@@ -24,6 +24,7 @@ import torch
 from infinity.comm import Collectives
 from infinity.compute_shards import ComputeShards
 from infinity.copies import CopyDone, Copies
+from infinity.full_blocks import FreshBlocks, ReusedBlocks
 from infinity.layout import ParamSlot
 from infinity.storage import HostBufferPool
 from infinity.tiers import Tiers
@@ -56,6 +57,7 @@ class ShardedParam:
 
     def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, *, shards: ComputeShards, comm: Collectives,
                  tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool,
+                 blocks: FreshBlocks | ReusedBlocks,
                  prefetcher: "Prefetcher | None" = None):
         self.param = param
         self.slot = slot
@@ -65,6 +67,8 @@ class ShardedParam:
         self._tiers = tiers
         self._copies = copies
         self._read_pool = read_pool
+        self._blocks = blocks
+        """Where the full tensor's bytes come from at a fetch and go at a release."""
         self.persistent = persistent
         self.holders = 0
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
@@ -184,12 +188,10 @@ class ShardedParam:
             self._tail = None
 
     def _allocate(self) -> None:
-        self._tiers.stats["device"].allocate(self.full_nbytes)
-        self.full.untyped_storage().resize_(self.full_nbytes)
+        self._blocks.take(self.full.untyped_storage(), self.full_nbytes)
 
     def _deallocate(self) -> None:
-        self.full.untyped_storage().resize_(0)
-        self._tiers.stats["device"].free(self.full_nbytes)
+        self._blocks.give_back(self.full.untyped_storage())
 
     def _own_slot(self) -> torch.Tensor:
         """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place."""
