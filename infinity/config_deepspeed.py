@@ -299,12 +299,16 @@ class _DeepSpeedTranslator:
         return cls(**fields)
 
 
+_OUR_AUTO_KEYS = frozenset({"bf16.enabled", "device", "aio.backend"})
+"""Keys whose "auto" we resolve ourselves (infinity.hardware, placement.compute_device, the storage backend)."""
+
+
 def _reject_auto(block: dict, prefix: str) -> None:
     """Hugging Face's Trainer fills "auto" values before DeepSpeed sees them; we cannot guess them."""
     for key, value in block.items():
         if prefix == "zero_optimization." and key in _ZERO_NOT_APPLICABLE:
             continue  # means nothing here, "auto" or not
-        if value == "auto" and f"{prefix}{key}" != "bf16.enabled":  # (that one is ours: infinity.hardware)
+        if value == "auto" and f"{prefix}{key}" not in _OUR_AUTO_KEYS:
             raise ValueError(f"config key {prefix}{key} is \"auto\"; give a number (\"auto\" is filled in by "
                              f"Hugging Face's Trainer, not by DeepSpeed; `infinity train` fills it from its flags)")
         if isinstance(value, dict):

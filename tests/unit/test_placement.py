@@ -94,6 +94,11 @@ def test_describe_names_every_state_and_the_route():
 
 def test_device_key_is_checked():
     assert InfinityConfig.from_deepspeed({"device": "cpu"}).device == "cpu"
+    # our keys' documented "auto" may be written out (the check for Hugging Face's unfilled "auto" skips them)
+    assert InfinityConfig.from_deepspeed({"device": "auto"}).device == "auto"
+    assert InfinityConfig.from_deepspeed({"aio": {"backend": "auto"}}).aio.backend == "auto"
+    with pytest.raises(ValueError, match='train_micro_batch_size_per_gpu is "auto"'):
+        InfinityConfig.from_deepspeed({"train_micro_batch_size_per_gpu": "auto"})
     with pytest.raises(ValueError, match="config key device"):
         InfinityConfig.from_deepspeed({"device": "tpu"})
 
