@@ -7,6 +7,9 @@
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_session.sh bench
 #   bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && bash benchmarks/gpu_session.sh scale
 #
+# A session lent 15 minutes of device time (start-up included) has one such call: `short` (about 9 minutes)
+# runs tests/gpu, the whole suite with CUDA present, then bench_gpu.py's 124M table.
+#
 # tests: tests/gpu (parity with plain PyTorch on the device), then the whole suite with CUDA present.
 # bench: bench_gpu.py (124M and 1.3B, every tier, accumulation 1 and 4, against plain PyTorch; the nvme
 #        case against the disk; spill against cpu), then the compact states on a disk-bound 1.3B, then the
@@ -22,8 +25,8 @@
 # and are removed. Each step has its own `timeout`, so one slow step cannot eat the next one's time.
 
 set -u
-phase=${1:?"usage: gpu_session.sh tests|bench|scale"}
-case $phase in tests|bench|scale) ;; *) echo "unknown phase $phase: tests, bench or scale" >&2; exit 2 ;; esac
+phase=${1:?"usage: gpu_session.sh tests|bench|scale|short"}
+case $phase in tests|bench|scale|short) ;; *) echo "unknown phase $phase: tests, bench, scale or short" >&2; exit 2 ;; esac
 out=${OUT:-/tmp/gpu-session}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -58,6 +61,14 @@ case $phase in
     step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
       --precision bf16 --steps 2 --warmup 1
     step bench-grad-norm 20 "$py" benchmarks/bench_grad_norm.py --numel 100000000 --rounds 5
+    ;;
+  short)
+    step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+    # tests/gpu first (parity with plain PyTorch on the device), then everything else, in one pytest
+    step tests-all 300 "$py" -m pytest -q -rfs --durations=15 -p no:cacheprovider tests/gpu tests/unit \
+      tests/distributed --junitxml="$out/tests-all.xml"
+    step bench-gpu-124m 110 "$py" benchmarks/bench_gpu.py --models 124m --rounds 2 --warmup 1 \
+      --out "$out/bench_gpu_124m.json"
     ;;
   scale)
     step scale-13b-int8 420 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \

@@ -139,7 +139,11 @@ def reference_train(model: nn.Module, batches, *, steps: int, accum: int, clip: 
 
 
 def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: int, clip: float, lr: float,
-                  precision: str = "fp32", weight_decay: float = 0.01, adamw: bool = True, **zero_extra):
+                  precision: str = "fp32", weight_decay: float = 0.01, adamw: bool = True, device: str = "cpu",
+                  **zero_extra):
+    """A ZeRO-3 config with params and optimizer on the given tiers. ``device`` is ``cpu`` by default, also
+    where there is a GPU: the tests compare with plain PyTorch on the CPU (``reference_train``) at 1e-5, and
+    a GPU's sums round differently (tests/gpu passes ``auto`` and compares with PyTorch on the GPU)."""
     offload_param = {"device": param}
     offload_optimizer = {"device": optimizer}
     if param == "nvme":
@@ -149,6 +153,7 @@ def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: i
         offload_optimizer["nvme_path"] = nvme_path
         offload_optimizer["max_in_cpu"] = 0  # every sub-group on NVMe, not kept in host memory within the budget
     return {
+        "device": device,
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": clip,

@@ -58,7 +58,8 @@ def gpt():
 def test_parity_with_plain_pytorch_on_the_gpu(gpt, tmp_path, param, optimizer, accum):
     model, batches = gpt
     ref_losses, ref_state = _reference(model, batches[accum], accum)
-    config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=CLIP, lr=LR)
+    config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=CLIP, lr=LR,
+                           device="auto")
     losses, state, metrics, placement = _engine(model, config, batches[accum], accum)
     where = f"params={param} optimizer={optimizer} accumulation={accum}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
@@ -72,7 +73,8 @@ def test_parity_with_plain_pytorch_on_the_gpu(gpt, tmp_path, param, optimizer, a
 
 def test_host_buffers_that_cross_are_pinned(tmp_path):
     torch.manual_seed(0)
-    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=LR)
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=LR,
+                           device="auto")
     engine = infinity.initialize(TinyGPT(), config)
     try:
         assert engine.placement.compute_shard.pinned and engine.placement.grads.pinned
@@ -84,7 +86,8 @@ def test_host_buffers_that_cross_are_pinned(tmp_path):
 
 def _two_ranks_on_one_gpu(rank, world_size):
     torch.manual_seed(0)
-    config = engine_config(param="cpu", optimizer="cpu", nvme_path=None, accum=1, clip=0.0, lr=LR)
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=None, accum=1, clip=0.0, lr=LR,
+                           device="auto")
     engine = infinity.initialize(TinyGPT(), config)
     try:
         return str(engine.device)
@@ -112,7 +115,7 @@ def test_updates_behind_the_forward_wait_for_their_copies_on_the_gpu(gpt, tmp_pa
         if behind:
             seen = slow_step_tail(monkeypatch)
         config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=1, clip=1e-3,
-                               lr=LR, overlap_step_with_forward=behind)
+                               lr=LR, device="auto", overlap_step_with_forward=behind)
         runs[behind] = _engine(model, config, batches[1], 1)
     assert seen["tail_updates"] > 0 and seen["waited"] > 0
     assert runs[True][0] == runs[False][0]
