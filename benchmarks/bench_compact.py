@@ -119,6 +119,7 @@ def main() -> None:
                    for name, (d, from_master) in variants.items()}
         times = {d: [] for d in engines}
         nbytes = {d: [0, 0] for d in engines}
+        staged = {d: 0 for d in engines}  # compute-shard bytes copied from a staging set, not read from NVMe
         optimizer_s = {d: [] for d in engines}
         for i in range(args.warmup + args.steps):
             for name, engine in engines.items():  # alternate, so the machine's noise hits all of them alike
@@ -128,6 +129,7 @@ def main() -> None:
                     nbytes[name][0] += metrics["tiers"]["nvme"]["bytes_read"]
                     nbytes[name][1] += metrics["tiers"]["nvme"]["bytes_written"]
                     optimizer_s[name].append(metrics["optimizer_s"])
+                    staged[name] += metrics["compute_shards_from_staging_nbytes"]
             print("  round {}: {}".format(i, ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items() if t))
                   if i >= args.warmup else f"  round {i}: warm-up", flush=True)
         for engine in engines.values():
@@ -147,6 +149,7 @@ def main() -> None:
             "nvme_bytes_per_step": per_step,
             "nvme_read_per_step": nbytes[name][0] / args.steps,
             "nvme_written_per_step": nbytes[name][1] / args.steps,
+            "from_staging_per_step": staged[name] / args.steps,
             "bytes_vs_fp32": per_step / base_bytes,
             "speedup_vs_fp32": statistics.median(a / b for a, b in zip(times["fp32"], times[name])),
             "optimizer_speedup_vs_fp32": statistics.median(a / b for a, b in zip(optimizer_s["fp32"], optimizer_s[name])),
@@ -155,7 +158,8 @@ def main() -> None:
         result["by_state_dtype"][name] = entry
         print(f"{name:>15}: step {entry['step_s']:.2f} s (speed-up vs fp32 {entry['speedup_vs_fp32']:.2f} x, median of "
               f"per-round ratios), NVMe {per_step / 1e9:.3f} GB a step ({entry['bytes_vs_fp32']:.3f} x fp32's), "
-              f"I/O floor {entry['io_floor_s']:.2f} s; engine.step() {entry['optimizer_s']:.2f} s "
+              f"I/O floor {entry['io_floor_s']:.2f} s, {entry['from_staging_per_step'] / 1e9:.3f} GB of compute "
+              f"shards from staging sets; engine.step() {entry['optimizer_s']:.2f} s "
               f"({entry['optimizer_speedup_vs_fp32']:.2f} x)")
     print(json.dumps(result))
 

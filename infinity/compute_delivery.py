@@ -38,6 +38,8 @@ class ComputeDelivery:
         self.in_place = placement.compute_shard_in_optimizer_memory
         self.scratch_pinned = placement.grads.pinned and not self.in_place
         """New compute shards that cross between memories are staged in host buffers pinned like the gradients."""
+        self.writes_from_scratch = compute.tier == "nvme" and not self.in_place and not self._on_device
+        """The new shards of a staged sub-group go to NVMe from the scratch passed to :meth:`out` (the set's)."""
         self._host_scratch: torch.Tensor | None = None
         self._device_scratch: torch.Tensor | None = None
         self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it

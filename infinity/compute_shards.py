@@ -15,6 +15,10 @@ optimizer's update writes only the master and hands the sub-group's shards
 over (:meth:`ComputeShards.rest_in_master`); from then on they are read from
 the master's swap file, until something writes them again.
 
+On NVMe, a sub-group's newest shards may still be in a host buffer of the
+optimizer's after its update; :attr:`ComputeShards.staged` serves reads from
+there (:mod:`infinity.staged_shards`).
+
 On NVMe, the shards of persistent parameters (at most
 ``param_persistence_threshold`` elements: biases, norms) rest in host memory
 as well, packed in a buffer of their own. Their full tensors never leave
@@ -33,6 +37,7 @@ import torch
 from infinity.copies import Copies
 from infinity.layout import ParamSlot, ShardLayout, SubGroup, packed_offsets
 from infinity.placement import Memory, StatePlace
+from infinity.staged_shards import StagedShards
 from infinity.tier_names import Tier
 from infinity.storage import IOHandle
 from infinity.tiers import Tiers
@@ -59,6 +64,9 @@ class ComputeShards:
         """NVMe shards read from their sub-group's master: slot index -> (sub-group, byte offset in it)."""
         self._own_files: set[int] = set()
         """NVMe shards that have a file of their own (written, and not deleted since)."""
+        self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
+        self.staged = StagedShards()
+        """NVMe shards whose newest values are still in a staging set of the optimizer's, read from there."""
         self._flat: torch.Tensor | None = None
         self._flat_tier = self.tier
         self._persistent_flat: torch.Tensor | None = None
@@ -110,15 +118,19 @@ class ComputeShards:
         return self.memory is Memory.DEVICE and slot.index in self._resident
 
     def read(self, slot: ParamSlot, out: torch.Tensor) -> IOHandle:
-        """Swap in a shard that rests on NVMe: from its own file, or from its sub-group's master."""
+        """Swap in a shard that rests on NVMe (into host ``out``): from a staging set that still holds its newest
+        values, else from its own file or from its sub-group's master."""
         in_master = self._in_master.get(slot.index)
-        if in_master is None:
-            return self._store.read(self._key(slot), out)
-        if slot.index in self._own_files:
+        if in_master is not None and slot.index in self._own_files:
             # Its own copy is out of date since the update that handed it over: its bytes go back to the disk.
             # Here, on the thread that reads the shards, so no read of the copy can start after the delete.
             self._own_files.discard(slot.index)
             self._store.delete(self._key(slot))
+        group = self._group_of_slot.get(slot.index)  # (none for a frozen parameter: no optimizer state)
+        if group is not None and self.staged.copy(group.index, slot.index, slot.offset - group.start, out):
+            return IOHandle()  # copied: nothing in flight
+        if in_master is None:
+            return self._store.read(self._key(slot), out)
         group, at = in_master
         return self._read_master(group, at, out)
 
@@ -146,6 +158,9 @@ class ComputeShards:
                 resident.copy_(values)
             return None
         self._in_master.pop(slot.index, None)  # its values are these now, not the master's (loading, restoring)
+        group = self._group_of_slot.get(slot.index)
+        if group is not None:
+            self.staged.forget(group.index)  # nor those of a staging set
         self._own_files.add(slot.index)
         # urgent: the next forward reads it back first thing; the optimizer's state writes can wait
         return self._store.write(self._key(slot), values, urgent=True)
@@ -185,6 +200,12 @@ class ComputeShards:
                 continue  # the update copied it from the master (write_resident_from_master)
             self._in_master[slot.index] = (group, (slot.offset - group.start) * element_size)
 
+    def keep_staged(self, group: SubGroup, values: torch.Tensor, owner: object, *, speculative: bool = False) -> None:
+        """``group``'s newest shards are ``values`` (host, its flat range), in a buffer of ``owner``'s: those on
+        NVMe are copied from there until ``owner`` releases it (:class:`~infinity.staged_shards.StagedShards`)."""
+        on_nvme = [slot.index for slot in group.slots if slot.index not in self._resident]
+        self.staged.keep(group.index, values, owner, on_nvme, speculative=speculative)
+
     def sub_group_view(self, group: SubGroup) -> torch.Tensor | None:
         """The resident flat range of a sub-group, when every shard of it rests in the flat buffer."""
         if self._flat is None or self.tier == "nvme":
@@ -207,3 +228,4 @@ class ComputeShards:
             self._tiers.free("host", self._persistent_flat)
             self._persistent_flat = None
         self._resident.clear()
+        self.staged.clear()

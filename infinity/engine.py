@@ -167,7 +167,7 @@ class Engine:
                                optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
                                gradient_clipping=config.gradient_clipping, params=self.params,
                                finish_behind_forward=zero.overlap_step_with_forward)
-        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline)
+        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged)
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:

@@ -189,6 +189,11 @@ class OffloadOptimizer:
         """``out``'s bytes of ``group``'s master from byte ``at``: compute shards that rest in it."""
         return self._store.read(self._key("master", group), out, at=at)
 
+    @property
+    def staged_shards(self):
+        """Compute shards still in the staging sets (:mod:`infinity.staged_shards`)."""
+        return self._compute.staged
+
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
 
@@ -226,6 +231,7 @@ class OffloadOptimizer:
             if not self.in_memory(group):
                 staging = self._staging[0]
                 staging.wait_writes()
+                self._compute.staged.release(staging)  # overwritten next
                 master = staging.states["master"][:group.numel]
                 master.zero_()
                 for slot in group.slots:
@@ -353,6 +359,7 @@ class OffloadOptimizer:
         for group in groups:
             if self.in_memory(group):
                 self.undo.restore(group)
+        self._compute.staged.discard_held(g.index for g in groups)
         if groups:
             self.rollbacks += 1
             logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
@@ -360,7 +367,9 @@ class OffloadOptimizer:
 
     def publish_other_side(self, groups) -> None:
         """Committed speculative updates of swapped sub-groups: their states now live under their other keys."""
-        self._side.symmetric_difference_update(g.index for g in groups if not self.in_memory(g))
+        swapped = [g.index for g in groups if not self.in_memory(g)]
+        self._side.symmetric_difference_update(swapped)
+        self._compute.staged.publish(swapped)  # masters still staged are the compute shards' newest now
 
     def _make_room_to_undo(self) -> None:
         """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
@@ -402,6 +411,7 @@ class OffloadOptimizer:
         else:
             staging = self._staging[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
+            self._compute.staged.release(staging)
             master = staging.states["master"][:group.numel]
             self._store.read(self._key("master", group), master).wait()
         if shares_master:  # the rest are read from the master on NVMe, as above
@@ -446,12 +456,19 @@ class OffloadOptimizer:
         the other side, the master the shards are read from is the one on the current side until the step
         commits: the shards' old values, as long as the update may still be undone."""
         shares_master = group.index in self._shares_master
-        for name, tensor in self._group_states(group, staging.states).items():
+        states = self._group_states(group, staging.states)
+        for name, tensor in states.items():
             urgent = shares_master and name == "master"
             staging.writes.append(self._store.write(self._key(name, group, other_side=other_side), tensor,
                                                     urgent=urgent))
         if shares_master:
             self._compute.rest_in_master(group)
+            # the next forward copies the shards from the staged master while the set is not reused
+            self._compute.keep_staged(group, states["master"], staging, speculative=other_side)
+        elif self._delivery.writes_from_scratch:
+            # their files were written from the set's compute buffer (the speculative values too: an undo
+            # writes them again, which forgets these)
+            self._compute.keep_staged(group, staging.compute[:group.numel], staging)
 
     def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
@@ -460,6 +477,7 @@ class OffloadOptimizer:
 
     def _read_states(self, group: SubGroup, staging: _Staging, *, step: int, urgent: bool = True) -> list[IOHandle]:
         """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
+        self._compute.staged.release(staging)  # the shards it held are read from NVMe from now on
         handles = []
         for name, buffer in self._group_states(group, staging.states).items():
             if name != "master" and step == 1:

@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+_SETS_READ = object()
+"""Put on the worker's queue when a staging set's staged compute shards have all been read."""
+
+
 @dataclass(frozen=True)
 class StepCheck:
     """What an overlapped step assumes while it speculates, and whether it does.
@@ -111,6 +115,11 @@ class OverlappedStep:
         self._error: BaseException | None = None
         self._read_ahead: dict[int, tuple["_Staging", list[IOHandle]]] = {}  # worker only
         self._free_sets: list["_Staging"] = list(optimizer._staging)          # worker only
+        # A free set may still hold the newest compute shards of a sub-group the forward has not read yet
+        # (infinity.staged_shards): reads ahead leave it alone until they are read, or backward begins.
+        self._staged = optimizer.staged_shards
+        self._staged.on_read = self._staged_read
+        self._in_backward = False  # sub-groups are arriving: every free set serves them
         self.sq_norms: dict[int, float] = {}   # sub-group index -> its squared gradient norm (worker only)
         self.speculated: list[SubGroup] = []   # updated before the norm was known (worker only)
         self.deferred: list[SubGroup] = []     # left for settle (worker only)
@@ -206,6 +215,7 @@ class OverlappedStep:
         self._optimizer.finish_compute_copies()
         self._optimizer.scale_grads(grad_coef)
         self.check = StepCheck()  # nothing left to undo: current keys, no undo copy, the slices as they are
+        self._in_backward = False  # what is left runs behind the next forward: reads ahead leave its shards alone
         self.at()  # the learning rate is the one the step settled with, whatever is set after it
         groups = sorted(groups, key=lambda g: g.index)
         self.remaining = ([g for g in groups if g.index in self._read_ahead]
@@ -253,11 +263,22 @@ class OverlappedStep:
         while (group := self._ready.get()) is not None:
             if self._error is not None:
                 continue  # drain; finish() raises the first error
+            if group is _SETS_READ:
+                self._guarded(self._read_next_ahead)
+                continue
             self._guarded(lambda: self._arrive(group))
         # States read ahead for deferred sub-groups stay staged for update_remaining (release_read_ahead
         # lets them land when the step is skipped).
+        if self._staged.on_read == self._staged_read:
+            self._staged.on_read = None
+
+    def _staged_read(self, owner) -> None:
+        """A staging set's last unread compute shard was read (any thread): reads ahead may use it now."""
+        if not self._in_backward:
+            self._ready.put(_SETS_READ)
 
     def _arrive(self, group: SubGroup) -> None:
+        self._in_backward = True
         self.sq_norms[group.index] = self._grads.sub_group_sq_norm(group)
         if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
             self._speculating = False  # the step will clip or overflow: updating more would only be undone
@@ -326,13 +347,21 @@ class OverlappedStep:
         for index in candidates:
             if len(self._free_sets) <= keep_free:
                 return
+            staging = self._take_set(leave_unread=not self._in_backward)
+            if staging is None:
+                return  # the rest hold shards the forward reads first: on_read says when they are read
             group = self._optimizer.layout.sub_groups[index]
-            staging = self._take_set()
             self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False,
                                                                              step=self.step))
 
-    def _take_set(self) -> "_Staging":
-        staging = self._free_sets.pop(0)
+    def _take_set(self, *, leave_unread: bool = False) -> "_Staging | None":
+        """The first free set that holds no unread compute shards; else, unless ``leave_unread``, the first."""
+        at = next((i for i, s in enumerate(self._free_sets) if not self._staged.holds_unread(s)), None)
+        if at is None:
+            if leave_unread:
+                return None
+            at = 0
+        staging = self._free_sets.pop(at)
         staging.wait_writes()  # its last sub-group's writes must land before its buffers are reused
         return staging
 

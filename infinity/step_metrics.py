@@ -2,7 +2,8 @@
 returns them: what the step itself reported (gradient norm, how an overlapped
 step settled, optimizer seconds), and, since the step before it, the bytes
 each tier read and wrote with its live and peak bytes, the bytes of each
-collective and of each host⇄device crossing, seconds of compute and of the
+collective and of each host⇄device crossing, the compute-shard bytes copied
+from a staging set instead of read from NVMe, seconds of compute and of the
 whole step, and the timeline's summary.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from infinity.comm import Collectives
 from infinity.copies import Copies
+from infinity.staged_shards import StagedShards
 from infinity.tiers import Tiers
 from infinity.trace import Timeline
 
@@ -20,8 +22,9 @@ from infinity.trace import Timeline
 class StepMeter:
     """Counts since the last step, closed into ``metrics`` at each step's end."""
 
-    def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline):
+    def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards):
         self._tiers = tiers
+        self._staged = staged
         self._comm = comm
         self._copies = copies
         self._timeline = timeline
@@ -37,7 +40,7 @@ class StepMeter:
 
     def _counters(self) -> dict:
         return {"tiers": self._tiers.snapshot(), "collectives": dict(self._comm.nbytes),
-                "copies": self._copies.snapshot()}
+                "copies": self._copies.snapshot(), "staged_nbytes": self._staged.hit_nbytes}
 
     def close_step(self, *, step: int, skipped: bool, lr: float, loss_scale: float | None) -> None:
         now = self._counters()
@@ -58,6 +61,7 @@ class StepMeter:
         self.metrics["timeline"] = self._timeline.close_step()
         self.metrics.update(step=step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
                             compute_s=self._compute_s, step_s=elapsed,
+                            compute_shards_from_staging_nbytes=now["staged_nbytes"] - last["staged_nbytes"],
                             fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
                             lr=lr, loss_scale=loss_scale)
         self.last_counters = now

@@ -199,6 +199,17 @@ def train_batches(engine, batches, *, rank: int = 0, world_size: int = 1) -> lis
     return losses
 
 
+def optimizer_states(engine) -> dict:
+    """Every sub-group's master and moments as fp32, by (state name, sub-group index)."""
+    out = {}
+    for group in engine.layout.sub_groups:
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            values = torch.empty(group.numel)
+            engine.optimizer.read_state(name, group, values)
+            out[name, group.index] = values
+    return out
+
+
 def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None, after_step=None):
     """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
     placement. ``setup(engine)`` runs before the first step (to make copies late, say), ``after_step(engine,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, train_batches
+from helpers import TinyGPT, engine_config, gpt_batches, optimizer_states, train_batches
 from infinity import kernels
 from infinity.checkpoint.files import shard_file
 from infinity.config import InfinityConfig
@@ -36,16 +36,6 @@ def _config(tmp_path, state_dtype: str, *, optimizer: str = "cpu", **zero_extra)
     return config
 
 
-def _states(engine) -> dict:
-    out = {}
-    for group in engine.layout.sub_groups:
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            values = torch.empty(group.numel)
-            engine.optimizer.read_state(name, group, values)
-            out[name, group.index] = values
-    return out
-
-
 def _train(engine, batches) -> list[float]:
     return train_batches(engine, batches)
 
@@ -61,7 +51,7 @@ def test_the_engine_steps_as_the_reference_kernel(gpt, tmp_path, state_dtype):
         (group,) = engine.layout.sub_groups
         slots = [(s, s.offset - group.start) for s in group.slots]
         got = _train(engine, batches[:STEPS])
-        got_states = _states(engine)
+        got_states = optimizer_states(engine)
     finally:
         engine.close()
 
@@ -128,7 +118,7 @@ def test_nvme_and_host_memory_give_the_same_bits(gpt, tmp_path, state_dtype, ove
         engine = infinity.initialize(copy.deepcopy(model), config)
         try:
             assert optimizer == "cpu" or engine.optimizer.swapped_groups == list(engine.layout.sub_groups)
-            results.append((_train(engine, batches[:STEPS]), _states(engine), engine.full_state_dict()))
+            results.append((_train(engine, batches[:STEPS]), optimizer_states(engine), engine.full_state_dict()))
         finally:
             engine.close()
     (losses_a, states_a, full_a), (losses_b, states_b, full_b) = results
@@ -175,7 +165,7 @@ def test_a_checkpoint_moves_between_state_dtypes(gpt, tmp_path):
     try:
         _train(src, batches[:2])
         src.save_checkpoint(tmp_path / "ckpt")
-        saved = _states(src)
+        saved = optimizer_states(src)
         uninterrupted = _train(src, batches[2:STEPS])
     finally:
         src.close()
@@ -185,7 +175,7 @@ def test_a_checkpoint_moves_between_state_dtypes(gpt, tmp_path):
                                   _config(tmp_path / state_dtype, state_dtype, optimizer="nvme", **layout))
         try:
             dst.load_checkpoint(tmp_path / "ckpt")
-            loaded = _states(dst)
+            loaded = optimizer_states(dst)
             for key, values in saved.items():
                 name = key[0]
                 want = kernels.compact.state_to_fp32(
@@ -209,7 +199,7 @@ def test_a_checkpoint_keeps_each_state_in_the_narrowest_exact_dtype(gpt, tmp_pat
     try:
         _train(engine, batches[:2])
         tag = engine.save_checkpoint(tmp_path / "ckpt")
-        states, full = _states(engine), engine.full_state_dict()
+        states, full = optimizer_states(engine), engine.full_state_dict()
     finally:
         engine.close()
     itemsizes = {"fp32": (4, 4, 4), "bf16": (2, 2, 2), "int8": (2, 4, 4)}[state_dtype]
@@ -388,7 +378,7 @@ def test_an_overlapped_step_under_clipping_equals_the_step_after_backward(gpt, t
         config["gradient_clipping"] = 0.5  # small: most steps are clipped, so speculative updates are redone
         engine = infinity.initialize(copy.deepcopy(model), config)
         try:
-            results.append((_train(engine, batches[:STEPS]), _states(engine)))
+            results.append((_train(engine, batches[:STEPS]), optimizer_states(engine)))
             assert engine.optimizer.rollbacks > 0 or not overlap  # speculative updates were undone and redone
         finally:
             engine.close()

@@ -16,7 +16,7 @@ import torch
 
 import infinity
 import infinity.overlapped_step
-from helpers import TinyGPT, delay_storage, engine_config, gpt_batches, train_batches
+from helpers import TinyGPT, delay_storage, engine_config, gpt_batches, optimizer_states, train_batches
 from infinity import kernels
 from infinity.config import InfinityConfig
 
@@ -39,16 +39,6 @@ def _config(folder, state_dtype: str, *, from_master: bool, overlap: bool, clip:
     return config
 
 
-def _states(engine) -> dict:
-    out = {}
-    for group in engine.layout.sub_groups:
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            values = torch.empty(group.numel)
-            engine.optimizer.read_state(name, group, values)
-            out[name, group.index] = values
-    return out
-
-
 def _run(model, batches, config, *, checkpoint_after: int | None = None, folder=None):
     """Losses, states and full state dict after training on ``batches`` (closing and resuming from a checkpoint
     after ``checkpoint_after`` steps, when given), and the engine's rollbacks."""
@@ -66,7 +56,7 @@ def _run(model, batches, config, *, checkpoint_after: int | None = None, folder=
         else:
             losses = train_batches(engine, batches)
         rollbacks += engine.optimizer.rollbacks
-        return losses, _states(engine), engine.full_state_dict(), rollbacks
+        return losses, optimizer_states(engine), engine.full_state_dict(), rollbacks
     finally:
         engine.close()
 

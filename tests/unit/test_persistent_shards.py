@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, gpt_batches, train_batches
+from helpers import TinyGPT, engine_config, gpt_batches, optimizer_states, train_batches
 from infinity.compute_shards import ComputeShards
 from infinity.estimate import estimate
 from infinity.layout import ALIGN_NUMEL
@@ -44,12 +44,7 @@ def _run(model, batches, config) -> tuple[list[float], dict, dict, int]:
     engine = infinity.initialize(copy.deepcopy(model), config)
     try:
         losses = train_batches(engine, batches)
-        states = {}
-        for group in engine.layout.sub_groups:
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                values = torch.empty(group.numel)
-                engine.optimizer.read_state(name, group, values)
-                states[name, group.index] = values
+        states = optimizer_states(engine)
         return losses, states, engine.full_state_dict(), engine.optimizer.rollbacks
     finally:
         engine.close()
