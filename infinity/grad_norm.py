@@ -8,6 +8,9 @@ allocated 16 bytes a gradient every step. Blocks that size come from fresh pages
 for an 85M-parameter model that was 1.4 GB zeroed a step and 0.6 s of a 1.6 s step on two cores
 (``perf``: ``clear_page_erms``), and it grows with the model (208 GB a step at 13B). A buffer of
 ``HOST_CHUNK_NUMEL`` fp64 stays in the cache and in malloc's heap.
+
+Where the C++ kernel is built, host tensors are summed there instead (``kernels.sq_norm_fp64``): one pass with
+the GIL released, as the optimizer's worker thread takes each sub-group's norm beside backward.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from infinity import kernels
 
 HOST_CHUNK_NUMEL = 1 << 17
 """Elements per chunk in host memory: a 1 MiB fp64 buffer, which stays in L2/L3."""
@@ -31,6 +36,11 @@ def sq_norm_fp64(values: torch.Tensor) -> float:
     if values.device.type != "cpu":
         # One host sync at the end, not one per chunk.
         return float(sum(chunk.double().pow(2).sum() for chunk in values.split(DEVICE_CHUNK_NUMEL)))
+    if values.dtype in (torch.float32, torch.bfloat16, torch.float16) and values.is_contiguous():
+        # The C++ kernel: one pass, without the GIL (the optimizer's worker calls this while backward runs).
+        total = kernels.sq_norm_fp64(values)
+        if total is not None:
+            return total
     buffer = torch.empty(min(HOST_CHUNK_NUMEL, values.numel()), dtype=torch.float64)
     total = 0.0
     for chunk in values.split(HOST_CHUNK_NUMEL):

@@ -16,6 +16,7 @@ low-precision parameter copy written in the same pass.
                       seed, exp_avg_scale=None, exp_avg_sq_scale=None, param_out=None)
                                the step on "fp32", "bf16" or "int8" states (compact.py)
     adam_step_compact_reference(...)   same signature; always torch
+    sq_norm_fp64(values)       the sum of squares in fp64, one pass (None where the kernel is not used)
     state_layout(state_dtype, numel), state_nbytes(...), state_bytes_per_element(...),
     empty_state(...)           the tensors, bytes and buffers of each state dtype
     compact.from_fp32 / to_fp32 / convert   conversions (checkpoints, consolidation)
@@ -30,9 +31,10 @@ from . import compact
 from .adam import BACKEND_ENV, adam_step, adam_step_compact, adam_step_compact_reference, adam_step_reference, backend
 from .compact import BLOCK_NUMEL, STATE_DTYPES, empty_state, state_bytes_per_element, state_layout, state_nbytes
 from .device_adam import adam_step_on_device
+from .norm import sq_norm_fp64
 
 __all__ = [
     "BACKEND_ENV", "BLOCK_NUMEL", "STATE_DTYPES", "adam_step", "adam_step_compact", "adam_step_compact_reference",
     "adam_step_on_device", "adam_step_reference", "backend", "compact", "empty_state", "state_bytes_per_element",
-    "state_layout", "state_nbytes",
+    "sq_norm_fp64", "state_layout", "state_nbytes",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Builds, caches and loads the C++ kernels (``csrc/adam.cpp``, ``csrc/adam_compact.cpp``).
+"""Builds, caches and loads the C++ kernels (``csrc/adam.cpp``, ``csrc/adam_compact.cpp``, ``csrc/sq_norm.cpp``).
 
 The kernel is built on first use with torch's cpp_extension (ninja), once per
 machine: the build directory is
@@ -34,7 +34,7 @@ from .constants import AdamConstants
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().with_name("csrc")
-_SOURCES = ("adam.cpp", "adam_compact.cpp")
+_SOURCES = ("adam.cpp", "adam_compact.cpp", "sq_norm.cpp")
 _NAME = "infinity_kernels_adam"
 _MARKER = "built.ok"
 _STALE_LOCK_SECONDS = 15 * 60  # a build takes well under a minute

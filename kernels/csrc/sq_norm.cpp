@@ -1,0 +1,90 @@
+// The squared L2 norm of a flat fp32/bf16/fp16 tensor, summed in fp64, in one
+// pass with the GIL released. Built with the Adam kernels (extension.py).
+//
+// Why here: the overlapped optimizer step takes every sub-group's squared
+// gradient norm on its worker thread while backward runs on the main thread.
+// In torch ops that was ~150 calls per 19M elements, each taking the GIL from
+// backward's hooks: 14-29 ms per sub-group on two cores, against 3 ms here.
+//
+// Numerics. A square of an fp32 (or narrower) value is exact in fp64 and never
+// overflows, so the sum is finite exactly when every value is. The tensor is
+// cut into blocks of kBlock elements; each block is summed by kLanes
+// independent fp64 accumulators (element i into lane i % kLanes, which the
+// compiler keeps in vector registers), the lanes are added in order, and the
+// block sums are added in block order. No step depends on the thread count or
+// on which thread ran a block: the same tensor always gives the same bits.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace infinity_kernels {
+namespace {
+
+constexpr int64_t kBlock = 1 << 16;
+constexpr int kLanes = 16;
+
+template <class T>
+double block_sq_sum(const T* x, int64_t n) {
+  double lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double v = static_cast<double>(static_cast<float>(x[i + j]));
+      lanes[j] += v * v;
+    }
+  }
+  for (int j = 0; i < n; ++i, ++j) {
+    const double v = static_cast<double>(static_cast<float>(x[i]));
+    lanes[j] += v * v;
+  }
+  double total = 0.0;
+  for (int j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+template <class T>
+double sq_sum(const T* x, int64_t n) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> sums(blocks, 0.0);
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t start = b * kBlock;
+      sums[b] = block_sq_sum(x + start, std::min(kBlock, n - start));
+    }
+  };
+  if (blocks < 8 || at::in_parallel_region()) {
+    run(0, blocks);
+  } else {
+    at::parallel_for(0, blocks, 1, run);
+  }
+  double total = 0.0;
+  for (double s : sums) total += s;
+  return total;
+}
+
+double sq_norm_fp64(const at::Tensor& values) {
+  TORCH_CHECK(values.device().is_cpu(), "values must be on the CPU");
+  TORCH_CHECK(values.is_contiguous(), "values must be contiguous");
+  const int64_t n = values.numel();
+  if (n == 0) return 0.0;
+  switch (values.scalar_type()) {
+    case at::kFloat: return sq_sum(values.data_ptr<float>(), n);
+    case at::kBFloat16: return sq_sum(values.data_ptr<c10::BFloat16>(), n);
+    case at::kHalf: return sq_sum(values.data_ptr<c10::Half>(), n);
+    default: TORCH_CHECK(false, "values must be float32, bfloat16 or float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infinity_kernels, m) {
+  m.def("sq_norm_fp64(Tensor values) -> float", &sq_norm_fp64);
+}
+
+}  // namespace infinity_kernels
