@@ -134,5 +134,6 @@ class EngineShards:
             self._engine.loss_scaler.load_state_dict(state)
 
     def compute_shards_changed(self) -> None:
+        self._engine.compute.staged.clear()  # what the staging sets hold predates the loaded shards
         for sharded in self._engine.params:
             sharded.mark_stale()

@@ -499,6 +499,7 @@ class OffloadOptimizer:
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group with fp32 ``values`` (loading a checkpoint)."""
         self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
+        self._compute.staged.forget(group.index)  # a staged master or set is no longer the newest
         self._resting.write(name, group, values)
 
     def state_dict(self) -> dict:

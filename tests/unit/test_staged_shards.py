@@ -105,3 +105,25 @@ def test_what_is_readable_and_when():
     staged.keep(1, values, owner, [1])
     staged.forget(1)  # written some other way
     assert not staged.copy(1, 1, 0, out)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_a_checkpoint_loaded_into_the_engine_is_what_the_next_forward_reads(gpt, tmp_path, state_dtype):
+    """Steps 3-4 after loading step 2's checkpoint into the same engine, whose sets still hold step 4's shards,
+    are steps 3-4 again, bit for bit."""
+    model, batches = gpt
+    engine = infinity.initialize(copy.deepcopy(model), _config(tmp_path / "swap", state_dtype, clip=0.0,
+                                                               overlap=True))
+    try:
+        train_batches(engine, batches[:2])
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        first = train_batches(engine, batches[2:4])
+        state = engine.full_state_dict()
+        assert engine.compute.staged.hits > 0
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        again = train_batches(engine, batches[2:4])
+        assert again == first
+        for name, value in engine.full_state_dict().items():
+            assert torch.equal(value, state[name]), name
+    finally:
+        engine.close()
