@@ -38,7 +38,10 @@ def test_metrics_csv_has_one_row_per_step_with_the_named_columns(capsys, tmp_pat
     assert [r["loss"] for r in rows] == pytest.approx(summary["losses"])
     for r in rows:
         assert r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_s"] > 0
-        assert r["exposed_io_s"] is not None and r["nvme_bytes_read"] > 0 and r["nvme_peak_nbytes"] > 0
+        assert r["exposed_io_s"] is not None and r["nvme_bytes_read"] >= 0 and r["nvme_peak_nbytes"] > 0
+    # A step's window may read nothing from NVMe: the next forward copies its compute shards from the staging
+    # sets, and a clipped step's states are read ahead in the window before (behind the forward). Not all do.
+    assert sum(r["nvme_bytes_read"] for r in rows) > 0
     # validation at steps 2, 4 and at the end, in the CSV, the summary and the progress lines
     assert [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None] == [
         tuple(v) for v in summary["val_losses"]]
