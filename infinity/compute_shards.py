@@ -64,7 +64,6 @@ class ComputeShards:
         """NVMe shards read from their sub-group's master: slot index -> (sub-group, byte offset in it)."""
         self._own_files: set[int] = set()
         """NVMe shards that have a file of their own (written, and not deleted since)."""
-        self._group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self.staged = StagedShards()
         """NVMe shards whose newest values are still in a staging set of the optimizer's, read from there."""
         self._flat: torch.Tensor | None = None
@@ -126,7 +125,7 @@ class ComputeShards:
             # Here, on the thread that reads the shards, so no read of the copy can start after the delete.
             self._own_files.discard(slot.index)
             self._store.delete(self._key(slot))
-        group = self._group_of_slot.get(slot.index)  # (none for a frozen parameter: no optimizer state)
+        group = self.layout.group_of_slot.get(slot.index)  # (none for a frozen parameter: no optimizer state)
         if group is not None and self.staged.copy(group.index, slot.index, slot.offset - group.start, out):
             return IOHandle()  # copied: nothing in flight
         if in_master is None:
@@ -158,7 +157,7 @@ class ComputeShards:
                 resident.copy_(values)
             return None
         self._in_master.pop(slot.index, None)  # its values are these now, not the master's (loading, restoring)
-        group = self._group_of_slot.get(slot.index)
+        group = self.layout.group_of_slot.get(slot.index)
         if group is not None:
             self.staged.forget(group.index)  # nor those of a staging set
         self._own_files.add(slot.index)

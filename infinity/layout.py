@@ -79,6 +79,8 @@ class ShardLayout:
         trainable = [s for s in slots if s.trainable]
         self.trainable_numel = _round_up(trainable[-1].end, ALIGN_NUMEL) if trainable else 0
         self.sub_groups = _cut_sub_groups(trainable, sub_group_size)
+        self.group_of_slot: dict[int, SubGroup] = {slot.index: g for g in self.sub_groups for slot in g.slots}
+        """Slot index -> its sub-group (trainable slots only: a frozen parameter has no optimizer state)."""
 
     @property
     def largest_shard_numel(self) -> int:

@@ -120,7 +120,6 @@ class OffloadOptimizer:
         self._written_groups: set[int] = set()
         self._grad_scratch: torch.Tensor | None = None
         self._grad_scratch_tier = "host"
-        self.group_of_slot = {slot.index: group for group in layout.sub_groups for slot in group.slots}
         self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
         self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
         self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups

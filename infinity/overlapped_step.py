@@ -132,7 +132,7 @@ class OverlappedStep:
 
     def slot_final(self, slot) -> None:
         """The gradient reducer's word, during the step's last backward: ``slot``'s gradient is final."""
-        group = self._optimizer.group_of_slot[slot.index]
+        group = self._optimizer.layout.group_of_slot[slot.index]
         with self._lock:
             waiting = self._waiting.get(group.index)
             if waiting is None:

@@ -108,9 +108,9 @@ class StagedShards:
             out.copy_(entry.values[start:start + out.numel()])
             self.hits += 1
             self.hit_nbytes += out.numel() * out.element_size()
-            last = slot_index in entry.unread and len(entry.unread) == 1
+            # the owner's last unread shard (a set holds one sub-group: it is released before it is reused)
+            last = entry.unread == {slot_index}
             entry.unread.discard(slot_index)
-            last = last and not any(e.owner is entry.owner and e.unread for e in self._readable.values())
         if last and self.on_read is not None:
             self.on_read(entry.owner)
         return True
