@@ -14,7 +14,8 @@ host memory instead (those the step reads first, first; the states in memory
 are :class:`~infinity.memory_states.MemoryStates`) and only the others are
 swapped: they are pipelined through sets of host buffers, sub-group i+1
 read while sub-group i is updated, and sub-group i written while i+1 is
-updated. A buffer set is reused only after its writes have completed.
+updated. A buffer set is reused only after its writes have completed. The sets
+and the swap keys are :class:`~infinity.swapped_states.SwappedStates`'.
 
 The step overlapped with backward (:mod:`infinity.overlapped_step`) runs the
 same updates from its worker, through the verbs of the section so named.
@@ -37,8 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-from dataclasses import dataclass
 
 import torch
 
@@ -55,33 +54,12 @@ from infinity.step_tail import StepTail
 from infinity.placement import Placement
 from infinity.resting_states import RestingStates
 from infinity.storage import IOHandle
-from infinity.storage.stats import format_nbytes
+from infinity.swapped_states import StagingSet, SwappedStates, group_states
 from infinity.tiers import Tiers
 
 logger = logging.getLogger(__name__)
 
 _nothing = contextlib.nullcontext
-
-
-@dataclass
-class _Staging:
-    """Host buffers for one sub-group in flight (NVMe tier)."""
-
-    states: dict[str, torch.Tensor]
-    compute: torch.Tensor
-    writes: list[IOHandle]
-
-    def wait_writes(self) -> None:
-        """Wait for every write; the list is emptied even when one failed (its error is raised once)."""
-        writes, self.writes = self.writes, []
-        error = None
-        for handle in writes:
-            try:
-                handle.wait()
-            except OSError as err:
-                error = error or err
-        if error is not None:
-            raise error
 
 
 class OffloadOptimizer:
@@ -116,28 +94,27 @@ class OffloadOptimizer:
                                     state_dtype=self.state_dtype, on_device=self._on_device)
         self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
         self._store = None
-        self._staging: list[_Staging] = []
+        self.swapped: SwappedStates | None = None  # the staging sets and swap keys of the states on NVMe
         self._written_groups: set[int] = set()
         self._grad_scratch: torch.Tensor | None = None
         self._grad_scratch_tier = "host"
-        self._side: set[int] = set()          # swapped sub-groups whose states live under their second keys
         self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
         self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
         if self.tier == "nvme":
             self._store = tiers.swap_store(nvme_path)
-            numel = layout.largest_sub_group_numel
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
-            for _ in range(max(2, buffer_count) if pipeline else 1):
-                states = {t.name: tiers.empty("host", t.numel, t.dtype) for t in self._state_layout(numel)}
-                compute_staging = tiers.empty("host", numel, compute.dtype, pinned=self._delivery.scratch_pinned)
-                self._staging.append(_Staging(states, compute_staging, []))
+            self.swapped = SwappedStates(self._store, tiers, self.state_dtype,
+                                         largest_numel=layout.largest_sub_group_numel,
+                                         set_count=max(2, buffer_count) if pipeline else 1,
+                                         compute_dtype=compute.dtype, compute_pinned=self._delivery.scratch_pinned)
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
         else:
             self._memory.allocate(layout.sub_groups)
-        self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store, self._key)
+        self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store,
+                                      self.swapped.key if self.swapped is not None else None)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         self._shares_master = self._groups_sharing_master(compute_from_master)
@@ -178,15 +155,11 @@ class OffloadOptimizer:
         master_dtype = self._state_layout(1)[0].dtype
         groups = frozenset(g.index for g in self.swapped_groups if self._compute.can_rest_in_master(g, master_dtype))
         if groups:
-            self._compute.read_masters_with(self._read_master_part)
+            self._compute.read_masters_with(self.swapped.read_master_part)
             logger.info("compute shards of %d of %d sub-groups are read from their %s master on NVMe after its first "
                         "update (offload_param.compute_from_master): 2 B an element less written a step",
                         len(groups), len(self.layout.sub_groups), self.state_dtype)
         return groups
-
-    def _read_master_part(self, group: SubGroup, at: int, out: torch.Tensor) -> IOHandle:
-        """``out``'s bytes of ``group``'s master from byte ``at``: compute shards that rest in it."""
-        return self._store.read(self._key("master", group), out, at=at)
 
     @property
     def staged_shards(self):
@@ -196,9 +169,10 @@ class OffloadOptimizer:
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
 
-    def _group_states(self, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
-        return {spec.name: states[spec.name][:spec.numel] for spec in self._state_layout(group.numel)}
+    @property
+    def staging_sets(self) -> list[StagingSet]:
+        """The host buffers swapped sub-groups are updated in (none unless the states are on NVMe)."""
+        return self.swapped.sets if self.swapped is not None else []
 
     def _seed(self, group: SubGroup) -> int:
         """The stochastic-rounding seed of one sub-group: its own on every rank, the same in a resumed run."""
@@ -228,14 +202,14 @@ class OffloadOptimizer:
             if group.index in self._written_groups or not all(s.index in values_by_slot for s in group.slots):
                 continue
             if not self.in_memory(group):
-                staging = self._staging[0]
+                staging = self.swapped.sets[0]
                 staging.wait_writes()
                 self._compute.staged.release(staging)  # overwritten next
                 master = staging.states["master"][:group.numel]
                 master.zero_()
                 for slot in group.slots:
                     master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
-                self._store.write(self._key("master", group), master).wait()
+                self._store.write(self.swapped.key("master", group), master).wait()
             else:
                 for slot in group.slots:
                     self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
@@ -264,7 +238,7 @@ class OffloadOptimizer:
         tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
         Returns the NVMe writes still in flight."""
         cfg = self.config
-        states = self._group_states(group, states)
+        states = group_states(self.state_dtype, group, states)
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
@@ -293,13 +267,13 @@ class OffloadOptimizer:
     def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup], at: UpdateAt) -> None:
         """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
         writes are done. The ``in_memory`` sub-groups are updated while the first read is in flight."""
-        sets = self._staging
+        sets = self.staging_sets
         reads: dict[int, list[IOHandle]] = {}
         if groups:
             # The last step's write-behind may still be reading this set (the set of its last sub-groups):
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
-            reads[0] = self._read_states(groups[0], sets[0], step=at.step)
+            reads[0] = self.read_states(groups[0], sets[0], step=at.step)
         for group in in_memory:
             self._update_in_memory(group, at)
         for i, group in enumerate(groups):
@@ -309,13 +283,13 @@ class OffloadOptimizer:
             following = sets[(i + 1) % len(sets)]
             if i + 1 < len(groups) and following is not staging:
                 following.wait_writes()
-                reads[i + 1] = self._read_states(groups[i + 1], following, step=at.step)
-            states = self._group_states(group, staging.states)
+                reads[i + 1] = self.read_states(groups[i + 1], following, step=at.step)
+            states = group_states(self.state_dtype, group, staging.states)
             staging.writes.extend(self._update(group, states, staging.compute, at))
             self._write_states(group, staging, other_side=False)
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
-                reads[i + 1] = self._read_states(groups[i + 1], staging, step=at.step)
+                reads[i + 1] = self.read_states(groups[i + 1], staging, step=at.step)
         # Write-behind: the last sub-groups' writes finish while the next forward runs. The store orders
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
@@ -367,7 +341,8 @@ class OffloadOptimizer:
     def publish_other_side(self, groups) -> None:
         """Committed speculative updates of swapped sub-groups: their states now live under their other keys."""
         swapped = [g.index for g in groups if not self.in_memory(g)]
-        self._side.symmetric_difference_update(swapped)
+        if self.swapped is not None:
+            self.swapped.publish_other_side(swapped)
         self._compute.staged.publish(swapped)  # masters still staged are the compute shards' newest now
 
     def _make_room_to_undo(self) -> None:
@@ -375,29 +350,9 @@ class OffloadOptimizer:
         keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
         room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
         what ``estimate`` says and a full disk fails here, not mid-run."""
-        self.second_side_reserved = self._disk_holds_two_sides()
-        if self.second_side_reserved:
-            for group in self.swapped_groups:
-                for spec in self._state_layout(group.numel):
-                    self._store.reserve(self._key(spec.name, group, other_side=True), spec.nbytes)
+        self.second_side_reserved = self.swapped is None or self.swapped.reserve_other_sides(self.swapped_groups)
         if self._states:
             self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
-
-    def _disk_holds_two_sides(self) -> bool:
-        """Whether the NVMe directory has room for both sides of the swapped states (neither is written yet),
-        with a tenth to spare for what else goes there. Without it the swapped sub-groups wait for the norm:
-        the step stays exact, only its overlap is smaller; better than a disk that fills up mid-run."""
-        if not self.swapped_groups:
-            return True
-        one_side = sum(spec.nbytes for group in self.swapped_groups for spec in self._state_layout(group.numel))
-        free = shutil.disk_usage(self._store.directory).free
-        if free >= 2.2 * one_side:
-            return True
-        logger.warning("overlapped step with clipping/fp16: %s free in %s, and undoing a speculative update on NVMe "
-                       "needs the optimizer's %s of swapped states twice (%s); swapped sub-groups wait for the global "
-                       "norm instead (the step is as exact, it overlaps less with backward)", format_nbytes(free),
-                       self._store.directory, format_nbytes(one_side), format_nbytes(2 * one_side))
-        return False
 
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
@@ -408,11 +363,11 @@ class OffloadOptimizer:
         if self.in_memory(group):
             master, staging = self._memory.views(group)["master"], None
         else:
-            staging = self._staging[0]
+            staging = self.swapped.sets[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
             self._compute.staged.release(staging)
             master = staging.states["master"][:group.numel]
-            self._store.read(self._key("master", group), master).wait()
+            self._store.read(self.swapped.key("master", group), master).wait()
         if shares_master:  # the rest are read from the master on NVMe, as above
             self._compute.write_resident_from_master(group, master)
             return
@@ -420,12 +375,6 @@ class OffloadOptimizer:
         out.copy_(master)
         for handle in self._delivery.deliver(group, out):
             handle.wait()
-
-    def _key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
-        """The swap key of a state: each swapped sub-group has two, so a speculative update never overwrites
-        the states it may have to return to."""
-        second = (group.index in self._side) != other_side
-        return f"{name}.{group.index}" + (".b" if second else "")
 
     def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
         """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
@@ -442,28 +391,24 @@ class OffloadOptimizer:
             self.undo.save(group)
         self._update_in_memory(group, at, grad_coef=check.grad_coef)
 
-    def update_staged(self, group: SubGroup, staging: _Staging, check: StepCheck, at: UpdateAt) -> None:
+    def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
         may not stand, the new states go to the other side of its keys."""
-        states = self._group_states(group, staging.states)
+        states = group_states(self.state_dtype, group, staging.states)
         staging.writes.extend(self._update(group, states, staging.compute, at, grad_coef=check.grad_coef))
         self._write_states(group, staging, other_side=check.needs_norm)
 
-    def _write_states(self, group: SubGroup, staging: _Staging, *, other_side: bool) -> None:
+    def _write_states(self, group: SubGroup, staging: StagingSet, *, other_side: bool) -> None:
         """Queue the writes of a swapped sub-group's updated states; a master that holds the compute shards goes
         ahead of the queue (the next forward reads it), and its shards are read from it from now on. Written to
         the other side, the master the shards are read from is the one on the current side until the step
         commits: the shards' old values, as long as the update may still be undone."""
         shares_master = group.index in self._shares_master
-        states = self._group_states(group, staging.states)
-        for name, tensor in states.items():
-            urgent = shares_master and name == "master"
-            staging.writes.append(self._store.write(self._key(name, group, other_side=other_side), tensor,
-                                                    urgent=urgent))
+        self.swapped.write(group, staging, other_side=other_side, urgent_master=shares_master)
         if shares_master:
             self._compute.rest_in_master(group)
             # the next forward copies the shards from the staged master while the set is not reused
-            self._compute.keep_staged(group, states["master"], staging, speculative=other_side)
+            self._compute.keep_staged(group, staging.states["master"][:group.numel], staging, speculative=other_side)
         elif self._delivery.writes_from_scratch:
             # their files were written from the set's compute buffer (the speculative values too: an undo
             # writes them again, which forgets these)
@@ -474,16 +419,10 @@ class OffloadOptimizer:
         for handle in self._update(group, self._memory.views(group), None, at, grad_coef=grad_coef):
             handle.wait()
 
-    def _read_states(self, group: SubGroup, staging: _Staging, *, step: int, urgent: bool = True) -> list[IOHandle]:
+    def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
         """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
         self._compute.staged.release(staging)  # the shards it held are read from NVMe from now on
-        handles = []
-        for name, buffer in self._group_states(group, staging.states).items():
-            if name != "master" and step == 1:
-                buffer.zero_()  # moments (codes and scales) start at zero: nothing on disk yet
-                continue
-            handles.append(self._store.read(self._key(name, group), buffer, urgent=urgent))
-        return handles
+        return self.swapped.read(group, staging, step=step, urgent=urgent)
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
     def read_master(self, group: SubGroup, out: torch.Tensor) -> None:
@@ -512,20 +451,13 @@ class OffloadOptimizer:
     def flush(self) -> None:
         """Wait for every update and write of earlier steps (they finish behind the next forward otherwise)."""
         self.land_tail()
-        for staging in self._staging:
-            staging.wait_writes()
+        if self.swapped is not None:
+            self.swapped.wait_writes()
 
     def close(self) -> None:
         self.drop_tail()
-        for staging in self._staging:
-            try:
-                staging.wait_writes()
-            except OSError as err:  # already raised by the step that issued it; closing must go on
-                logger.warning("closing after a failed write: %s", err)
-            for tensor in staging.states.values():
-                self._tiers.free("host", tensor)
-            self._tiers.free("host", staging.compute)
-        self._staging.clear()
+        if self.swapped is not None:
+            self.swapped.close()
         self._memory.close()
         self._delivery.close()
         if self._grad_scratch is not None:

@@ -47,7 +47,8 @@ from infinity.tiers import Tiers
 
 if TYPE_CHECKING:
     from infinity.grad_reducer import GradReducer
-    from infinity.offload_optimizer import OffloadOptimizer, _Staging
+    from infinity.offload_optimizer import OffloadOptimizer
+    from infinity.swapped_states import StagingSet
     from infinity.step_tail import StepTail
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,8 @@ class OverlappedStep:
         self._waiting = {g.index: {s.index for s in g.slots} for g in optimizer.layout.sub_groups}
         self._ready: "queue.Queue[SubGroup | None]" = queue.Queue()
         self._error: BaseException | None = None
-        self._read_ahead: dict[int, tuple["_Staging", list[IOHandle]]] = {}  # worker only
-        self._free_sets: list["_Staging"] = list(optimizer._staging)          # worker only
+        self._read_ahead: dict[int, tuple["StagingSet", list[IOHandle]]] = {}  # worker only
+        self._free_sets: list["StagingSet"] = list(optimizer.staging_sets)    # worker only
         # A free set may still hold the newest compute shards of a sub-group the forward has not read yet
         # (infinity.staged_shards): reads ahead leave it alone until they are read, or backward begins.
         self._staged = optimizer.staged_shards
@@ -319,7 +320,7 @@ class OverlappedStep:
                     handle.wait()
                 self._free_sets.append(staging)
             staging = self._take_set()
-            reads = optimizer._read_states(group, staging, step=self.step)
+            reads = optimizer.read_states(group, staging, step=self.step)
         else:
             staging, reads = entry
         for handle in reads:
@@ -351,10 +352,10 @@ class OverlappedStep:
             if staging is None:
                 return  # the rest hold shards the forward reads first: on_read says when they are read
             group = self._optimizer.layout.sub_groups[index]
-            self._read_ahead[index] = (staging, self._optimizer._read_states(group, staging, urgent=False,
-                                                                             step=self.step))
+            self._read_ahead[index] = (staging, self._optimizer.read_states(group, staging, urgent=False,
+                                                                            step=self.step))
 
-    def _take_set(self, *, leave_unread: bool = False) -> "_Staging | None":
+    def _take_set(self, *, leave_unread: bool = False) -> "StagingSet | None":
         """The first free set that holds no unread compute shards; else, unless ``leave_unread``, the first."""
         at = next((i for i, s in enumerate(self._free_sets) if not self._staged.holds_unread(s)), None)
         if at is None:

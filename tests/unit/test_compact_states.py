@@ -270,7 +270,7 @@ def test_the_host_budget_counts_the_compact_bytes(gpt, tmp_path):
         engine = infinity.initialize(copy.deepcopy(model), config)
         try:
             kept[state_dtype] = engine.optimizer.resident_numel
-            staging = engine.optimizer._staging[0].states
+            staging = engine.optimizer.staging_sets[0].states
             assert sum(t.numel() * t.element_size() for t in staging.values()) == kernels.state_nbytes(
                 state_dtype, engine.layout.largest_sub_group_numel)
         finally:
