@@ -132,7 +132,7 @@ def test_a_disk_without_room_for_two_sides_waits_for_the_norm(tmp_path, monkeypa
                 second_side.append(key)
             return _original(self, key, *args, **kwargs)
         monkeypatch.setattr(SwapStore, method, recording)
-    with caplog.at_level("WARNING", logger="infinity.offload_optimizer"):
+    with caplog.at_level("WARNING", logger="infinity.swapped_states"):
         on_losses, on_state, on_metrics, _ = _steps(model, batches, tmp_path, overlap=True, param="nvme",
                                                     optimizer="nvme", clip=clip)
     assert "swapped sub-groups wait for the global norm" in caplog.text
