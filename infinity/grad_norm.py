@@ -36,7 +36,7 @@ def sq_norm_fp64(values: torch.Tensor) -> float:
     if values.device.type != "cpu":
         # One host sync at the end, not one per chunk.
         return float(sum(chunk.double().pow(2).sum() for chunk in values.split(DEVICE_CHUNK_NUMEL)))
-    if values.dtype in (torch.float32, torch.bfloat16, torch.float16) and values.is_contiguous():
+    if kernels.norm.takes(values):
         # The C++ kernel: one pass, without the GIL (the optimizer's worker calls this while backward runs).
         total = kernels.sq_norm_fp64(values)
         if total is not None:

@@ -10,11 +10,16 @@ from .adam import backend
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def takes(values: torch.Tensor) -> bool:
+    """Whether :func:`sq_norm_fp64` takes ``values``: one contiguous fp32/bf16/fp16 CPU tensor."""
+    return values.dtype in _DTYPES and values.device.type == "cpu" and values.is_contiguous()
+
+
 def sq_norm_fp64(values: torch.Tensor) -> float | None:
     """The sum of ``values``' squares in fp64 (one contiguous fp32/bf16/fp16 CPU tensor), in one pass with the
     GIL released; the same tensor always gives the same bits. None where the kernel is not used (``backend()``
     is ``torch``): the caller sums in torch ops."""
-    if values.dtype not in _DTYPES or values.device.type != "cpu" or not values.is_contiguous():
+    if not takes(values):
         raise ValueError(f"sq_norm_fp64 takes a contiguous float32/bfloat16/float16 CPU tensor, got {values.dtype} "
                          f"on {values.device}{'' if values.is_contiguous() else ', not contiguous'}")
     if backend() != "cpp":
