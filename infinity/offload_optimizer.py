@@ -209,7 +209,7 @@ class OffloadOptimizer:
                 master.zero_()
                 for slot in group.slots:
                     master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
-                self._store.write(self.swapped.key("master", group), master).wait()
+                self.swapped.write_master(group, master).wait()
             else:
                 for slot in group.slots:
                     self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
@@ -284,8 +284,7 @@ class OffloadOptimizer:
             if i + 1 < len(groups) and following is not staging:
                 following.wait_writes()
                 reads[i + 1] = self.read_states(groups[i + 1], following, step=at.step)
-            states = group_states(self.state_dtype, group, staging.states)
-            staging.writes.extend(self._update(group, states, staging.compute, at))
+            staging.writes.extend(self._update(group, staging.states, staging.compute, at))
             self._write_states(group, staging, other_side=False)
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
@@ -367,7 +366,7 @@ class OffloadOptimizer:
             staging.wait_writes()  # its buffers are about to be overwritten by the read
             self._compute.staged.release(staging)
             master = staging.states["master"][:group.numel]
-            self._store.read(self.swapped.key("master", group), master).wait()
+            self.swapped.read_master(group, master).wait()
         if shares_master:  # the rest are read from the master on NVMe, as above
             self._compute.write_resident_from_master(group, master)
             return
@@ -394,8 +393,7 @@ class OffloadOptimizer:
     def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
         may not stand, the new states go to the other side of its keys."""
-        states = group_states(self.state_dtype, group, staging.states)
-        staging.writes.extend(self._update(group, states, staging.compute, at, grad_coef=check.grad_coef))
+        staging.writes.extend(self._update(group, staging.states, staging.compute, at, grad_coef=check.grad_coef))
         self._write_states(group, staging, other_side=check.needs_norm)
 
     def _write_states(self, group: SubGroup, staging: StagingSet, *, other_side: bool) -> None:

@@ -116,6 +116,14 @@ class SwappedStates:
             staging.writes.append(self._store.write(self.key(name, group, other_side=other_side), tensor,
                                                     urgent=urgent))
 
+    def write_master(self, group: SubGroup, values: torch.Tensor) -> IOHandle:
+        """Write the sub-group's whole master (its first values) to the side in use."""
+        return self._store.write(self.key("master", group), values)
+
+    def read_master(self, group: SubGroup, out: torch.Tensor) -> IOHandle:
+        """Read the sub-group's whole master, as the side in use holds it, into ``out``."""
+        return self._store.read(self.key("master", group), out)
+
     def read_master_part(self, group: SubGroup, at: int, out: torch.Tensor) -> IOHandle:
         """``out``'s bytes of the sub-group's master from byte ``at`` (compute shards that rest in it)."""
         return self._store.read(self.key("master", group), out, at=at)
