@@ -15,7 +15,7 @@ from infinity.comm import Collectives, rank_in
 from infinity.compute_shards import ComputeShards
 from infinity.config import InfinityConfig
 from infinity.copies import Copies
-from infinity.full_blocks import FreshBlocks, ReusedBlocks
+from infinity.full_blocks import full_blocks_for
 from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
 from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
@@ -138,7 +138,7 @@ class Engine:
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.prefetcher = self._make_prefetcher(reserve)
-        self.full_blocks = self._make_full_blocks()
+        self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         for slot in layout.slots:
@@ -201,14 +201,6 @@ class Engine:
             buffer_size = largest
         return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
                               stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
-
-    def _make_full_blocks(self) -> FreshBlocks | ReusedBlocks:
-        """Released full tensors' blocks are kept for the next fetch where device memory is host memory (the CPU
-        allocator would map fresh pages for each); a GPU's caching allocator already does that."""
-        stats = self.tiers.stats["device"]
-        if self.device.type == "cpu" and not self.placement.distinct and ReusedBlocks.available():
-            return ReusedBlocks(stats)
-        return FreshBlocks(stats)
 
     def _cast_buffers(self, model: torch.nn.Module) -> None:
         for module in model.modules():

@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import torch
 
+from infinity.placement import Placement
 from infinity.storage import TierStats
 
 
@@ -121,3 +122,11 @@ class ReusedBlocks:
         with self._lock:
             while self._kept_nbytes:
                 self._drop_one()
+
+
+def full_blocks_for(placement: Placement, stats: TierStats) -> FreshBlocks | ReusedBlocks:
+    """Released full tensors' blocks are kept for the next fetch where device memory is host memory (the CPU
+    allocator would map fresh pages for each); a GPU's caching allocator already does that."""
+    if placement.device.type == "cpu" and not placement.distinct and ReusedBlocks.available():
+        return ReusedBlocks(stats)
+    return FreshBlocks(stats)
