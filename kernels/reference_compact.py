@@ -2,15 +2,16 @@
 for ``csrc/adam_compact.cpp``, equal to it bit for bit.
 
 Per element, the states are widened to fp32 (``compact.py`` defines the forms),
-then the fp32 step of ``reference.py`` runs in the same order, then the results
-are stored back:
+then the fp32 step of ``reference.py`` runs in the same order (but for its last
+line, where ``sqrt(bias_correction2)`` moves into the two constants so that one
+division is left), then the results are stored back:
 
     p, m, v  = widen(master), widen(exp_avg), widen(exp_avg_sq)    (int8: v = (code * scale)**2)
     p  = p * decay  |  g = g + p * l2
     m  = base + coeff * (g - m)
     v  = v * beta2 + ((1 - beta2) * g) * g
     r  = sqrt(v)                                                 (correctly rounded)
-    p  = p + (-step_size * m) / (r / sqrt(bias_correction2) + eps)
+    p  = p + ((-step_size * sqrt(bc2)) * m) / (r + eps * sqrt(bc2))   (one division; reference.py has two)
     bf16: h = random_bits(keys, index)
           master = SR_bf16(p, h >> 16), exp_avg = RNE_bf16(m), exp_avg_sq = SR_bf16(v, h & 0xFFFF)
     int8: master = SR_bf16(p, random_bits16_shared(keys, index))
@@ -59,6 +60,9 @@ def adam_update_compact(
     m_flat, v_flat = exp_avg.view(-1), exp_avg_sq.view(-1)
     out_flat = None if param_out is None else param_out.view(-1)
     f32 = torch.float32
+    # Python floats (doubles), rounded to fp32 where they meet a tensor, as the kernel rounds its products
+    neg_step_root = c.neg_step_size * c.bias_correction2_sqrt
+    eps_root = c.eps * c.bias_correction2_sqrt
     for lo in range(0, numel, chunk_numel):
         hi = min(lo + chunk_numel, numel)
         blo, bhi = lo // compact.BLOCK_NUMEL, compact.num_blocks(hi)
@@ -81,8 +85,7 @@ def adam_update_compact(
             m = g + (g - m) * c.lerp_coeff
         v = v * c.beta2 + (g * c.beta2_complement) * g
         root = compact.sqrt_rn(v)
-        denom = root / c.bias_correction2_sqrt + c.eps
-        p = p + (m * c.neg_step_size) / denom
+        p = p + (m * neg_step_root) / (root + eps_root)
 
         index = torch.arange(lo, hi, dtype=torch.int64)
         if int8:

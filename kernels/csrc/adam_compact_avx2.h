@@ -70,11 +70,11 @@ inline I join_high16(I even, I odd) { return _mm256_blend_epi16(_mm256_srli_epi3
 
 // Consts, broadcast.
 struct Splats {
-  V decay, l2, coeff, beta2, beta2_complement, bc2_sqrt, neg_step, eps, avg_mask;
+  V decay, l2, coeff, beta2, beta2_complement, neg_step_root, eps_root, avg_mask;
   explicit Splats(const Consts& c)
       : decay(splat(c.decay)), l2(splat(c.l2)), coeff(splat(c.coeff)), beta2(splat(c.beta2)),
-        beta2_complement(splat(c.beta2_complement)), bc2_sqrt(splat(c.bc2_sqrt)),
-        neg_step(splat(c.neg_step)), eps(splat(c.eps)), avg_mask(floats(splat(c.avg_mask))) {}
+        beta2_complement(splat(c.beta2_complement)), neg_step_root(splat(c.neg_step_root)),
+        eps_root(splat(c.eps_root)), avg_mask(floats(splat(c.avg_mask))) {}
 };
 
 // adam_fp32 on eight elements; mul and add stay separate (no FMA), as there.
@@ -86,8 +86,7 @@ inline V adam_fp32(const Splats& k, V param, V grad, V& avg, V& sq, V& root) {
   avg = _mm256_add_ps(base, _mm256_mul_ps(k.coeff, _mm256_sub_ps(grad, avg)));
   sq = _mm256_add_ps(_mm256_mul_ps(sq, k.beta2), _mm256_mul_ps(_mm256_mul_ps(k.beta2_complement, grad), grad));
   root = _mm256_sqrt_ps(sq);
-  const V denom = _mm256_add_ps(_mm256_div_ps(root, k.bc2_sqrt), k.eps);
-  return _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(k.neg_step, avg), denom));
+  return _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(k.neg_step_root, avg), _mm256_add_ps(root, k.eps_root)));
 }
 
 // mix32 on eight lanes.

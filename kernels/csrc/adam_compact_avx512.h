@@ -99,12 +99,12 @@ inline void write_out32(F16* out, I packed) {
 
 // Consts, broadcast.
 struct Splats {
-  V decay, l2, coeff, beta2, beta2_complement, bc2_sqrt, neg_step, eps;
+  V decay, l2, coeff, beta2, beta2_complement, neg_step_root, eps_root;
   M base_is_avg;
   explicit Splats(const Consts& c)
       : decay(splat(c.decay)), l2(splat(c.l2)), coeff(splat(c.coeff)), beta2(splat(c.beta2)),
-        beta2_complement(splat(c.beta2_complement)), bc2_sqrt(splat(c.bc2_sqrt)),
-        neg_step(splat(c.neg_step)), eps(splat(c.eps)), base_is_avg(c.base_is_avg ? 0xFFFF : 0) {}
+        beta2_complement(splat(c.beta2_complement)), neg_step_root(splat(c.neg_step_root)),
+        eps_root(splat(c.eps_root)), base_is_avg(c.base_is_avg ? 0xFFFF : 0) {}
 };
 
 // adam_fp32 on sixteen elements; mul and add stay separate (no FMA), as there.
@@ -116,8 +116,7 @@ inline V adam_fp32(const Splats& k, V param, V grad, V& avg, V& sq, V& root) {
   avg = _mm512_add_ps(base, _mm512_mul_ps(k.coeff, _mm512_sub_ps(grad, avg)));
   sq = _mm512_add_ps(_mm512_mul_ps(sq, k.beta2), _mm512_mul_ps(_mm512_mul_ps(k.beta2_complement, grad), grad));
   root = _mm512_sqrt_ps(sq);
-  const V denom = _mm512_add_ps(_mm512_div_ps(root, k.bc2_sqrt), k.eps);
-  return _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(k.neg_step, avg), denom));
+  return _mm512_add_ps(param, _mm512_div_ps(_mm512_mul_ps(k.neg_step_root, avg), _mm512_add_ps(root, k.eps_root)));
 }
 
 // mix32 on sixteen lanes.
