@@ -14,6 +14,8 @@ one step moves to and from NVMe (from ``step_metrics()``) over the bandwidth
     python benchmarks/bench_gpu.py                              # 124M and 1.3B, every case
     python benchmarks/bench_gpu.py --models 124m --cases none:4,cpu:1
     python benchmarks/bench_gpu.py --allow-cpu --models tiny    # the script itself, without a GPU
+    python benchmarks/bench_gpu.py --allow-cpu --models thin --seq 16 --micro-batch 1 --cases none:1,none:4 \
+        --rounds 20                                             # the engine's host-side work a step
 
 Without CUDA (and without --allow-cpu) it says so and exits 0. The last line
 printed is one JSON object.
@@ -43,6 +45,9 @@ MODELS = {
     "124m": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304, tie_embeddings=True),
     "1.3b": GPTConfig(n_layer=24, n_head=16, d_model=2048, seq_len=1024, vocab_size=50304, tie_embeddings=True),
     "tiny": GPTConfig(n_layer=2, n_head=4, d_model=128, seq_len=128, vocab_size=256, tie_embeddings=True),
+    # 124M's twelve layers (its parameter tensors, modules and hooks) at width 64: next to no compute, so a
+    # step's time over plain PyTorch's is the engine's host-side work, what a small model on a GPU waits for
+    "thin": GPTConfig(n_layer=12, n_head=2, d_model=64, seq_len=128, vocab_size=256, tie_embeddings=True),
 }
 DEFAULT_CASES = "none:1,none:4,cpu:1,cpu:4,nvme:1,spill:1"
 TIERS = ("none", "cpu", "nvme", "spill")  # spill: nvme configured, the host-memory budget keeps what fits

@@ -14,7 +14,7 @@ released in backward once all its trainable parameters' gradients are ready.
 
 A parameter used outside the forward of a module that owns it (in a parent's
 forward, say) would be read while released: the :class:`FetchOnUse` mode,
-active during the engine's forward, catches that, fetches it and adds it to the
+active during the engine's forward where a parameter can be released, catches that, fetches it and adds it to the
 running module's group, so later passes fetch it with that module.
 """
 
@@ -40,6 +40,10 @@ class FetchGroup:
         self.params = list(params)
         self.release_on_grads = False        # its inputs need no gradient: release when its grads are ready
         self.awaiting_grads: set[int] = set()  # ids of parameters whose gradient this backward still waits for
+        self.always_fetched = all(p.aliased for p in self.params)
+        """Every parameter's shard is its full tensor (one rank, shards in device memory): nothing is ever
+        released, so its forward hooks only fetch (which waits for the step's updates behind the forward) and
+        its backward needs no hooks at all."""
 
     def fetch_for_backward(self) -> None:
         self.fetch()
@@ -55,6 +59,7 @@ class FetchGroup:
     def add_external(self, param: ShardedParam) -> None:
         if param not in self.params:
             self.params.append(param)
+            self.always_fetched = self.always_fetched and param.aliased
             logger.info("%s uses %s outside that parameter's own module; it is now fetched with %s",
                         self.name or "the root module", param.name, self.name or "the root module")
 
@@ -109,8 +114,8 @@ class ModuleHooks:
         def hook(module, args, kwargs):
             group.fetch()
             self.running.append(group)
-            if not torch.is_grad_enabled():
-                return None
+            if group.always_fetched or not torch.is_grad_enabled():
+                return None  # no release to schedule after its backward
             wrapped = _wrap_for_release(group, args, kwargs)
             group.release_on_grads = wrapped is None
             return wrapped
@@ -121,6 +126,8 @@ class ModuleHooks:
             if self.running and self.running[-1] is group:
                 self.running.pop()
             group.release()
+            if group.always_fetched:
+                return None  # nothing to fetch again before its backward
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs and torch.is_grad_enabled():
                 torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch_for_backward(),
