@@ -14,8 +14,14 @@ released in backward once all its trainable parameters' gradients are ready.
 
 A parameter used outside the forward of a module that owns it (in a parent's
 forward, say) would be read while released: the :class:`FetchOnUse` mode,
-active during the engine's forward where a parameter can be released, catches that, fetches it and adds it to the
-running module's group, so later passes fetch it with that module.
+active during the engine's forward where a parameter can be released, catches
+that, fetches it and adds it to the running module's group, so later passes
+fetch it with that module.
+
+With one rank and every shard in device memory, each shard is its parameter's
+full tensor and nothing is released: modules are then only fetched in forward
+(the wait for the last step's updates behind it), and backward has no hooks
+but the gradients'.
 """
 
 from __future__ import annotations
