@@ -118,7 +118,8 @@ class ModuleHooks:
 
     def _pre_forward(self, group: FetchGroup):
         def hook(module, args, kwargs):
-            group.fetch()
+            with torch._C.DisableTorchFunction():  # the engine's own ops: FetchOnUse need not check them
+                group.fetch()
             self.running.append(group)
             if group.always_fetched or not torch.is_grad_enabled():
                 return None  # no release to schedule after its backward
@@ -131,7 +132,8 @@ class ModuleHooks:
         def hook(module, args, output):
             if self.running and self.running[-1] is group:
                 self.running.pop()
-            group.release()
+            with torch._C.DisableTorchFunction():
+                group.release()
             if group.always_fetched:
                 return None  # nothing to fetch again before its backward
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
