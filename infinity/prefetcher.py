@@ -40,7 +40,8 @@ class Prefetcher:
         self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
         self._on_plan = False
         self._issued_upto = 0                 # plan positions below this have had their prefetch considered
-        self._in_flight: list[ShardedParam] = []  # prefetched, not yet fetched: their reads go on to copies up
+        # prefetched into host buffers, their reads not landed: each goes on to its copy up once its read is done
+        self._reading: list[ShardedParam] = []
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
 
@@ -83,7 +84,7 @@ class Prefetcher:
         self._last_request[id(param)] = position
         if not self._on_plan:
             return
-        self._advance_in_flight()
+        self._advance_reads()
         if position >= len(self.plan) or self.plan[position] is not param:
             self._on_plan = False  # off the plan: on demand until the pass ends
             return
@@ -107,8 +108,9 @@ class Prefetcher:
     def land_in_flight(self) -> None:
         """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer
         comes back once that copy has landed (GPU only)."""
-        for p in self._in_flight:
+        for p in self._reading:
             p.land_prefetch()
+        self._reading = []
 
     # -- internals ----------------------------------------------------------------
     def _prefetch_after(self, position: int) -> None:
@@ -127,19 +129,23 @@ class Prefetcher:
                     break
                 if p.prefetch():
                     self.prefetched += 1
-                    self._in_flight.append(p)
+                    if p.reading_into_buffer:
+                        self._reading.append(p)
             ahead_numel += numel
             i += 1
         self._issued_upto = i
 
-    def _advance_in_flight(self) -> None:
-        """Prefetches whose NVMe reads have landed issue their copies up now, so those overlap compute too."""
+    def _advance_reads(self) -> None:
+        """Prefetches whose NVMe reads have landed issue their copies up now, so those overlap compute too.
+        Only reads into host buffers are looked at: a copy up from host memory, or a read straight into the
+        full tensor, has no next stage to issue (looking at every prefetch in flight at every request took a
+        small model's forward time quadratic in its parameter count)."""
         still = []
-        for p in self._in_flight:
-            if p.state is ParamState.FETCHING:
-                p.advance()
+        for p in self._reading:
+            p.advance()
+            if p.reading_into_buffer:
                 still.append(p)
-        self._in_flight = still
+        self._reading = still
 
     def _room_for(self, nbytes: int) -> bool:
         """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""

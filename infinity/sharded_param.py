@@ -147,9 +147,14 @@ class ShardedParam:
         logger.debug("%s: RELEASED -> FETCHING (%s)", self.name, "nvme->host" if self._swap_in else "host->device")
         return True
 
+    @property
+    def reading_into_buffer(self) -> bool:
+        """An NVMe read of its shard into a host buffer is in flight; a copy up follows it (:meth:`advance`)."""
+        return self._swap_in is not None and self._swap_in[2] is not None
+
     def advance(self) -> None:
         """A prefetch whose NVMe read has landed goes on to its copy up, without waiting for anything."""
-        if self._swap_in is not None and self._swap_in[2] is not None and self._swap_in[0].done():
+        if self.reading_into_buffer and self._swap_in[0].done():
             self._land()
 
     def release(self) -> None:
@@ -246,7 +251,7 @@ class ShardedParam:
     def land_prefetch(self) -> None:
         """Complete a prefetch's read now and issue its copy up (its host buffer is freed once the copy has
         landed); the gather still waits for fetch()."""
-        if self._swap_in is not None and self._swap_in[2] is not None:
+        if self.reading_into_buffer:
             self._land()
 
     def _land(self) -> None:
