@@ -4,7 +4,6 @@ behind ``infinity.initialize``. It owns every other object's lifetime.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -19,7 +18,7 @@ from infinity.copies import Copies
 from infinity.full_blocks import full_blocks_for
 from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
-from infinity.hooks import FetchGroup, FetchOnUse, ModuleHooks
+from infinity.hooks import FetchGroup, ModuleHooks, fetch_on_use
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
@@ -246,7 +245,7 @@ class Engine:
         if torch.is_grad_enabled() and self.cycle.next_is_boundary:
             self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
-            with self._fetch_on_use(), self.timeline.span("compute", "forward"):
+            with fetch_on_use(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
         except BaseException:
             self._end_pass()
@@ -255,13 +254,6 @@ class Engine:
             self._end_pass()  # no backward follows
         self.meter.add_compute(time.perf_counter() - start)
         return output
-
-    def _fetch_on_use(self):
-        """FetchOnUse where a parameter can be released; with one rank and every shard in device memory none
-        can (each shard is its full tensor), and the mode's check of every op's arguments is skipped."""
-        if all(sharded.aliased for sharded in self.params):
-            return contextlib.nullcontext()
-        return FetchOnUse(self._by_param, self.hooks, self.root_group)
 
     def backward(self, loss: torch.Tensor) -> None:
         self._ensure_open()

@@ -26,6 +26,7 @@ but the gradients'.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -195,3 +196,11 @@ class FetchOnUse(TorchFunctionMode):
                     group = self._hooks.running[-1] if self._hooks.running else self._root_group
                     group.add_external(sharded)
                     sharded.fetch()
+
+
+def fetch_on_use(by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_group: FetchGroup):
+    """The forward's :class:`FetchOnUse` mode where a parameter can be released; with one rank and every shard in
+    device memory none can (each shard is its full tensor), and no op's arguments need checking."""
+    if all(sharded.aliased for sharded in by_param.values()):
+        return contextlib.nullcontext()
+    return FetchOnUse(by_param, hooks, root_group)
