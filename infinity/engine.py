@@ -245,7 +245,9 @@ class Engine:
         if torch.is_grad_enabled() and self.cycle.next_is_boundary:
             self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
-            with fetch_on_use(self._by_param, self.hooks, self.root_group), self.timeline.span("compute", "forward"):
+            fetching = fetch_on_use(self._by_param, self.hooks, self.root_group,
+                                    updates_behind=self.optimizer.tail is not None)
+            with fetching, self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
         except BaseException:
             self._end_pass()

@@ -164,7 +164,8 @@ def _wrap_for_release(group: FetchGroup, args, kwargs):
 
 
 class FetchOnUse(TorchFunctionMode):
-    """Fetches a managed parameter that an op touches while it is released."""
+    """Fetches a managed parameter that an op touches while it is released, and waits for the last step's update
+    of a resident one that an op touches before its module's fetch did."""
 
     def __init__(self, by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_group: FetchGroup):
         super().__init__()
@@ -192,15 +193,23 @@ class FetchOnUse(TorchFunctionMode):
                 self._fetch_released(value)
             else:
                 sharded = self._by_param.get(id(value))
-                if sharded is not None and sharded.param is value and sharded.state is ParamState.RELEASED:
+                if sharded is None or sharded.param is not value:
+                    continue
+                if sharded.state is ParamState.RELEASED:
                     group = self._hooks.running[-1] if self._hooks.running else self._root_group
                     group.add_external(sharded)
                     sharded.fetch()
+                elif not sharded.new_shard_delivered:
+                    # resident (never released), read before its module's fetch: the last step's update of its
+                    # sub-group, running behind this forward, must have written it first
+                    sharded.wait_for_new_shard()
 
 
-def fetch_on_use(by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_group: FetchGroup):
-    """The forward's :class:`FetchOnUse` mode where a parameter can be released; with one rank and every shard in
-    device memory none can (each shard is its full tensor), and no op's arguments need checking."""
-    if all(sharded.aliased for sharded in by_param.values()):
+def fetch_on_use(by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_group: FetchGroup, *,
+                 updates_behind: bool):
+    """The forward's :class:`FetchOnUse` mode where a parameter can be released, or while the last step's updates
+    run behind this forward (``updates_behind``). With one rank and every shard in device memory nothing is
+    released (each shard is its full tensor), so once those updates are made no op's arguments need checking."""
+    if not updates_behind and all(sharded.aliased for sharded in by_param.values()):
         return contextlib.nullcontext()
     return FetchOnUse(by_param, hooks, root_group)

@@ -110,7 +110,7 @@ class ShardedParam:
     def fetch(self) -> None:
         """Make the full tensor available; counted once per holder."""
         self.holders += 1
-        self._wait_for_new_shard()
+        self.wait_for_new_shard()
         up_to_date = self.state is ParamState.FETCHED and not (self.stale and not self.aliased)
         before = self.state
         if not up_to_date and self.state is not ParamState.FETCHING:  # else a prefetch has started it already
@@ -184,14 +184,14 @@ class ShardedParam:
         """No step update is pending for the shard: a read or copy of it issued now sees the new values."""
         return self._tail is None or self._tail.delivered(self.slot.index)
 
-    # -- internals ----------------------------------------------------------
-    def _wait_for_new_shard(self) -> None:
+    def wait_for_new_shard(self) -> None:
         """The last step's tail updates the shard behind this forward: wait for it (once; an aliased shard is
         the full tensor, so this comes before anything reads it)."""
         if self._tail is not None:
             self._tail.wait_for(self.slot.index)  # raises while the tail's failure stands
             self._tail = None
 
+    # -- internals ----------------------------------------------------------
     def _allocate(self) -> None:
         self._blocks.take(self.full.untyped_storage(), self.full_nbytes)
 

@@ -136,3 +136,39 @@ def test_finish_step_makes_resident_parameters_current(tmp_path, monkeypatch):
     assert seen["tail_updates"] > 0
     for name, value in values[False].items():
         assert torch.equal(values[True][name], value), name
+
+
+class _ReadsAChildsWeightFirst(torch.nn.Module):
+    """The root reads a child's weight before (and without) running that child: no hook of the child's fetches it."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, seq: int = 16):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(seq, d)       # its forward never runs; the root slices its weight
+        self.body = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        x = self.pos.weight[: idx.shape[1]] + self.tok(idx)
+        logits = self.head(torch.tanh(self.body(x)))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_a_weight_read_outside_its_module_waits_for_the_tail(tmp_path, monkeypatch, param):
+    """A parameter the forward reads before its own module runs (or that module never runs) still waits for the
+    last step's update of its sub-group: resident ones too, which are never released."""
+    torch.manual_seed(0)
+    model, batches = _ReadsAChildsWeightFirst(), gpt_batches(5, batch=4)
+    runs = {}
+    for behind in (False, True):
+        if behind:
+            seen = slow_step_tail(monkeypatch)
+        config = engine_config(param=param, optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=1e-3, lr=3e-3,
+                               overlap_step_with_forward=behind)
+        with infinity.initialize(copy.deepcopy(model), config) as engine:
+            runs[behind] = train_batches(engine, batches), engine.full_state_dict()
+    assert seen["tail_updates"] > 0
+    assert runs[True][0] == runs[False][0]
+    for key, value in runs[False][1].items():
+        assert torch.equal(value, runs[True][1][key]), key
