@@ -38,25 +38,28 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   shift 2
   echo "== $name (limit ${limit} s): $*" | tee -a "$out/phases.log"
   local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  # SIGINT first, so a cut-off pytest still prints its summary; KILL 20 s later if it has not stopped
+  timeout -s INT -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/phases.log"
   tail -n 15 "$out/$name.log"
 }
 
 whole_suite_in_two() {  # tests/gpu and tests/unit here, tests/distributed beside them; fails if either fails
-  local side=/tmp/gpu-session-distributed.log  # under $out it would be one file more than the device tool returns
-  "$py" -m pytest -q -rfs -p no:cacheprovider tests/distributed > "$side" 2>&1 &
+  # its own log under $out (the eighth file back), written as it goes, so a cut-off run still returns it; 8 threads
+  # each, so the two processes do not oversubscribe the 16 cores
+  local side="$out/tests-distributed.log"
+  OMP_NUM_THREADS=8 "$py" -m pytest -q -rfs -p no:cacheprovider tests/distributed > "$side" 2>&1 &
   local distributed=$!
-  "$py" -m pytest -q -rfs --durations=15 -p no:cacheprovider tests/gpu tests/unit
+  OMP_NUM_THREADS=8 "$py" -m pytest -q -rfs --durations=15 -p no:cacheprovider tests/gpu tests/unit
   local rest=$?
   wait "$distributed"
   local rc=$?
-  echo "== tests/distributed:"; cat "$side"
+  echo "== tests/distributed (tests-distributed.log): $(tail -n 1 "$side")"
   return $((rest | rc))
 }
 export -f whole_suite_in_two
-export py
+export py out
 
 { nvidia-smi; nproc; free -g; df -h /tmp; } > "$out/machine-$phase.txt" 2>&1
 
