@@ -18,7 +18,7 @@ from infinity.copies import Copies
 from infinity.full_blocks import full_blocks_for
 from infinity.grad_reducer import GradReducer
 from infinity.host_memory import keep_large_blocks_mapped
-from infinity.hooks import FetchGroup, ModuleHooks, fetch_on_use
+from infinity.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
 from infinity.layout import ShardLayout
 from infinity.loss_scaler import LossScaler
 from infinity.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
@@ -158,7 +158,7 @@ class Engine:
         self._initializer.materialize_buffers()
         self._cast_buffers(model)
         self._in_pass = False
-        self.groups = self._fetch_groups(model)
+        self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
@@ -214,14 +214,6 @@ class Engine:
                 if converted.is_floating_point():
                     converted = converted.to(self.dtype)
                 module._buffers[name] = converted
-
-    def _fetch_groups(self, model: torch.nn.Module) -> dict[torch.nn.Module, FetchGroup]:
-        groups = {}
-        for name, module in model.named_modules():
-            params = [self._by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in self._by_param]
-            if params:
-                groups[module] = FetchGroup(name, params)
-        return groups
 
     def _check_batch_size(self) -> None:
         c = self.config

@@ -93,6 +93,16 @@ class _ReleaseAfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def fetch_groups(model: torch.nn.Module, by_param: dict[int, ShardedParam]) -> dict[torch.nn.Module, FetchGroup]:
+    """A group for each module that owns managed parameters (its own, not its children's)."""
+    groups = {}
+    for name, module in model.named_modules():
+        params = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
+        if params:
+            groups[module] = FetchGroup(name, params)
+    return groups
+
+
 class ModuleHooks:
     """Installs and removes the hooks of every module that owns parameters."""
 
@@ -100,6 +110,8 @@ class ModuleHooks:
                  on_grad_ready: Callable[[torch.nn.Parameter], None], trainable: list[torch.nn.Parameter]):
         self.groups = groups
         self.running: list[FetchGroup] = []  # modules inside their forward, innermost last
+        # every managed parameter is in its module's group, and whether it is aliased is fixed at construction
+        self.nothing_released = all(group.always_fetched for group in groups.values())
         self._on_grad_ready = on_grad_ready
         self._groups_of: dict[int, list[FetchGroup]] = {}
         for group in groups.values():
@@ -210,6 +222,6 @@ def fetch_on_use(by_param: dict[int, ShardedParam], hooks: ModuleHooks, root_gro
     """The forward's :class:`FetchOnUse` mode where a parameter can be released, or while the last step's updates
     run behind this forward (``updates_behind``). With one rank and every shard in device memory nothing is
     released (each shard is its full tensor), so once those updates are made no op's arguments need checking."""
-    if not updates_behind and all(sharded.aliased for sharded in by_param.values()):
+    if not updates_behind and hooks.nothing_released:
         return contextlib.nullcontext()
     return FetchOnUse(by_param, hooks, root_group)
