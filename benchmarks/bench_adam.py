@@ -42,7 +42,7 @@ import time
 import torch
 
 import infinity.kernels as kernels
-from infinity.hardware import cpu_name
+from infinity.runtime.hardware import cpu_name
 from infinity.kernels import compact, extension
 from infinity.kernels.constants import AdamConstants
 

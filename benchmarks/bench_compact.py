@@ -95,7 +95,7 @@ def main() -> None:
                              "(offload_param.compute_from_master false) in the same rounds")
     parser.add_argument("--nvme-path", default=None, help="a directory on the NVMe tier (default: a temporary one)")
     args = parser.parse_args()
-    from infinity.hardware import machine_description
+    from infinity.runtime.hardware import machine_description
 
     cfg = GPTConfig(n_layer=args.layers, n_head=args.heads, d_model=args.d_model, seq_len=args.seq_len)
     numel = count_params(cfg)

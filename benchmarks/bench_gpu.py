@@ -230,7 +230,7 @@ def measure_disk(path: str) -> dict | None:
 
 
 def machine(device: torch.device) -> str:
-    from infinity.hardware import machine_description
+    from infinity.runtime.hardware import machine_description
 
     return machine_description()
 

@@ -1,4 +1,4 @@
-"""The squared gradient norm in fp64 (infinity/grad_norm.py) against torch's one-liner.
+"""The squared gradient norm in fp64 (infinity/grads/norm.py) against torch's one-liner.
 
 Every step computes the norm of every sub-group's gradients (clipping, the fp16 overflow check, the metrics).
 Two contenders over the same host gradients, alternating, one sub-group of ``--numel`` elements at a time:
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from infinity.grad_norm import sq_norm_fp64  # noqa: E402
-from infinity.hardware import machine_description  # noqa: E402
+from infinity.grads.norm import sq_norm_fp64  # noqa: E402
+from infinity.runtime.hardware import machine_description  # noqa: E402
 
 
 def torch_sq_norm(values: torch.Tensor) -> float:

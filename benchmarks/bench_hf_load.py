@@ -47,7 +47,7 @@ def write_random_model(folder: Path, layers: int) -> dict:
     """config.json and bf16 safetensors shards of ~2 GB, each tensor generated and written alone."""
     import transformers
 
-    from infinity.hf_export import HFTensor, write_hf_folder
+    from infinity.weights.export import HFTensor, write_hf_folder
 
     config = llama_config(layers)
     with torch.device("meta"):
@@ -69,9 +69,9 @@ def _rss_bytes() -> int:
 def measure(folder: str, nvme: str) -> dict:
     """In a fresh process: RSS before and peak during ``from_pretrained`` (params + optimizer on NVMe, bf16)."""
     import infinity
-    from infinity.engine import Engine
-    from infinity.pretrained import build_meta_causal_lm
-    from infinity.pretrained_weights import PretrainedWeights
+    from infinity.engine.engine import Engine
+    from infinity.hf.pretrained import build_meta_causal_lm
+    from infinity.weights.pretrained import PretrainedWeights
 
     build_meta_causal_lm(folder)  # imports and the meta model's own costs are not the load's
     with PretrainedWeights.open(folder) as weights:

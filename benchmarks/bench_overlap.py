@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute precision (default auto: bf16 where the machine computes it fast, else fp32)")
     args = parser.parse_args()
-    from infinity.hardware import machine_description, resolve_precision
+    from infinity.runtime.hardware import machine_description, resolve_precision
 
     chosen = resolve_precision(args.precision)
     PRECISION["name"] = chosen.precision

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from infinity.estimate import estimate_gpt
-from infinity.host_budget import parse_host_memory, resolve_host_budget
+from infinity.placement.estimate import estimate_gpt
+from infinity.placement.host_budget import parse_host_memory, resolve_host_budget
 from infinity.models.gpt import get_preset
 
 

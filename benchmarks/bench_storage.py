@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name.replace('-', '_')}_write_GBps": round(m["write"], 3), f"{name.replace('-', '_')}_read_GBps": round(m["read"], 3),
                 f"{name.replace('-', '_')}_write_ratio": round(wr, 3), f"{name.replace('-', '_')}_read_ratio": round(rr, 3),
             })  # fmt: skip
-    from infinity.hardware import machine_description
+    from infinity.runtime.hardware import machine_description
 
     summary["machine"] = machine_description()
     print(f"machine: {summary['machine']}")

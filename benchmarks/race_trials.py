@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import test_parity as parity
     from helpers import reference_train, run_ranks
 
-    from infinity.hardware import machine_description
+    from infinity.runtime.hardware import machine_description
 
     references = {name: reference_train(model, batches, steps=parity.STEPS, accum=parity.ACCUM, clip=parity.CLIP,
                                         lr=parity.LR) for name, (model, batches) in parity._models().items()}

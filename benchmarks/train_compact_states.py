@@ -20,7 +20,7 @@ import time
 import torch
 
 import infinity.kernels as kernels
-from infinity.data import read_corpus_bytes
+from infinity.train.data import read_corpus_bytes
 from infinity.models.gpt import GPT, GPTConfig
 
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

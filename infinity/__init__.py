@@ -29,11 +29,11 @@ __version__ = "0.1.0"
 
 # Imported on first use, so `import infinity` (and `infinity bench`) stays light.
 _LAZY = {
-    "initialize": ("infinity.engine", "initialize"),
-    "from_pretrained": ("infinity.pretrained", "from_pretrained"),
-    "Engine": ("infinity.engine", "Engine"),
-    "InfinityConfig": ("infinity.config", "InfinityConfig"),
-    "Init": ("infinity.materialize", "Init"),
+    "initialize": ("infinity.engine.engine", "initialize"),
+    "from_pretrained": ("infinity.hf.pretrained", "from_pretrained"),
+    "Engine": ("infinity.engine.engine", "Engine"),
+    "InfinityConfig": ("infinity.config.schema", "InfinityConfig"),
+    "Init": ("infinity.engine.materialize", "Init"),
     "TiledLinear": ("infinity.tiling", "TiledLinear"),
     "TiledEmbedding": ("infinity.tiling", "TiledEmbedding"),
     "TiledTiedHead": ("infinity.tiling", "TiledTiedHead"),

@@ -320,9 +320,9 @@ class DelayedStore:
 
 def delay_storage(monkeypatch) -> None:
     """Every swap store the engine opens from now on completes its requests late (see :class:`DelayedStore`)."""
-    import infinity.tiers
+    import infinity.placement.tiers
 
-    original = infinity.tiers.Tiers.swap_store
+    original = infinity.placement.tiers.Tiers.swap_store
 
     def delayed(self, nvme_path):
         store = original(self, nvme_path)
@@ -334,15 +334,15 @@ def delay_storage(monkeypatch) -> None:
             return wrapped
         return store
 
-    monkeypatch.setattr(infinity.tiers.Tiers, "swap_store", delayed)
+    monkeypatch.setattr(infinity.placement.tiers.Tiers, "swap_store", delayed)
 
 
 def slow_step_tail(monkeypatch) -> dict:
-    """Each update a step tail's worker makes (``infinity.step_tail``) takes 20 ms more, so the next forward
+    """Each update a step tail's worker makes (``infinity.optim.step_tail``) takes 20 ms more, so the next forward
     reaches parameters before their sub-group is updated; returns counts of the fetches that found their
     sub-group not yet delivered (so had to wait) and of the updates the tail made."""
-    from infinity.overlapped_step import OverlappedStep
-    from infinity.step_tail import StepTail
+    from infinity.optim.overlapped_step import OverlappedStep
+    from infinity.optim.step_tail import StepTail
 
     seen = {"waited": 0, "tail_updates": 0}
     update, wait_for = OverlappedStep._update, StepTail.wait_for

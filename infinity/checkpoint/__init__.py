@@ -36,7 +36,7 @@ differs. A checkpoint saved at another world size is resharded on load: each
 rank reads its range of every parameter's padded flat from the ranks' files
 that hold it. ``save_dir`` must be one filesystem shared by all ranks.
 
-The run is seen through a :class:`~infinity.shard_source.ShardSource` (the
+The run is seen through a :class:`~infinity.checkpoint.shard_source.ShardSource` (the
 engine builds one), never through the engine itself. One module per job:
 
 * :mod:`.files`: the files' names, ``meta.json`` and its checksum;
@@ -53,7 +53,7 @@ from infinity.checkpoint.load import load_checkpoint
 from infinity.checkpoint.publish import LATEST_FILE, read_latest, resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.save import save_checkpoint
-from infinity.safetensors_io import CheckpointError
+from infinity.checkpoint.safetensors_io import CheckpointError
 
 # The names two helpers had when the package was one module (now public in .publish).
 from infinity.checkpoint.publish import TMP_PREFIX as _TMP_PREFIX  # noqa: F401

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from infinity.safetensors_io import CheckpointError
+from infinity.checkpoint.safetensors_io import CheckpointError
 
 FORMAT = "infinity-checkpoint"
 VERSION = 1

@@ -13,9 +13,9 @@ import torch
 from infinity.checkpoint import rng
 from infinity.checkpoint.publish import resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
-from infinity.comm import Collectives
-from infinity.safetensors_io import _DTYPE_NAMES, CheckpointError
-from infinity.shard_source import RunCounters, ShardSource, require_step_boundary, unique_buffers
+from infinity.runtime.comm import Collectives
+from infinity.checkpoint.safetensors_io import _DTYPE_NAMES, CheckpointError
+from infinity.checkpoint.shard_source import RunCounters, ShardSource, require_step_boundary, unique_buffers
 
 logger = logging.getLogger(__name__)
 

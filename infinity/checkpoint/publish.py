@@ -27,7 +27,7 @@ import torch
 from infinity.checkpoint.files import META_FILE, shard_file, write_meta
 
 if TYPE_CHECKING:
-    from infinity.comm import Collectives
+    from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint.files import META_FILE, read_meta, shard_file
-from infinity.safetensors_io import CheckpointError, SafetensorsReader, file_sha256
+from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsReader, file_sha256
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from infinity.safetensors_io import CheckpointError, SafetensorsReader
+from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
 
 METADATA_KEY = "rng"
 """The header entry that holds the Python and numpy states."""

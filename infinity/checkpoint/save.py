@@ -16,8 +16,8 @@ import torch
 from infinity.checkpoint import rng
 from infinity.checkpoint.files import FORMAT, VERSION
 from infinity.checkpoint.publish import check_tag, publish_collectively
-from infinity.safetensors_io import _DTYPE_NAMES, SafetensorsWriter
-from infinity.shard_source import ShardRun, ShardSource, require_step_boundary, unique_buffers
+from infinity.checkpoint.safetensors_io import _DTYPE_NAMES, SafetensorsWriter
+from infinity.checkpoint.shard_source import ShardRun, ShardSource, require_step_boundary, unique_buffers
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.consolidation import consolidate
+    from infinity.checkpoint.consolidation import consolidate
 
     started = time.perf_counter()
     if args.hf:
-        from infinity.hf_export import consolidate_hf
+        from infinity.weights.export import consolidate_hf
 
         s = consolidate_hf(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify,
                            config_dir=args.hf_config)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from infinity.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
-from infinity.tier_names import OFFLOAD_DEVICES
+from infinity.placement.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
+from infinity.config.tier_names import OFFLOAD_DEVICES
 
 
 MAX_PARAMS = 10**15
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _budget(text: str | None) -> int | None:
     if text is None:
         return None
-    from infinity.host_budget import parse_host_memory, resolve_host_budget
+    from infinity.placement.host_budget import parse_host_memory, resolve_host_budget
     return resolve_host_budget(parse_host_memory(text, key="--host-memory"), local_ranks=1)
 
 

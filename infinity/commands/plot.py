@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from infinity.metrics_log import METRICS_FILE, read_metrics
-from infinity.tier_names import TIERS
+from infinity.train.metrics_log import METRICS_FILE, read_metrics
+from infinity.config.tier_names import TIERS
 
 logger = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAU
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
 from infinity.commands.train_signals import Cleanup, GracefulStop
-from infinity.estimate import format_bytes
-from infinity.hardware import PRECISION_CHOICES
-from infinity.tier_names import OFFLOAD_DEVICES, TIERS
+from infinity.placement.estimate import format_bytes
+from infinity.runtime.hardware import PRECISION_CHOICES
+from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _host_memory(text: str):
-    from infinity.host_budget import parse_host_memory
+    from infinity.placement.host_budget import parse_host_memory
     try:
         return parse_host_memory(text, key="--host-memory")
     except ValueError as err:
@@ -135,11 +135,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _corpora(args: argparse.Namespace, plan: Plan):
     """The training corpus, and the validation batches when --eval-every asks for them."""
-    from infinity.data import ByteCorpus
+    from infinity.train.data import ByteCorpus
 
     monitor = plan.monitor
     if plan.hf_model is not None:
-        from infinity.hf_data import hf_corpus
+        from infinity.train.hf_data import hf_corpus
 
         return hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
                          micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
@@ -148,7 +148,7 @@ def _corpora(args: argparse.Namespace, plan: Plan):
         corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
                             rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
         return corpus, None
-    from infinity.evaluation import Validation, carve_held_out
+    from infinity.train.evaluation import Validation, carve_held_out
 
     held = carve_held_out(args.data, max_bytes=args.max_bytes, seq_len=plan.seq_len, val_path=monitor.val_data,
                           val_fraction=monitor.val_fraction)
@@ -166,7 +166,7 @@ def _build_model(plan: Plan, seed: int):
 
     torch.manual_seed(seed)
     if plan.hf_model is not None:
-        from infinity.pretrained import build_meta_causal_lm
+        from infinity.hf.pretrained import build_meta_causal_lm
 
         return build_meta_causal_lm(plan.hf_model)
     if plan.model_file is not None:
@@ -209,7 +209,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     from tqdm import tqdm
 
     import infinity
-    from infinity.lr_schedule import lr_at
+    from infinity.config.lr_schedule import lr_at
 
     is_main = plan.rank == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)

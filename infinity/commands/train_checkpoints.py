@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def engine_has_checkpoints() -> bool:
-    from infinity.engine import Engine
+    from infinity.engine.engine import Engine
 
     return (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")
             and importlib.util.find_spec("infinity.checkpoint") is not None)
@@ -184,7 +184,7 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_las
     before = _latest(save_dir) if engine.comm.rank == 0 else None
     import torch
 
-    from infinity.hf_export import hf_config_of
+    from infinity.weights.export import hf_config_of
 
     client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
     hf_config = hf_config_of(engine.module, torch.float32)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from infinity.estimate import format_bytes
-from infinity.tier_names import OffloadDevice
+from infinity.placement.estimate import format_bytes
+from infinity.config.tier_names import OffloadDevice
 
 __all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
            "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
@@ -135,7 +135,7 @@ def config_number(block: dict, key: str, where: str, *, integer: bool = True):
     naming ``where``. "auto" is None too (the run fills it in); another string ("8") is refused here rather than
     failing later as a ``TypeError``."""
     value = block.get(key)
-    if value is None or value == "auto":  # "auto" (Hugging Face's Trainer): filled from the run (infinity.ds_auto)
+    if value is None or value == "auto":  # "auto" (Hugging Face's Trainer): filled from the run (infinity.config.auto)
         return None
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or (integer and isinstance(value, float) and not value.is_integer()):

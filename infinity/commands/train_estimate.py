@@ -10,9 +10,9 @@ def estimate_for(plan, model) -> dict:
     """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
     import torch
 
-    from infinity.estimate import estimate, gpt_activation_nbytes
-    from infinity.host_budget import resolve_host_budget
-    from infinity.placement import distinct_device_requested
+    from infinity.placement.estimate import estimate, gpt_activation_nbytes
+    from infinity.placement.host_budget import resolve_host_budget
+    from infinity.placement.placement import distinct_device_requested
     from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
     cfg = plan.config

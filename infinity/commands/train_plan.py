@@ -1,7 +1,7 @@
 """The plan of an ``infinity train`` run: every flag and the ``--config`` file checked and decided before any work.
 
-The engine's config is built in one direction: the file is read into an :class:`~infinity.config.InfinityConfig`
-(translated once, by :mod:`infinity.config_deepspeed`), then the flags are applied on top of it with typed changes
+The engine's config is built in one direction: the file is read into an :class:`~infinity.config.schema.InfinityConfig`
+(translated once, by :mod:`infinity.config.deepspeed`), then the flags are applied on top of it with typed changes
 (``replace``, ``with_offload``, ...), each validated as the config's own constructor validates it. Before the file
 is read, what it leaves to the run is completed in it (:func:`_complete_file`): Hugging Face's ``"auto"`` values, a
 swap folder still to be made, and the blocks a flag replaces (``--lr-schedule``, ``--precision``).
@@ -19,9 +19,9 @@ from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, c
                                             check_output_folder, check_writable, config_number,
                                             default_swap_location, finite_positive, read_config_file)
 from infinity.commands.train_monitor import MonitorPlan
-from infinity.config import InfinityConfig, TraceConfig
-from infinity.hardware import resolve_precision
-from infinity.tier_names import OffloadDevice
+from infinity.config.schema import InfinityConfig, TraceConfig
+from infinity.runtime.hardware import resolve_precision
+from infinity.config.tier_names import OffloadDevice
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
            "MODEL_FILE_LR", "PRESET_LR", "Plan", "make_plan", "nvme_offloads", "with_swap_folder"]
@@ -201,7 +201,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
 
     # The file, read once (unknown keys and bad values named here); then the flags on top.
-    from infinity.config_deepspeed import asked_precision
+    from infinity.config.deepspeed import asked_precision
 
     config = InfinityConfig.from_deepspeed(raw)
     config, precision, precision_said = _apply_precision(config, args, asked_precision(raw))
@@ -241,11 +241,11 @@ def _complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, gra
     """A copy of the config file with what it leaves to the run filled in, so that it reads as a valid config:
 
     * Hugging Face's ``"auto"`` values, from the run's own (as its Trainer does; ``fp16.enabled: "auto"`` is off:
-      fp16 is never the fast precision, bf16's ``"auto"`` is :mod:`infinity.hardware`'s);
+      fp16 is never the fast precision, bf16's ``"auto"`` is :mod:`infinity.runtime.hardware`'s);
     * an offload block on NVMe without ``nvme_path`` gets ``TEMPORARY_SWAP_PATH``: the run makes that folder;
     * ``--precision`` replaces the ``fp16`` block (its loss scaling means nothing in the precision asked for).
     """
-    from infinity.ds_auto import fill_auto
+    from infinity.config.auto import fill_auto
 
     raw = fill_auto(raw, {
         "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,

@@ -52,7 +52,7 @@ def _saved_moments(folder: Path, world_size: int) -> dict[str, torch.Tensor]:
 
 
 def _two_ranks(rank, world_size, save_dir):
-    from infinity import safetensors_io
+    from infinity.checkpoint import safetensors_io
     from infinity.checkpoint import CheckpointError
 
     save_dir = Path(save_dir)

@@ -140,7 +140,7 @@ def test_eval_and_no_grad_forwards_release_everything(tmp_path):
     engine = infinity.initialize(TinyGPT(), config)
     x, y = gpt_batches(1, batch=2)[0]
     device = engine.tiers.stats["device"]
-    def gathered() -> int:  # blocks kept for the next fetch (infinity.full_blocks) are not gathered parameters
+    def gathered() -> int:  # blocks kept for the next fetch (infinity.params.gathered_blocks) are not gathered parameters
         return device.live_nbytes - getattr(engine.full_blocks, "kept_nbytes", 0)
 
     engine.eval()

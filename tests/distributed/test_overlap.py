@@ -42,8 +42,8 @@ def test_overlap_on_equals_off_bitwise(tmp_path, param, optimizer):
 def _speculate_always(monkeypatch):
     """Every overlapped step speculates on every sub-group, even once its norm already says it will clip or
     overflow: every such step is undone (the policy that avoids this is what the other runs use)."""
-    from infinity.engine import Engine
-    from infinity.overlapped_step import StepCheck
+    from infinity.engine.engine import Engine
+    from infinity.optim.overlapped_step import StepCheck
 
     monkeypatch.setattr(StepCheck, "surely_rejected", lambda self, sq_norm: False)
     original = Engine._step_check
@@ -132,7 +132,7 @@ def test_a_disk_without_room_for_two_sides_waits_for_the_norm(tmp_path, monkeypa
                 second_side.append(key)
             return _original(self, key, *args, **kwargs)
         monkeypatch.setattr(SwapStore, method, recording)
-    with caplog.at_level("WARNING", logger="infinity.swapped_states"):
+    with caplog.at_level("WARNING", logger="infinity.optim.on_nvme"):
         on_losses, on_state, on_metrics, _ = _steps(model, batches, tmp_path, overlap=True, param="nvme",
                                                     optimizer="nvme", clip=clip)
     assert "swapped sub-groups wait for the global norm" in caplog.text

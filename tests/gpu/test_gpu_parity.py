@@ -104,7 +104,7 @@ def test_several_ranks_over_gloo_on_one_gpu_compute_on_the_cpu():
 
 @pytest.mark.parametrize("param, optimizer", [("none", "cpu"), ("cpu", "nvme"), ("none", "nvme")])
 def test_updates_behind_the_forward_wait_for_their_copies_on_the_gpu(gpt, tmp_path, monkeypatch, param, optimizer):
-    """A clipped step's updates finish behind the next forward (infinity.step_tail), slowed down so the forward
+    """A clipped step's updates finish behind the next forward (infinity.optim.step_tail), slowed down so the forward
     reaches parameters first: the compute stream must wait for each sub-group's copy up; results are the same
     bits as the step made before step() returns."""
     from helpers import slow_step_tail

@@ -98,7 +98,7 @@ def test_a_backward_raising_mid_accumulation_drops_the_step_and_starts_it_again(
         want = _steps(reference, [_batch(2), _batch(3)])
         engine.backward(engine(_batch(0)))
         engine.step()
-        with caplog.at_level(logging.WARNING, logger="infinity.step_cycle"):
+        with caplog.at_level(logging.WARNING, logger="infinity.optim.step_cycle"):
             _failed_backward(engine, _batch(1))
         assert "gradients are dropped (1 micro-batch(es))" in caplog.text
         assert engine.micro_step == 0 and not engine.step_in_progress

@@ -8,10 +8,10 @@ import tempfile
 
 import pytest
 
-from infinity import hardware
+from infinity.runtime import hardware
 from infinity.cli import build_parser, main
 from infinity.commands import train
-from infinity.config import InfinityConfig
+from infinity.config.schema import InfinityConfig
 
 
 pytestmark = pytest.mark.usefixtures("fresh_cwd")  # conftest.py: runs write under ./runs
@@ -82,7 +82,7 @@ def test_config_values_that_went_wrong(no_work, capsys, tmp_path, body, message)
 
 def test_auto_in_a_deepspeed_config_is_filled_from_the_run(tmp_path):
     """Hugging Face's Trainer's "auto": the run's own value, not a TypeError (what cannot be filled is named by
-    infinity.ds_auto)."""
+    infinity.config.auto)."""
     cfg = _config(tmp_path, {"gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": "auto",
                              "bf16": {"enabled": "auto"}})
     plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--config", cfg, "--micro-batch", "4"]))
@@ -168,7 +168,7 @@ def test_a_tmpfs_tmp_falls_back_to_a_disk_that_takes_o_direct(monkeypatch, tmp_p
 
 def test_a_tmpfs_nvme_path_names_the_flag_and_the_flag_is_honoured(no_work, capsys, monkeypatch):
     from infinity.commands import train_checks
-    from infinity.config import AioConfig
+    from infinity.config.schema import AioConfig
 
     monkeypatch.setattr(train_checks, "direct_io_problem", lambda p: "it is on tmpfs")
     err = _fails(capsys, "--nvme-path", str(no_work / "swap"))

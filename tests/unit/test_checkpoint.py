@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import infinity
 import infinity.commands.consolidate
 from infinity import checkpoint
-from infinity import consolidation, safetensors_io
+from infinity.checkpoint import consolidation
+from infinity.checkpoint import safetensors_io
 from infinity.checkpoint import CheckpointError
 from helpers import TiedMLP, TinyGPT, engine_config, engine_train, gpt_batches, mlp_batches
 

@@ -112,7 +112,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
 
 _MEASURE = """
 import json, sys
-from infinity.consolidation import consolidate
+from infinity.checkpoint.consolidation import consolidate
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))

@@ -48,7 +48,7 @@ def train_run(workdir: str, log_path: str, steps: int, every: int, slow_write_s:
     import numpy as np
 
     import infinity
-    from infinity import safetensors_io
+    from infinity.checkpoint import safetensors_io
 
     torch.set_num_threads(1)
     log = _log(log_path)
@@ -136,7 +136,7 @@ def full_disk_run(workdir: str, log_path: str):
 
 def forkserver():
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "safetensors.torch", "infinity.engine", "infinity.checkpoint",
+    ctx.set_forkserver_preload(["torch", "numpy", "safetensors.torch", "infinity.engine.engine", "infinity.checkpoint",
                                 "infinity.kernels", "helpers", Path(__file__).stem])
     return ctx
 

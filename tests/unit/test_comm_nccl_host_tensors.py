@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from infinity import comm
-from infinity.comm import Collectives
+from infinity.runtime import comm
+from infinity.runtime.comm import Collectives
 
 
 def _nccl_only(monkeypatch) -> Collectives:

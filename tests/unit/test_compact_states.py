@@ -14,10 +14,10 @@ import infinity
 from helpers import TinyGPT, engine_config, gpt_batches, optimizer_states, train_batches
 from infinity import kernels
 from infinity.checkpoint.files import shard_file
-from infinity.config import InfinityConfig
-from infinity.consolidation import consolidate
-from infinity.estimate import estimate
-from infinity.safetensors_io import SafetensorsReader
+from infinity.config.schema import InfinityConfig
+from infinity.checkpoint.consolidation import consolidate
+from infinity.placement.estimate import estimate
+from infinity.checkpoint.safetensors_io import SafetensorsReader
 
 LR = 3e-3
 STEPS = 4
@@ -319,7 +319,7 @@ def test_bad_values_are_refused_by_name(raw, message):
 
 def test_compact_states_on_a_gpu_are_refused_naming_the_key():
     """torch's fused AdamW keeps fp32 states: with the optimizer on a CUDA device, a compact form is refused."""
-    from infinity.offload_optimizer import OffloadOptimizer
+    from infinity.optim.offload_optimizer import OffloadOptimizer
 
     placement = types.SimpleNamespace(master=types.SimpleNamespace(tier="device"), optimizer_on_device=True,
                                       device=torch.device("cuda", 0), compute_shard_in_optimizer_memory=True,

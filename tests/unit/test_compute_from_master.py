@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import infinity
-import infinity.overlapped_step
+import infinity.optim.overlapped_step
 from helpers import TinyGPT, delay_storage, engine_config, gpt_batches, optimizer_states, train_batches
 from infinity import kernels
-from infinity.config import InfinityConfig
+from infinity.config.schema import InfinityConfig
 
 LR = 3e-3
 STEPS = 4
@@ -92,13 +92,13 @@ def test_late_storage_and_worker_never_change_what_is_read(gpt, tmp_path, monkey
     batches = batches[:STEPS]
     want = _run(model, batches, _config(tmp_path / "own", "bf16", from_master=False, overlap=False, clip=clip))
     delay_storage(monkeypatch)
-    update = infinity.overlapped_step.OverlappedStep._update
+    update = infinity.optim.overlapped_step.OverlappedStep._update
 
     def late(self, group):
         time.sleep(random.uniform(0, 0.003))
         update(self, group)
 
-    monkeypatch.setattr(infinity.overlapped_step.OverlappedStep, "_update", late)
+    monkeypatch.setattr(infinity.optim.overlapped_step.OverlappedStep, "_update", late)
     for seed in range(3):
         random.seed(seed)
         got = _run(model, batches, _config(tmp_path / f"master{seed}", "bf16", from_master=True, overlap=True,

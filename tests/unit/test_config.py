@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.config import InfinityConfig
+from infinity.config.schema import InfinityConfig
 
 DEEPSPEED_CONFIG = {
     "train_batch_size": 16,
@@ -96,7 +96,7 @@ def test_config_from_a_json_file(tmp_path):
 
 def test_not_applicable_keys_are_logged_once(caplog):
     model = torch.nn.Linear(4, 4)
-    with caplog.at_level(logging.INFO, logger="infinity.engine"):
+    with caplog.at_level(logging.INFO, logger="infinity.engine.engine"):
         engine = infinity.initialize(model, {"steps_per_print": 5, "wall_clock_breakdown": True})
         engine.close()
     lines = [r.getMessage() for r in caplog.records if "not applicable" in r.getMessage()]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from infinity.data import ByteCorpus, default_corpus_path, read_corpus_bytes
-from infinity.lr_schedule import lr_at
+from infinity.train.data import ByteCorpus, default_corpus_path, read_corpus_bytes
+from infinity.config.lr_schedule import lr_at
 
 
 def _corpus(data: bytes, **kw) -> ByteCorpus:

@@ -1,4 +1,4 @@
-"""infinity.estimate: hand-checked numbers, offloading moves bytes down the tiers, the CLI."""
+"""infinity.placement.estimate: hand-checked numbers, offloading moves bytes down the tiers, the CLI."""
 
 import json
 from itertools import product
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infinity.cli import main
-from infinity.estimate import (
+from infinity.placement.estimate import (
     OFFLOAD_CHOICES,
     TIERS,
     _largest_sub_group,
@@ -108,7 +108,7 @@ def test_more_ranks_fewer_bytes_per_rank():
 
 
 def test_sub_groups_are_cut_as_the_engine_cuts_them():
-    from infinity.layout import ShardLayout
+    from infinity.placement.layout import ShardLayout
 
     torch.manual_seed(0)
     for world_size, sub_group_size in [(1, 5000), (3, 7000), (2, 10**9)]:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.data import ByteCorpus
-from infinity.evaluation import Validation, carve_held_out, sample_text
+from infinity.train.data import ByteCorpus
+from infinity.train.evaluation import Validation, carve_held_out, sample_text
 from infinity.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=32)

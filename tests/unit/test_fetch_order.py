@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import infinity
-import infinity.compute_shards
+import infinity.params.compute_shards
 from helpers import TinyGPT, engine_config, gpt_batches
 
 
@@ -19,13 +19,13 @@ def test_the_first_read_of_a_forward_is_its_first_parameter(tmp_path, monkeypatc
     config = engine_config(param="nvme", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-3)
     engine = infinity.initialize(model, config)
     reads = []
-    read = infinity.compute_shards.ComputeShards.read
+    read = infinity.params.compute_shards.ComputeShards.read
 
     def logged(self, slot, out):
         reads.append(slot.index)
         return read(self, slot, out)
 
-    monkeypatch.setattr(infinity.compute_shards.ComputeShards, "read", logged)
+    monkeypatch.setattr(infinity.params.compute_shards.ComputeShards, "read", logged)
     fetched = []
     try:
         batches = gpt_batches(3, batch=2)

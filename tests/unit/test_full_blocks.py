@@ -1,4 +1,4 @@
-"""Gathered parameters' blocks kept for the next fetch where device memory is host memory (``infinity.full_blocks``).
+"""Gathered parameters' blocks kept for the next fetch where device memory is host memory (``infinity.params.gathered_blocks``).
 
 The reference for the engine is the same engine with fresh blocks from the allocator at every fetch: the same
 losses and full state dict bit for bit, and the same device-tier peak (kept blocks never push the gathered
@@ -13,8 +13,8 @@ import torch
 
 import infinity
 from helpers import TinyGPT, engine_config, gpt_batches, train_batches
-from infinity.full_blocks import FreshBlocks, ReusedBlocks
-from infinity.placement import distinct_device_requested
+from infinity.params.gathered_blocks import FreshBlocks, ReusedBlocks
+from infinity.placement.placement import distinct_device_requested
 from infinity.storage import TierStats
 
 pytestmark = pytest.mark.skipif(not ReusedBlocks.available(), reason="this torch cannot swap a storage's bytes")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import infinity
 from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, reference_train
-from infinity.placement import DISTINCT_DEVICE_ENV, GradRoute
+from infinity.placement.placement import DISTINCT_DEVICE_ENV, GradRoute
 
 STEPS, LR, CLIP = 6, 3e-3, 1.0
 TIERS = ("none", "cpu", "nvme")

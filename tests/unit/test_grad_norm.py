@@ -1,4 +1,4 @@
-"""The squared gradient norm in fp64 (infinity/grad_norm.py): the C++ kernel where it is built, else chunked
+"""The squared gradient norm in fp64 (infinity/grads/norm.py): the C++ kernel where it is built, else chunked
 through a small buffer in torch ops; both against the exact sum."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from infinity import kernels
-from infinity.grad_norm import HOST_CHUNK_NUMEL, sq_norm_fp64
+from infinity.grads.norm import HOST_CHUNK_NUMEL, sq_norm_fp64
 
 
 @pytest.fixture(params=["kernel", "torch"])

@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from infinity.cli import main  # noqa: E402
-from infinity.config import InfinityConfig  # noqa: E402
-from infinity.ds_auto import fill_auto  # noqa: E402
+from infinity.config.schema import InfinityConfig  # noqa: E402
+from infinity.config.auto import fill_auto  # noqa: E402
 
 HF_DS_CONFIG = {  # the shape of the configs in Hugging Face's DeepSpeed docs
     "fp16": {"enabled": "auto"},

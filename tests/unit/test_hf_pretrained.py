@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.models.gpt import _HFCausalLM  # noqa: E402
-from infinity.pretrained_weights import WeightsError  # noqa: E402
-from infinity.safetensors_io import CheckpointError  # noqa: E402
+from infinity.weights.pretrained import WeightsError  # noqa: E402
+from infinity.checkpoint.safetensors_io import CheckpointError  # noqa: E402
 
 VOCAB = 96
 LR = 3e-3
@@ -90,7 +90,7 @@ def hf_names(state: dict) -> dict:
 @pytest.mark.parametrize("distinct_device", [False, True], ids=["cpu", "distinct-device"])
 def test_round_trip_llama_on_nvme(llama_dir, tmp_path, monkeypatch, distinct_device):
     """With distinct_device, host and device memory are kept apart as on a GPU (the crossings run)."""
-    from infinity.placement import DISTINCT_DEVICE_ENV
+    from infinity.placement.placement import DISTINCT_DEVICE_ENV
     monkeypatch.setenv(DISTINCT_DEVICE_ENV, "1" if distinct_device else "0")
     reference = _HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(llama_dir))
     ref_losses, ref_model = plain_adamw(reference, 20)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.config import InfinityConfig
-from infinity.lr_schedule import DeepSpeedScheduler, lr_at, scheduler_from_deepspeed
+from infinity.config.schema import InfinityConfig
+from infinity.config.lr_schedule import DeepSpeedScheduler, lr_at, scheduler_from_deepspeed
 
 PEAK, MIN, WARMUP, TOTAL = 1e-3, 1e-4, 4, 20
 

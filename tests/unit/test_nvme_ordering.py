@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-import infinity.overlapped_step
+import infinity.optim.overlapped_step
 from helpers import TiedMLP, TinyGPT, delay_storage, engine_config, engine_train, gpt_batches, mlp_batches, reference_train
 
 STEPS, ACCUM, LR = 6, 2, 3e-3
@@ -45,13 +45,13 @@ def models_and_references():
 @pytest.fixture
 def late_worker(monkeypatch):
     """The overlapped step's worker starts each sub-group after a random pause."""
-    original = infinity.overlapped_step.OverlappedStep._update
+    original = infinity.optim.overlapped_step.OverlappedStep._update
 
     def late(self, group):
         time.sleep(random.uniform(0, 0.003))
         original(self, group)
 
-    monkeypatch.setattr(infinity.overlapped_step.OverlappedStep, "_update", late)
+    monkeypatch.setattr(infinity.optim.overlapped_step.OverlappedStep, "_update", late)
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "unclipped"])

@@ -16,9 +16,9 @@ import torch
 
 import infinity
 from helpers import TinyGPT, engine_config, gpt_batches, optimizer_states, train_batches
-from infinity.compute_shards import ComputeShards
-from infinity.estimate import estimate
-from infinity.layout import ALIGN_NUMEL
+from infinity.params.compute_shards import ComputeShards
+from infinity.placement.estimate import estimate
+from infinity.placement.layout import ALIGN_NUMEL
 
 STEPS = 4
 THRESHOLD = 200

@@ -9,9 +9,9 @@ import weakref
 import pytest
 import torch
 
-from infinity.config import InfinityConfig
-from infinity.copies import DONE, Copies
-from infinity.placement import DISTINCT_DEVICE_ENV, GradRoute, Memory, Placement, distinct_device_requested
+from infinity.config.schema import InfinityConfig
+from infinity.placement.copies import DONE, Copies
+from infinity.placement.placement import DISTINCT_DEVICE_ENV, GradRoute, Memory, Placement, distinct_device_requested
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.hooks import FetchGroup
+from infinity.params.hooks import FetchGroup
 from helpers import TinyGPT, engine_config, gpt_batches
 
 

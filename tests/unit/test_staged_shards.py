@@ -16,7 +16,7 @@ import torch
 
 import infinity
 from helpers import TinyGPT, engine_config, gpt_batches, optimizer_states, train_batches
-from infinity.staged_shards import StagedShards
+from infinity.params.staging import StagedShards
 
 STEPS = 5
 

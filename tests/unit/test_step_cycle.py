@@ -15,7 +15,7 @@ def _loss(engine):
 def test_phases_of_one_accumulated_step(caplog):
     engine = infinity.initialize(torch.nn.Linear(3, 1), {"gradient_accumulation_steps": 2})
     try:
-        with caplog.at_level(logging.DEBUG, logger="infinity.step_cycle"):
+        with caplog.at_level(logging.DEBUG, logger="infinity.optim.step_cycle"):
             engine.backward(_loss(engine))
             assert engine.cycle.phase.name == "MICRO_BATCH" and engine.backward_pending
             engine.step()
@@ -25,7 +25,7 @@ def test_phases_of_one_accumulated_step(caplog):
             engine.step()
         assert engine.cycle.phase.name == "IDLE" and engine.global_step == 1 and engine.micro_step == 2
         moves = [r.getMessage().split(": ", 1)[1] for r in caplog.records
-                 if r.name == "infinity.step_cycle" and " -> " in r.getMessage()]
+                 if r.name == "infinity.optim.step_cycle" and " -> " in r.getMessage()]
         assert moves == ["IDLE -> MICRO_BATCH", "MICRO_BATCH -> ACCUMULATING", "ACCUMULATING -> BOUNDARY_BACKWARD",
                          "BOUNDARY_BACKWARD -> STEPPING", "STEPPING -> IDLE"]
     finally:

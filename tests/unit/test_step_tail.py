@@ -1,4 +1,4 @@
-"""A step's updates that finish behind the next forward (``infinity.step_tail``) change timing, never results.
+"""A step's updates that finish behind the next forward (``infinity.optim.step_tail``) change timing, never results.
 
 Every step here clips (the threshold is tiny), so every overlapped step waits for the global norm and makes all
 its updates after backward: with ``overlap_step_with_forward`` they run on the tail's worker while the next
@@ -83,7 +83,7 @@ def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(t
     """An update of the tail that fails (a disk error, say) is raised to the forward that needs its sub-group;
     every later use of the step's results says to load a checkpoint, and once one is loaded training goes on
     exactly as from that checkpoint in an engine that never failed."""
-    from infinity.overlapped_step import OverlappedStep
+    from infinity.optim.overlapped_step import OverlappedStep
 
     torch.manual_seed(0)
     model, batches = TinyGPT(), gpt_batches(4, batch=4)

@@ -9,11 +9,11 @@ from collections import namedtuple
 import pytest
 import torch
 
-from infinity.config import InfinityConfig
-from infinity.layout import SubGroup
-from infinity.placement import Placement
-from infinity.swapped_states import SwappedStates, group_states
-from infinity.tiers import Tiers
+from infinity.config.schema import InfinityConfig
+from infinity.placement.layout import SubGroup
+from infinity.placement.placement import Placement
+from infinity.optim.on_nvme import SwappedStates, group_states
+from infinity.placement.tiers import Tiers
 
 LARGEST = 1000
 
@@ -108,7 +108,7 @@ def test_the_other_sides_are_reserved_only_where_the_disk_holds_both(tiers, tmp_
     usage = namedtuple("usage", "total used free")
     one_side = 2 * 500 * 12
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 0, int(2.1 * one_side)))
-    with caplog.at_level("WARNING", logger="infinity.swapped_states"):
+    with caplog.at_level("WARNING", logger="infinity.optim.on_nvme"):
         assert not swapped.reserve_other_sides(groups)
     assert "wait for the global norm" in caplog.text
     assert swapped._store.keys() == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from infinity.trace import Timeline
+from infinity.runtime.trace import Timeline
 
 
 def _wait_on(thread_name: str | None, timeline: Timeline) -> None:

@@ -10,8 +10,8 @@ import pytest
 from infinity.cli import build_parser, main
 from infinity.commands import train
 from infinity.commands.train_checks import TEMPORARY_SWAP_PATH
-from infinity.config import OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, TraceConfig
-from infinity.hardware import resolve_precision
+from infinity.config.schema import OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, TraceConfig
+from infinity.runtime.hardware import resolve_precision
 
 
 def _args(*argv):
@@ -193,7 +193,7 @@ def _run_json(capsys, *argv) -> dict:
 
 
 def test_short_run_ends_with_a_json_line_and_removes_its_swap_folder(capsys, monkeypatch, tmp_path):
-    pytest.importorskip("infinity.engine")
+    pytest.importorskip("infinity.engine.engine")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = _run_json(capsys, "--steps", "4")
     assert len(out["losses"]) == 4 and all(isinstance(x, float) for x in out["losses"])
@@ -207,7 +207,7 @@ def test_short_run_ends_with_a_json_line_and_removes_its_swap_folder(capsys, mon
     ("tiny", ("none", "nvme")), ("small", ("nvme", "nvme")), ("10m", ("nvme", "nvme")), ("10m", ("cpu", "none")),
 ])
 def test_estimate_is_within_15_percent_of_what_train_measures(capsys, tmp_path, preset, offload):
-    pytest.importorskip("infinity.engine")
+    pytest.importorskip("infinity.engine.engine")
     out = _run_json(capsys, "--preset", preset, "--steps", "2", "--seq-len", "16", "--micro-batch", "1",
                     "--offload-param", offload[0], "--offload-optimizer", offload[1],
                     *(["--nvme-path", str(tmp_path)] if "nvme" in offload else []))
@@ -217,7 +217,7 @@ def test_estimate_is_within_15_percent_of_what_train_measures(capsys, tmp_path, 
 
 
 def test_a_users_model_file_trains(capsys, tmp_path):
-    pytest.importorskip("infinity.engine")
+    pytest.importorskip("infinity.engine.engine")
     f = tmp_path / "my_model.py"
     f.write_text(
         "from infinity.models.gpt import GPT, GPTConfig\n"
@@ -279,7 +279,7 @@ def test_each_preset_has_its_own_default_lr():
 
 def test_json_counts_host_device_bytes_in_the_distinct_device_mode(capsys, monkeypatch, tmp_path):
     """What a GPU run would move over PCIe; nothing crosses where device memory is host memory."""
-    pytest.importorskip("infinity.engine")
+    pytest.importorskip("infinity.engine.engine")
     monkeypatch.delenv("INFINITY_DISTINCT_DEVICE", raising=False)  # `make test`'s second pass sets it for everything
     on_cpu = tmp_path / "on_cpu.json"  # with a GPU present, `auto` would compute there and copies would cross
     on_cpu.write_text(json.dumps({"device": "cpu"}))

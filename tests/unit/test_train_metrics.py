@@ -10,7 +10,7 @@ import torch
 import infinity
 from infinity.cli import main
 from infinity.commands import train
-from infinity.metrics_log import COLUMNS, MetricsLog, read_metrics
+from infinity.train.metrics_log import COLUMNS, MetricsLog, read_metrics
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "2", "--max-bytes", "200000"]
 
@@ -50,7 +50,7 @@ def test_metrics_csv_has_one_row_per_step_with_the_named_columns(capsys, tmp_pat
 
 
 def test_lr_column_follows_the_chosen_schedule(capsys, tmp_path):
-    from infinity.lr_schedule import lr_at
+    from infinity.config.lr_schedule import lr_at
 
     code, _, _ = _train(capsys, "--steps", "6", "--run-dir", str(tmp_path), "--lr-schedule", "wsd", "--warmup", "2",
                         "--lr", "1e-3", "--min-lr", "0", "--decay-fraction", "0.5")
@@ -61,7 +61,7 @@ def test_lr_column_follows_the_chosen_schedule(capsys, tmp_path):
 
 
 def test_a_deepspeed_scheduler_block_sets_the_lr_of_each_step(capsys, tmp_path):
-    from infinity.lr_schedule import DeepSpeedScheduler
+    from infinity.config.lr_schedule import DeepSpeedScheduler
 
     cfg = tmp_path / "ds.json"
     params = {"warmup_num_steps": 2, "warmup_type": "linear", "cos_min_ratio": 0.1}

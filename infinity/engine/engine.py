@@ -1,0 +1,502 @@
+"""The engine: wiring of config, layout, tiers, hooks, reducer and optimizer
+behind ``infinity.initialize``. It owns every other object's lifetime.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.runtime.comm import Collectives, rank_in
+from infinity.params.compute_shards import ComputeShards
+from infinity.config.schema import InfinityConfig
+from infinity.placement.copies import Copies
+from infinity.params.gathered_blocks import full_blocks_for
+from infinity.grads.reducer import GradReducer
+from infinity.runtime.allocator import keep_large_blocks_mapped
+from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
+from infinity.placement.layout import ShardLayout
+from infinity.grads.loss_scaler import LossScaler
+from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
+from infinity.optim.offload_optimizer import OffloadOptimizer
+from infinity.optim.overlapped_step import StepCheck
+from infinity.placement.host_budget import HostMemoryPlan, resolve_host_budget
+from infinity.placement.placement import Placement, compute_device, device_memory_is_distinct, grad_accumulator_fits_device
+from infinity.params.prefetcher import Prefetcher
+from infinity.optim.step_cycle import StepCycle
+from infinity.engine.step_metrics import StepMeter
+from infinity.params.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
+from infinity.storage import HostBufferPool
+from infinity.placement.tiers import Tiers
+from infinity.runtime.trace import Timeline
+
+if TYPE_CHECKING:
+    from infinity.checkpoint.shard_source import ShardSource
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
+               process_group=None, weights=None, param_init: ParamInit | None = None) -> "Engine":
+    """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says.
+
+    ``weights``: a Hugging Face model folder (or ``.safetensors`` file) whose tensors are streamed
+    straight into this rank's shards instead of initializing. ``param_init(module)``: initializes
+    each module of a model built on the meta device (see :mod:`infinity.engine.materialize`).
+    """
+    return Engine(model, InfinityConfig.load(config), process_group=process_group, weights=weights,
+                  param_init=param_init)
+
+
+class Engine:
+    """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None, weights=None,
+                 param_init: ParamInit | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self._initializer = Initializer(model, param_init)
+        self._weights = None
+        if weights is not None:
+            from infinity.weights.pretrained import open_for_model
+            self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
+        self.config = config
+        keep_large_blocks_mapped()
+        # The timeline first: the collectives record their spans on it from the first one.
+        self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
+        self.comm = Collectives(process_group, timeline=self.timeline)
+        self.device = compute_device(config.device, self.comm)
+        self.dtype = DTYPES[config.precision]
+        self._check_batch_size()
+        if config.not_applicable:
+            logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
+        if config.tiling.max_tile_numel is not None:
+            from infinity.tiling import tile_model
+            self.tiling_plan = tile_model(model, config.tiling.max_tile_numel)
+        else:
+            self.tiling_plan = None
+        self.module = model
+        meta_data = replace_meta_parameters(model)
+        named = list(model.named_parameters())
+        if not named:
+            raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
+        zero = config.zero
+        self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
+        sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
+        self.placement = Placement.decide(
+            config, self.device, distinct=device_memory_is_distinct(self.device),
+            grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
+        logger.info("%s", self.placement.describe())
+        self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
+        self.copies = Copies(self.placement)
+        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
+        self._closed = False
+        try:
+            self._build(model, named, meta_data)
+        except BaseException:
+            self.copies.close()
+            self.tiers.close()
+            if self._weights is not None:
+                self._weights.close()
+            raise
+
+    # -- construction ------------------------------------------------------
+    def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
+        config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
+        self._read_pool = self._make_read_pool()
+        budget = self.host_budget
+        reserve = budget.reserve_nbytes(self._read_pool.budget_nbytes if self._read_pool is not None else 0)
+        persistent = layout.persistent_slots(zero.param_persistence_threshold)
+        self.compute = ComputeShards(layout, self.dtype, placement.compute_shard, self.tiers, self.copies,
+                                     nvme_path=zero.offload_param.nvme_path,
+                                     max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve),
+                                     persistent=persistent)
+        by_name = {name: p for name, p in named}
+        grad_dtype = self.dtype if placement.grads_lossless else torch.float32
+        self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
+                                   {id(by_name[s.name]): s.index for s in layout.slots},
+                                   grad_dtype=grad_dtype, compute_dtype=self.dtype)
+        # Exact with clipping and fp16 too: those steps speculate and are settled once the norm is known.
+        self.overlap_step = zero.overlap_step_with_backward
+        self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
+                                          self.copies, nvme_path=zero.offload_optimizer.nvme_path,
+                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+                                          buffer_count=budget.staging_sets, timeline=self.timeline,
+                                          reserve_nbytes=reserve, backward_order=self.overlap_step,
+                                          max_in_cpu=zero.offload_optimizer.max_in_cpu,
+                                          step_undo=self.overlap_step and self._step_may_be_undone(),
+                                          state_dtype=zero.offload_optimizer.state_dtype,
+                                          compute_from_master=zero.offload_param.compute_from_master,
+                                          rank=self.comm.rank)
+        # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
+        original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
+        self.prefetcher = self._make_prefetcher(reserve)
+        self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
+        self.params: list[ShardedParam] = []
+        self._by_param: dict[int, ShardedParam] = {}
+        for slot in layout.slots:
+            param = by_name[slot.name]
+            sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
+                                   copies=self.copies, read_pool=self._read_pool,
+                                   persistent=slot.index in persistent, blocks=self.full_blocks,
+                                   prefetcher=self.prefetcher)
+            self.params.append(sharded)
+        write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
+                             comm=self.comm, compute=self.compute, optimizer=self.optimizer)
+        for sharded in self.params:
+            self._by_param[id(sharded.param)] = sharded
+        if self._weights is not None:
+            self._weights.load_buffers(model)
+            self._weights.close()
+        self._initializer.materialize_buffers()
+        self._cast_buffers(model)
+        self._in_pass = False
+        self.groups = fetch_groups(model, self._by_param)
+        self.root_group = self.groups.get(model) or FetchGroup("", [])
+        trainable = [by_name[s.name] for s in layout.slots if s.trainable]
+        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
+        self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
+        self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
+                               optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
+                               gradient_clipping=config.gradient_clipping, params=self.params,
+                               finish_behind_forward=zero.overlap_step_with_forward)
+        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged)
+        self._apply_lr_schedule()
+
+    def _step_may_be_undone(self) -> bool:
+        """Clipping or fp16 loss scaling can reject a step's speculative updates."""
+        return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
+
+    def _make_prefetcher(self, reserve_nbytes: int) -> Prefetcher | None:
+        """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
+        for prefetching or reuse; else every parameter is fetched on demand."""
+        zero, compute = self.config.zero, self.compute
+        starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, self.copies, slot)
+                           for slot in self.layout.slots)
+        if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
+            return None
+        return Prefetcher(itemsize=torch.empty((), dtype=self.dtype).element_size(),
+                          bucket_numel=zero.prefetch_bucket_size, max_live_numel=zero.max_live_parameters,
+                          max_reuse_distance=zero.max_reuse_distance, device_stats=self.tiers.stats["device"],
+                          reserve_nbytes=reserve_nbytes)
+
+    def _make_read_pool(self) -> HostBufferPool | None:
+        """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
+        if self.placement.compute_shard.tier != "nvme" or not self.placement.distinct:
+            return None
+        p = self.config.zero.offload_param
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        largest = self.layout.largest_shard_numel
+        buffer_size = p.buffer_size
+        if buffer_size < largest:
+            logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
+                           buffer_size, largest, largest)
+            buffer_size = largest
+        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
+                              stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
+
+    def _cast_buffers(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is None:
+                    continue
+                if buf.is_meta:
+                    raise ValueError(f"buffer {name!r} of {type(module).__name__} is on the meta device; "
+                                     f"give it a value in reset_parameters() or build it on a real device")
+                converted = buf.to(self.device)
+                if converted.is_floating_point():
+                    converted = converted.to(self.dtype)
+                module._buffers[name] = converted
+
+    def _check_batch_size(self) -> None:
+        c = self.config
+        if c.train_batch_size is not None and c.micro_batch_size is not None:
+            expected = c.micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size
+            if expected != c.train_batch_size:
+                raise ValueError(
+                    f"train_batch_size={c.train_batch_size} but train_micro_batch_size_per_gpu × "
+                    f"gradient_accumulation_steps × world size = {c.micro_batch_size} × "
+                    f"{c.gradient_accumulation_steps} × {self.comm.world_size} = {expected}")
+
+    # -- training ----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._ensure_open()
+        args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
+        start = time.perf_counter()
+        self._begin_pass()
+        if torch.is_grad_enabled() and self.cycle.next_is_boundary:
+            self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
+        try:
+            fetching = fetch_on_use(self._by_param, self.hooks, self.root_group,
+                                    updates_behind=self.optimizer.tail is not None)
+            with fetching, self.timeline.span("compute", "forward"):
+                output = self.module(*args, **kwargs)
+        except BaseException:
+            self._end_pass()
+            raise
+        if not torch.is_grad_enabled():
+            self._end_pass()  # no backward follows
+        self.meter.add_compute(time.perf_counter() - start)
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._ensure_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("backward() takes the scalar loss returned by the model's forward")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was the forward run under torch.no_grad() or eval?")
+        scale = 1.0 / self.config.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scale *= self.loss_scaler.scale
+        start = time.perf_counter()
+        if self.cycle.next_is_boundary:
+            self._begin_overlapped_step()
+        begun = False
+        try:
+            self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
+            begun = True
+            with self.timeline.span("compute", "backward"):
+                (loss.float() * scale).backward()
+        except BaseException as err:
+            if begun:
+                self.cycle.abort_backward(err)
+            raise
+        finally:
+            self._end_pass()
+        self.meter.add_compute(time.perf_counter() - start)
+        self.cycle.end_backward()
+
+    def _begin_overlapped_step(self) -> None:
+        """With ``overlap_step_with_backward``, the coming step runs during its last backward."""
+        if self.overlap_step:
+            self.cycle.begin_overlapped_step(self._step_check())
+
+    def _step_check(self) -> StepCheck:
+        """What the coming step's speculative updates assume: nothing clips and nothing overflows. A step that
+        follows one which clipped or overflowed likely does too, and waits for the norm instead."""
+        unscale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return StepCheck(grad_coef=unscale, max_norm=self.config.gradient_clipping,
+                         speculate=not self.cycle.last_step_rejected)
+
+    def _cancel_unused_overlap(self) -> None:
+        self.cycle.cancel_unused_overlap()
+
+    @property
+    def step_in_progress(self) -> bool:
+        """True from the forward of a boundary micro-batch (or its backward) until ``step()``."""
+        return self.cycle.in_progress
+
+    @property
+    def backward_pending(self) -> bool:
+        """True between ``backward()`` and its ``step()`` (no checkpoint may be taken then)."""
+        return self.cycle.backward_pending
+
+    @property
+    def micro_step(self) -> int:
+        return self.cycle.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.micro_step = value
+
+    @property
+    def global_step(self) -> int:
+        return self.cycle.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:  # a checkpoint restores it
+        self.cycle.global_step = value
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.cycle.at_boundary
+
+    def step(self) -> None:
+        """Apply the optimizer at accumulation boundaries; a no-op between them."""
+        self._ensure_open()
+        skipped = self.cycle.step(self.meter.metrics)
+        if skipped is None:
+            return
+        self.meter.close_step(step=self.global_step, skipped=skipped, lr=self.lr,
+                              loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
+        self._apply_lr_schedule()
+
+    def finish_step(self) -> None:
+        """Wait until the last step's updates are all made. With ``overlap_step_with_forward`` those a step makes
+        after the norm is known finish behind the next forward, which waits for each parameter's own; everything
+        else of ours waits for them too. Call this before reading parameters outside the engine's forward."""
+        self._ensure_open()
+        self.cycle.land_tail()
+
+    def _apply_lr_schedule(self) -> None:
+        """With a DeepSpeed ``scheduler`` block, the learning rate of the next step (set before its forward)."""
+        if self.config.scheduler is not None:
+            self.optimizer.lr = self.config.scheduler.lr_at(self.global_step, self.config.optimizer.lr)
+
+    # -- what users read and set ---------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
+            raise ValueError(f"lr must be a non-negative number, got {value!r}")
+        if self.cycle.updates_started and float(value) != self.optimizer.lr:
+            raise RuntimeError(
+                f"engine.lr was set after backward() of the step's last micro-batch, but with "
+                f"overlap_step_with_backward the update already ran during backward with lr={self.optimizer.lr:g}; "
+                f"set the learning rate before that micro-batch's forward (or turn overlap_step_with_backward off)")
+        self.optimizer.lr = float(value)
+
+    def set_lr(self, value: float) -> None:
+        self.lr = value
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping, unscaled) of the last optimizer step, as DeepSpeed's
+        engine names it; None before the first step and after a skipped fp16 step (an overlapped step takes
+        it too, from the sub-groups' norms as backward finished them)."""
+        return self.cycle.global_grad_norm
+
+    def step_metrics(self) -> dict:
+        """Bytes, seconds and peaks of the last optimizer step (since the step before it)."""
+        return dict(self.meter.metrics)
+
+    @property
+    def _last_counters(self) -> dict:
+        """The counters at the last step's end (tests read the writes that finished after it)."""
+        return self.meter.last_counters
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
+        from infinity.checkpoint.state_dict import gather_full_state_dict
+        return gather_full_state_dict(self.shard_source())
+
+    def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
+        """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
+        Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`."""
+        from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
+        self._ensure_open()
+        return save_pretrained(self.shard_source(), self.module, out_dir, dtype=dtype,
+                               max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def shard_source(self) -> "ShardSource":
+        """This rank's shards, buffers, counters and scalars as checkpoints, state dicts and exports see them
+        (:mod:`infinity.checkpoint.shard_source`); made afresh for each use."""
+        from infinity.engine.shards import EngineShards
+        self.optimizer.land_tail()  # the last step's updates behind the forward write the shards it reads
+        return EngineShards(self)
+
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
+        from infinity.checkpoint import save_checkpoint
+        self._ensure_open()
+        self._cancel_unused_overlap()
+        return save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
+        from infinity.checkpoint import load_checkpoint
+        self._ensure_open()
+        self._cancel_unused_overlap()
+        self.optimizer.drop_tail()  # what the last step's updates behind the forward left is replaced (or failed)
+        client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag)
+        self.cycle.loaded_checkpoint()
+        self._apply_lr_schedule()
+        return client_state
+
+    # -- passes ------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        """A pass is one micro-batch's forward and backward (or a forward alone without grad)."""
+        if self._in_pass:
+            return
+        self._in_pass = True
+        if self.prefetcher is not None:
+            self.prefetcher.begin_pass()
+
+    def _end_pass(self) -> None:
+        self._release_all()
+        if self._in_pass and self.prefetcher is not None:
+            self.prefetcher.end_pass()
+        self._in_pass = False
+
+    # -- teardown ----------------------------------------------------------------
+    def _release_all(self) -> None:
+        for sharded in self.params:
+            if sharded.state is not ParamState.RELEASED:
+                sharded.force_release()
+        self.hooks.running.clear()
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Remove swap files and free every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors = []
+        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close,
+                     self._write_timeline, self.optimizer.close, self.reducer.close, self.compute.close,
+                     self.full_blocks.close, self.tiers.close):
+            try:
+                part()
+            except Exception as err:  # every part is closed (swap files removed) whatever failed before it
+                errors.append(err)
+        if errors:
+            raise errors[0]
+
+    def _write_timeline(self) -> None:
+        path = self.timeline.write()
+        if path:
+            logger.info("timeline written to %s (open it in Perfetto or chrome://tracing)", path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the stores clean up after themselves
+            pass
+
+
+def _cast_floating(tree, dtype: torch.dtype, device: torch.device):
+    from torch.utils._pytree import tree_map
+
+    def cast(x):
+        if isinstance(x, torch.Tensor):
+            x = x.to(device, non_blocking=True)
+            if x.is_floating_point() and x.dtype != dtype:
+                x = x.to(dtype)
+        return x
+    return tree_map(cast, tree)

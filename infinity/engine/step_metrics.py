@@ -1,0 +1,69 @@
+"""Each optimizer step's figures, as :meth:`Engine.step_metrics <infinity.engine.engine.Engine.step_metrics>`
+returns them: what the step itself reported (gradient norm, how an overlapped
+step settled, optimizer seconds), and, since the step before it, the bytes
+each tier read and wrote with its live and peak bytes, the bytes of each
+collective and of each host⇄device crossing, the compute-shard bytes copied
+from a staging set instead of read from NVMe, seconds of compute and of the
+whole step, and the timeline's summary.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from infinity.runtime.comm import Collectives
+from infinity.placement.copies import Copies
+from infinity.params.staging import StagedShards
+from infinity.placement.tiers import Tiers
+from infinity.runtime.trace import Timeline
+
+
+class StepMeter:
+    """Counts since the last step, closed into ``metrics`` at each step's end."""
+
+    def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards):
+        self._tiers = tiers
+        self._staged = staged
+        self._comm = comm
+        self._copies = copies
+        self._timeline = timeline
+        self.metrics: dict[str, Any] = {}
+        """The last step's figures; the step writes its own into it too (keys it does not set keep their value)."""
+        self.last_counters = self._counters()
+        self._step_started = time.perf_counter()
+        self._compute_s = 0.0
+
+    def add_compute(self, seconds: float) -> None:
+        """A forward's or backward's seconds."""
+        self._compute_s += seconds
+
+    def _counters(self) -> dict:
+        return {"tiers": self._tiers.snapshot(), "collectives": dict(self._comm.nbytes),
+                "copies": self._copies.snapshot(), "staged_nbytes": self._staged.hit_nbytes}
+
+    def close_step(self, *, step: int, skipped: bool, lr: float, loss_scale: float | None) -> None:
+        now = self._counters()
+        last = self.last_counters
+        tiers = {}
+        for tier, snap in now["tiers"].items():
+            prev = last["tiers"].get(tier, {})
+            tiers[tier] = {
+                "live_nbytes": snap["live_nbytes"], "peak_nbytes": snap["peak_nbytes"],
+                "bytes_read": snap["bytes_read"] - prev.get("bytes_read", 0),
+                "bytes_written": snap["bytes_written"] - prev.get("bytes_written", 0),
+                "wait_s": snap["wait_s"] - prev.get("wait_s", 0.0),
+            }
+        collectives = {f"{name}_nbytes": n - last["collectives"].get(name, 0) for name, n in now["collectives"].items()}
+        # host<->device traffic: what a GPU run moves over PCIe (zero where device memory is host memory)
+        copies = {name: n - last["copies"][name] for name, n in now["copies"].items()}
+        elapsed = time.perf_counter() - self._step_started
+        self.metrics["timeline"] = self._timeline.close_step()
+        self.metrics.update(step=step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
+                            compute_s=self._compute_s, step_s=elapsed,
+                            compute_shards_from_staging_nbytes=now["staged_nbytes"] - last["staged_nbytes"],
+                            fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
+                            lr=lr, loss_scale=loss_scale)
+        self.last_counters = now
+        self._step_started = time.perf_counter()
+        self._compute_s = 0.0

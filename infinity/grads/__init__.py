@@ -1,0 +1,1 @@
+"""Gradients: reduction into this rank's slices, the global norm, the loss scaler."""

@@ -1,0 +1,280 @@
+"""Gradient reduction: a parameter's full gradient, once autograd has finished
+accumulating it, is reduce-scattered on the device (mean over ranks) and this
+rank's slice travels to the optimizer's buffer by the route the
+:class:`~infinity.placement.placement.Placement` chose. The full gradient is freed at once.
+
+The reducer owns every gradient buffer: the optimizer's slices (``slices``, in
+the optimizer's memory), the fp32 device accumulator, and the pinned ring of
+the host route. The optimizer reads a sub-group's slices through
+:meth:`wait_sub_group`, which waits for that sub-group's crossings only.
+
+Routes (nothing pageable and nothing synchronous inside the backward hook):
+
+* ``IN_PLACE``: the slices are in the memory the gradient is reduced in; the
+  hook copies or adds into them.
+* ``DIRECT_TO_HOST`` (one micro-batch a step): each slice is copied down as
+  soon as it is reduced.
+* ``DEVICE_THEN_HOST``: micro-batches add into an fp32 device accumulator; the
+  step's last micro-batch copies each finished slice down once.
+* ``HOST_RING``: each micro-batch's slice is copied down into a pinned ring
+  buffer and a worker adds it into the host accumulator, off the hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Protocol
+
+import torch
+
+from infinity.runtime.comm import Collectives
+from infinity.placement.copies import CopyDone, Copies
+from infinity.grads.norm import sq_norm_fp64
+from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup
+from infinity.placement.placement import GradRoute, Placement
+from infinity.storage import HostBufferPool
+from infinity.placement.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+RING_SLICES = 4
+"""Slices of the largest shard the host route's pinned ring holds: backward stalls only when the adder is
+this far behind."""
+
+
+class FinalGradSink(Protocol):
+    """Told, during the step's last backward, of each slot whose gradient is final (the overlapped step)."""
+
+    def slot_final(self, slot: ParamSlot) -> None: ...
+
+
+class GradReducer:
+    def __init__(self, layout: ShardLayout, placement: Placement, tiers: Tiers, copies: Copies, comm: Collectives,
+                 slot_of_param: dict[int, int], *, grad_dtype: torch.dtype, compute_dtype: torch.dtype):
+        self.layout = layout
+        self.route = placement.grad_route
+        self._tiers = tiers
+        self._copies = copies
+        self._comm = comm
+        self._slot_of_param = slot_of_param
+        self._slices_tier = "device" if placement.grads.tier == "device" else "host"
+        self.slices = tiers.empty(self._slices_tier, layout.trainable_numel, grad_dtype, pinned=placement.grads.pinned)
+        """The optimizer's gradient slices, in the trainable flat space."""
+        self.slices.zero_()
+        self.received: set[int] = set()  # slots with a gradient this micro-batch
+        # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
+        # accumulation (they overwrite) / are the step's last (final as they arrive), and who is told so.
+        self._fresh = True
+        self._boundary = True
+        self._final_sink: "FinalGradSink | None" = None
+        self._crossed: set[int] = set()           # slots copied down this step (DEVICE_THEN_HOST)
+        self._landing: dict[int, object] = {}     # slot -> its latest crossing (CopyDone or _Added) this step
+        self._device_acc: torch.Tensor | None = None
+        self._ring: HostBufferPool | None = None
+        self._adder: _HostAdder | None = None
+        if self.route is GradRoute.DEVICE_THEN_HOST:
+            self._device_acc = tiers.empty("device", layout.trainable_numel, torch.float32)
+            self._device_acc.zero_()
+        elif self.route is GradRoute.HOST_RING:
+            slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
+            self._ring = HostBufferPool(RING_SLICES * max(slice_nbytes, 4096), pin=placement.grads.pinned,
+                                        stats=tiers.stats["host"], pinner=tiers.pinner)
+            self._adder = _HostAdder(copies, self._ring)
+        logger.debug("gradient route: %s", self.route.value)
+
+    # -- one micro-batch's backward (told by the StepCycle) --------------------------
+    def begin_backward(self, *, fresh: bool, boundary: bool, final_sink: "FinalGradSink | None" = None) -> None:
+        """Before a micro-batch's backward: whether its gradients start the step's accumulation (``fresh``: they
+        overwrite the slices, else add) and whether they are the step's last (``boundary``); ``final_sink``
+        (the overlapped step) is told of each slot whose gradient is then final."""
+        self._fresh, self._boundary, self._final_sink = fresh, boundary, final_sink
+
+    def abort_backward(self) -> bool:
+        """The backward raised: nothing more is final for anyone, and the next backward starts a fresh
+        accumulation (it overwrites the slots it reaches and zeroes the others). Returns whether that loses
+        nothing: true for a fresh backward, false for one that added into the step's accumulation (the
+        earlier micro-batches' gradients are then dropped with its partial sums)."""
+        self._final_sink = None
+        exact = self._fresh or not self.received
+        self.wait_all()  # its crossings land now, not into slices the next backward writes or zeroes
+        self.zero()
+        return exact
+
+    def on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Post-accumulate-grad hook: reduce this parameter's gradient and free it."""
+        slot = self.layout.slots[self._slot_of_param[id(param)]]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        shard = self._reduce(grad, slot)
+        first = self._fresh and slot.index not in self.received
+        target = self.slices[slot.offset:slot.end]
+        if self.route is GradRoute.IN_PLACE:
+            target.copy_(shard) if first else target.add_(shard)
+        elif self.route is GradRoute.DEVICE_THEN_HOST:
+            acc = self._device_acc[slot.offset:slot.end]
+            acc.copy_(shard) if first else acc.add_(shard)
+            if self._boundary:
+                self._cross_accumulated(slot)
+        elif self.route is GradRoute.DIRECT_TO_HOST:
+            self._copy_down(slot, shard, target, first)
+        else:
+            self._landing[slot.index] = self._adder.submit(shard, target, add=not first)
+        self.received.add(slot.index)
+        if self._final_sink is not None:
+            self._final_sink.slot_final(slot)
+
+    def _reduce(self, grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        """This rank's slice of the mean gradient over ranks, on the device."""
+        flat = grad.reshape(-1)
+        if slot.padded_numel != slot.numel:
+            padded = flat.new_zeros(slot.padded_numel)
+            padded[:slot.numel].copy_(flat)
+            flat = padded
+        if self._comm.world_size == 1:
+            return flat
+        shard = flat.new_empty(slot.shard_numel)
+        self._comm.reduce_scatter_mean(shard, flat)
+        return shard
+
+    def _cross_accumulated(self, slot: ParamSlot) -> None:
+        """DEVICE_THEN_HOST: the slot's accumulated gradient goes down, once this step."""
+        self._landing[slot.index] = self._copies.to_host(self._device_acc[slot.offset:slot.end],
+                                                         self.slices[slot.offset:slot.end])
+        self._crossed.add(slot.index)
+
+    def _copy_down(self, slot: ParamSlot, shard: torch.Tensor, target: torch.Tensor, first: bool) -> None:
+        """DIRECT_TO_HOST: the reduced slice crosses as it is (converted on the device first if need be)."""
+        if shard.dtype != target.dtype:
+            shard = shard.to(target.dtype)
+        if first:
+            self._landing[slot.index] = self._copies.to_host(shard, target)
+            return
+        # A second gradient for the slot within one micro-batch (a parameter in two graphs): rare, so it is
+        # added on the host here, after its first crossing has landed.
+        self._copies.host_waits(self._landing.pop(slot.index))
+        extra = torch.empty_like(target)
+        self._copies.host_waits(self._copies.to_host(shard, extra))  # the add below reads it
+        target.add_(extra)
+
+    def end_backward(self) -> None:
+        """Gradients of slots that got none this micro-batch are zero (on a fresh accumulation); at the step's
+        boundary every slot not yet copied down goes down now."""
+        self._final_sink = None
+        if self._fresh:
+            for slot in self.layout.slots:
+                if slot.trainable and slot.index not in self.received:
+                    self._zero_slot(slot)
+        if self._boundary and self.route is GradRoute.DEVICE_THEN_HOST:
+            for slot in self.layout.slots:
+                if slot.trainable and slot.index not in self._crossed:
+                    self._cross_accumulated(slot)
+        self.received.clear()
+
+    def _zero_slot(self, slot: ParamSlot) -> None:
+        if self.route is GradRoute.DEVICE_THEN_HOST:
+            self._device_acc[slot.offset:slot.end].zero_()
+        else:
+            # no crossing into this slot is pending: it received nothing since the last step
+            self.slices[slot.offset:slot.end].zero_()
+
+    # -- the optimizer's side ---------------------------------------------------
+    def wait_sub_group(self, group: SubGroup) -> torch.Tensor:
+        """The sub-group's slices, once every crossing into them has landed (any thread may call this)."""
+        for slot in group.slots:
+            landing = self._landing.pop(slot.index, None)
+            if isinstance(landing, CopyDone):
+                self._copies.host_waits(landing)  # the optimizer reads these host slices next
+            elif landing is not None:
+                landing.wait()
+        return self.slices[group.start:group.end]
+
+    def sub_group_sq_norm(self, group: SubGroup) -> float:
+        """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
+        return sq_norm_fp64(self.wait_sub_group(group))
+
+    def sq_norm(self) -> float:
+        """This rank's squared gradient norm: the sub-groups' terms summed in their order (as
+        :meth:`OverlappedStep.sq_norm` sums those it took as backward finished each), so both kinds of step
+        agree to the bit."""
+        return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
+
+    def wait_all(self) -> torch.Tensor:
+        """Every slice, landed (before the global norm or the overflow check reads them all)."""
+        for group in self.layout.sub_groups:
+            self.wait_sub_group(group)
+        return self.slices
+
+    def zero(self) -> None:
+        """After a step: the next micro-batch starts a fresh accumulation. The slices are not cleared: a fresh
+        backward overwrites every trainable slot it reaches and zeroes the others (end_backward), so a pass
+        over every gradient each step (52 GB at 13B) would only be overwritten."""
+        self.received.clear()
+        self._crossed.clear()
+        self._landing.clear()
+
+    def close(self) -> None:
+        if self._adder is not None:
+            self._adder.close()
+            self._adder = None
+        if self._device_acc is not None:
+            self._tiers.free("device", self._device_acc)
+            self._device_acc = None
+        if self.slices is not None:
+            self._tiers.free(self._slices_tier, self.slices)
+            self.slices = None
+
+
+class _Added:
+    """One slice's add on the host, done by the adder; waited on by the optimizer."""
+
+    __slots__ = ("event", "error")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _HostAdder:
+    """HOST_RING: copies a slice down into a ring buffer, then a worker adds it into the host accumulator."""
+
+    def __init__(self, copies: Copies, ring: HostBufferPool):
+        self._copies = copies
+        self._ring = ring
+        self._jobs: "queue.Queue[tuple | None]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="infinity-grad-adder", daemon=True)
+        self._thread.start()
+
+    def submit(self, shard: torch.Tensor, target: torch.Tensor, *, add: bool) -> _Added:
+        nbytes = shard.numel() * shard.element_size()
+        # blocks only when the adder is RING_SLICES slices behind: it gives buffers back as it adds
+        buffer = self._ring.acquire(nbytes)
+        staged = buffer[:nbytes].view(shard.dtype)
+        done = self._copies.to_host(shard, staged)
+        added = _Added()
+        self._jobs.put((done, buffer, staged, target, add, added))
+        return added
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            done, buffer, staged, target, add, added = job
+            try:
+                self._copies.host_waits(done)  # the add reads the staged slice
+                target.add_(staged) if add else target.copy_(staged)
+            except BaseException as err:  # handed to the optimizer by _Added.wait
+                added.error = err
+            finally:
+                self._ring.release(buffer)
+                added.event.set()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()

@@ -1,0 +1,1 @@
+"""The Hugging Face door: `from_pretrained`, which uses the engine."""

@@ -1,0 +1,465 @@
+"""The optimizer over this rank's shards: fp32 master and Adam moments in the
+optimizer's tier, updated one sub-group at a time where they rest — by the
+fused CPU kernel for host and NVMe states, by the device's Adam for device
+states — which also writes the new compute shards in the same pass. The
+gradient slices belong to the :class:`~infinity.grads.reducer.GradReducer`;
+the optimizer waits for a sub-group's slices to land before updating it.
+
+New compute shards are written in place when they rest in the memory the
+optimizer runs in; otherwise they go through a scratch buffer and cross, or are
+written to NVMe (:class:`~infinity.params.delivery.ComputeDelivery`).
+
+With the states on NVMe, the sub-groups that fit the host-memory budget rest in
+host memory instead (those the step reads first, first; the states in memory
+are :class:`~infinity.optim.in_memory.MemoryStates`) and only the others are
+swapped: they are pipelined through sets of host buffers, sub-group i+1
+read while sub-group i is updated, and sub-group i written while i+1 is
+updated. A buffer set is reused only after its writes have completed. The sets
+and the swap keys are :class:`~infinity.optim.on_nvme.SwappedStates`'.
+
+The step overlapped with backward (:mod:`infinity.optim.overlapped_step`) runs the
+same updates from its worker, through the verbs of the section so named.
+
+A bf16 master (``state_dtype`` bf16 or int8) with bf16 compute holds the
+compute shards' very bits. With both on NVMe, a swapped sub-group's update then
+writes the master alone, and its compute shards are read from the master's
+swap file from then on (:meth:`ComputeShards.rest_in_master`): 2 bytes an
+element less written each step (``offload_param.compute_from_master``).
+
+The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
+in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
+6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
+form in its one pass. :meth:`OffloadOptimizer.read_state` and
+:meth:`~OffloadOptimizer.write_state` convert to and from fp32 for checkpoints
+(:class:`~infinity.optim.state_io.RestingStates`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from infinity import kernels
+from infinity.params.compute_shards import ComputeShards
+from infinity.config.schema import OptimizerConfig
+from infinity.params.delivery import ComputeDelivery
+from infinity.placement.copies import Copies
+from infinity.grads.reducer import GradReducer
+from infinity.placement.layout import ShardLayout, SubGroup
+from infinity.optim.in_memory import MemoryStates
+from infinity.optim.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck, UpdateAt
+from infinity.optim.step_tail import StepTail
+from infinity.placement.placement import Placement
+from infinity.optim.state_io import RestingStates
+from infinity.storage import IOHandle
+from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
+from infinity.placement.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+_nothing = contextlib.nullcontext
+
+
+class OffloadOptimizer:
+    def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
+                 compute: ComputeShards, grads: GradReducer, copies: Copies, *,
+                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
+                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
+                 step_undo: bool = False, state_dtype: str = "fp32", compute_from_master: bool = True,
+                 rank: int = 0):
+        self.layout = layout
+        self.state_dtype = kernels.compact.check_state_dtype(state_dtype)
+        self.config = config
+        self.tier = placement.master.tier
+        self.lr = config.lr
+        self.step_count = 0
+        self._tiers = tiers
+        self._compute = compute
+        self._grads = grads
+        self._copies = copies
+        self._timeline = timeline
+        self._on_device = placement.optimizer_on_device
+        if state_dtype != "fp32" and self._on_device and placement.device.type != "cpu":
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.state_dtype is {state_dtype!r}, but the optimizer states are "
+                f"on {placement.device} (offload_optimizer.device 'none'), where torch's fused AdamW keeps fp32 "
+                f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
+        self._rank = rank
+        self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
+        self._delivery = ComputeDelivery(layout, placement, tiers, compute, copies)
+        # the states in memory (host memory for NVMe's sub-groups kept within the budget)
+        self._memory = MemoryStates(tiers, copies, tier="device" if self.tier == "device" else "host",
+                                    state_dtype=self.state_dtype, on_device=self._on_device)
+        self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
+        self._store = None
+        self.swapped: SwappedStates | None = None  # the staging sets and swap keys of the states on NVMe
+        self._written_groups: set[int] = set()
+        self._grad_scratch: torch.Tensor | None = None
+        self._grad_scratch_tier = "host"
+        self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
+        self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
+        self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
+        self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
+        if self.tier == "nvme":
+            self._store = tiers.swap_store(nvme_path)
+            # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
+            self.swapped = SwappedStates(self._store, tiers, self.state_dtype,
+                                         largest_numel=layout.largest_sub_group_numel,
+                                         set_count=max(2, buffer_count) if pipeline else 1,
+                                         compute_dtype=compute.dtype, compute_pinned=self._delivery.scratch_pinned)
+            room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
+            self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
+        else:
+            self._memory.allocate(layout.sub_groups)
+        self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store,
+                                      self.swapped.key if self.swapped is not None else None)
+        self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
+        """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        self._shares_master = self._groups_sharing_master(compute_from_master)
+        """Swapped sub-groups whose master is read as their compute shards (their update writes no copy)."""
+        if step_undo:
+            self._make_room_to_undo()
+
+    def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
+        """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
+        (with no budget, none do: ``device: nvme`` then means NVMe).
+
+        Every sub-group kept saves twice its state bytes (24 an element in fp32) of I/O per step; among those
+        that fit, the ones the step reads first are kept (no I/O can hide their reads): the last sub-groups
+        when the step runs during backward (which finishes them first), else the first ones."""
+        order = sorted(self.layout.sub_groups, key=lambda g: -g.index if backward_order else g.index)
+        kept, total, total_nbytes = [], 0, 0
+        for group in order:
+            nbytes = kernels.state_nbytes(self.state_dtype, group.numel)
+            fits = total_nbytes + nbytes <= room_nbytes
+            if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
+                kept.append(group)
+                total += group.numel
+                total_nbytes += nbytes
+        if not kept:
+            return
+        self._memory.allocate(kept)
+        logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
+                    "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
+                    sum(g.numel for g in self.layout.sub_groups))
+
+    def _groups_sharing_master(self, enabled: bool) -> frozenset[int]:
+        """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
+        shards on NVMe (those resting in host memory are copied from the master after each update). The kernel
+        writes them as ``master.to(bf16)``, the master's very bits, so a copy of their own would only cost its
+        write."""
+        if not enabled or self._store is None:
+            return frozenset()
+        master_dtype = self._state_layout(1)[0].dtype
+        groups = frozenset(g.index for g in self.swapped_groups if self._compute.can_rest_in_master(g, master_dtype))
+        if groups:
+            self._compute.read_masters_with(self.swapped.read_master_part)
+            logger.info("compute shards of %d of %d sub-groups are read from their %s master on NVMe after its first "
+                        "update (offload_param.compute_from_master): 2 B an element less written a step",
+                        len(groups), len(self.layout.sub_groups), self.state_dtype)
+        return groups
+
+    @property
+    def staged_shards(self):
+        """Compute shards still in the staging sets (:mod:`infinity.params.staging`)."""
+        return self._compute.staged
+
+    def _state_layout(self, numel: int):
+        return kernels.state_layout(self.state_dtype, numel)
+
+    @property
+    def staging_sets(self) -> list[StagingSet]:
+        """The host buffers swapped sub-groups are updated in (none unless the states are on NVMe)."""
+        return self.swapped.sets if self.swapped is not None else []
+
+    def _seed(self, group: SubGroup) -> int:
+        """The stochastic-rounding seed of one sub-group: its own on every rank, the same in a resumed run."""
+        return (self._rank << 32) | group.index
+
+    def in_memory(self, group: SubGroup) -> bool:
+        return self._memory.holds(group)
+
+    @property
+    def resident_numel(self) -> int:
+        """Elements whose states rest in memory (all of them unless the tier is NVMe)."""
+        return sum(g.numel for g in self.layout.sub_groups if self.in_memory(g))
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradient slices this optimizer reads (owned by the reducer)."""
+        return self._grads.slices
+
+    # -- initialization ----------------------------------------------------
+    def init_master(self, values_by_slot: dict[int, torch.Tensor]) -> None:
+        """Set the fp32 master of the sub-groups whose every slot is in ``values_by_slot``.
+
+        Called as parameters are materialized; a sub-group is written to NVMe
+        once complete, so host memory holds at most one sub-group of masters.
+        """
+        for group in self.layout.sub_groups:
+            if group.index in self._written_groups or not all(s.index in values_by_slot for s in group.slots):
+                continue
+            if not self.in_memory(group):
+                staging = self.swapped.sets[0]
+                staging.wait_writes()
+                self._compute.staged.release(staging)  # overwritten next
+                master = staging.states["master"][:group.numel]
+                master.zero_()
+                for slot in group.slots:
+                    master[slot.offset - group.start:slot.offset - group.start + slot.shard_numel].copy_(values_by_slot[slot.index])
+                self.swapped.write_master(group, master).wait()
+            else:
+                for slot in group.slots:
+                    self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
+            self._written_groups.add(group.index)
+            for slot in group.slots:
+                values_by_slot.pop(slot.index, None)
+
+    # -- the step ------------------------------------------------------------
+    def step(self, grad_coef: float = 1.0) -> None:
+        """One optimizer step over every sub-group; ``grad_coef`` scales the gradients (clipping, unscaling)."""
+        self.step_count += 1
+        self.scale_grads(grad_coef)
+        at = UpdateAt(step=self.step_count, lr=self.lr)
+        self._update_pipelined(self.swapped_groups, [g for g in self.layout.sub_groups if self.in_memory(g)], at)
+        self.finish_compute_copies()
+
+    def scale_grads(self, grad_coef: float) -> None:
+        """Scale every gradient slice in place, once they have landed (a step nothing will undo any more)."""
+        if grad_coef != 1.0:
+            self._grads.wait_all().mul_(grad_coef)
+
+    def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None",
+                at: UpdateAt, *, grad_coef: float = 1.0) -> list[IOHandle]:
+        """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
+        to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
+        tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
+        Returns the NVMe writes still in flight."""
+        cfg = self.config
+        states = group_states(self.state_dtype, group, states)
+        grads = self._grads.wait_sub_group(group)
+        if grad_coef != 1.0:
+            grads = self._scaled_grads(grads, grad_coef)
+        shares_master = group.index in self._shares_master
+        out = None if shares_master else self._delivery.out(group, scratch)
+        hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
+                     weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                     param_out=out)
+        with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
+            if self.state_dtype == "fp32":
+                self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
+            else:  # the compact form read, updated and written back in the kernel's one pass
+                kernels.adam_step_compact(states["master"], grads, states["exp_avg"], states["exp_avg_sq"],
+                                          state_dtype=self.state_dtype, seed=self._seed(group),
+                                          exp_avg_scale=states.get("exp_avg_scale"),
+                                          exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
+        if shares_master:
+            self._compute.write_resident_from_master(group, states["master"])
+            return []
+        return self._delivery.deliver(group, out)
+
+    def finish_compute_copies(self) -> None:
+        """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
+        self._delivery.finish_copies()
+
+    def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup], at: UpdateAt) -> None:
+        """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
+        writes are done. The ``in_memory`` sub-groups are updated while the first read is in flight."""
+        sets = self.staging_sets
+        reads: dict[int, list[IOHandle]] = {}
+        if groups:
+            # The last step's write-behind may still be reading this set (the set of its last sub-groups):
+            # the first read must not land in it before those writes are done.
+            sets[0].wait_writes()
+            reads[0] = self.read_states(groups[0], sets[0], step=at.step)
+        for group in in_memory:
+            self._update_in_memory(group, at)
+        for i, group in enumerate(groups):
+            staging = sets[i % len(sets)]
+            for handle in reads.pop(i):
+                handle.wait()
+            following = sets[(i + 1) % len(sets)]
+            if i + 1 < len(groups) and following is not staging:
+                following.wait_writes()
+                reads[i + 1] = self.read_states(groups[i + 1], following, step=at.step)
+            staging.writes.extend(self._update(group, staging.states, staging.compute, at))
+            self._write_states(group, staging, other_side=False)
+            if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
+                staging.wait_writes()
+                reads[i + 1] = self.read_states(groups[i + 1], staging, step=at.step)
+        # Write-behind: the last sub-groups' writes finish while the next forward runs. The store orders
+        # operations on one key, so a later read of a state or compute shard sees its write; a staging
+        # set is reused only after its writes are done; flush() waits for all of them.
+
+    # -- the step overlapped with backward (see infinity.optim.overlapped_step) --------
+    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> OverlappedStep:
+        """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
+        gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
+        self.step_count += 1
+        return OverlappedStep(self, self._grads, check, after=self.tail)
+
+    def finish_behind_forward(self, overlap: OverlappedStep) -> StepTail:
+        """A settled overlapped step's remaining updates run on a worker thread while the next forward begins
+        (:mod:`infinity.optim.step_tail`); ``tail`` is theirs until it has landed."""
+        self.tail = StepTail(overlap.remaining, overlap.update_remaining, copies=self._copies,
+                             timeline=self._timeline)
+        return self.tail
+
+    def land_tail(self) -> None:
+        """Wait for the last step's updates behind the forward, if any (their failure is raised here, once)."""
+        tail, self.tail = self.tail, None
+        if tail is not None:
+            tail.land()
+
+    def drop_tail(self) -> None:
+        """Wait for the last step's updates behind the forward; a failure is logged, not raised (closing, or
+        loading a checkpoint that replaces whatever they left)."""
+        try:
+            self.land_tail()
+        except Exception as err:
+            logger.warning("the last step's updates behind the forward failed; going on without them: %s", err)
+
+    def take_back_step(self) -> None:
+        """An overlapped step that updated nothing it keeps (cancelled, or skipped on an fp16 overflow)."""
+        self.step_count -= 1
+
+    def undo_updates(self, groups: list[SubGroup], reason: str) -> None:
+        """Roll back speculative updates: in-memory sub-groups come back from the undo copy; a swapped one's
+        new states were written to the other side of its keys and are simply never published."""
+        for group in groups:
+            if self.in_memory(group):
+                self.undo.restore(group)
+        self._compute.staged.discard_held(g.index for g in groups)
+        if groups:
+            self.rollbacks += 1
+            logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
+                        self.step_count, len(groups), reason, self.rollbacks)
+
+    def publish_other_side(self, groups) -> None:
+        """Committed speculative updates of swapped sub-groups: their states now live under their other keys."""
+        swapped = [g.index for g in groups if not self.in_memory(g)]
+        if self.swapped is not None:
+            self.swapped.publish_other_side(swapped)
+        self._compute.staged.publish(swapped)  # masters still staged are the compute shards' newest now
+
+    def _make_room_to_undo(self) -> None:
+        """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
+        keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
+        room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
+        what ``estimate`` says and a full disk fails here, not mid-run."""
+        self.second_side_reserved = self.swapped is None or self.swapped.reserve_other_sides(self.swapped_groups)
+        if self._states:
+            self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
+
+    def restore_compute(self, group: SubGroup) -> None:
+        """After an undone update: the compute shards again from the master (the kernel writes them as its
+        round-to-nearest cast, so this is the value they had)."""
+        shares_master = group.index in self._shares_master
+        if shares_master and not self._compute.resident_slots(group):
+            return  # they are read from the master, which the undone update did not overwrite (other side)
+        if self.in_memory(group):
+            master, staging = self._memory.views(group)["master"], None
+        else:
+            staging = self.swapped.sets[0]
+            staging.wait_writes()  # its buffers are about to be overwritten by the read
+            self._compute.staged.release(staging)
+            master = staging.states["master"][:group.numel]
+            self.swapped.read_master(group, master).wait()
+        if shares_master:  # the rest are read from the master on NVMe, as above
+            self._compute.write_resident_from_master(group, master)
+            return
+        out = self._delivery.out(group, staging.compute if staging is not None else None)
+        out.copy_(master)
+        for handle in self._delivery.deliver(group, out):
+            handle.wait()
+
+    def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
+        """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
+        may be undone); the same rounding as scaling the slices in place."""
+        if self._grad_scratch is None:
+            self._grad_scratch_tier = "device" if self._on_device else "host"
+            self._grad_scratch = self._tiers.empty(self._grad_scratch_tier, self.layout.largest_sub_group_numel,
+                                                   grads.dtype)
+        return torch.mul(grads, grad_coef, out=self._grad_scratch[:grads.numel()])
+
+    def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:
+        """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
+        if check.needs_norm:
+            self.undo.save(group)
+        self._update_in_memory(group, at, grad_coef=check.grad_coef)
+
+    def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
+        """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
+        may not stand, the new states go to the other side of its keys."""
+        staging.writes.extend(self._update(group, staging.states, staging.compute, at, grad_coef=check.grad_coef))
+        self._write_states(group, staging, other_side=check.needs_norm)
+
+    def _write_states(self, group: SubGroup, staging: StagingSet, *, other_side: bool) -> None:
+        """Queue the writes of a swapped sub-group's updated states; a master that holds the compute shards goes
+        ahead of the queue (the next forward reads it), and its shards are read from it from now on. Written to
+        the other side, the master the shards are read from is the one on the current side until the step
+        commits: the shards' old values, as long as the update may still be undone."""
+        shares_master = group.index in self._shares_master
+        self.swapped.write(group, staging, other_side=other_side, urgent_master=shares_master)
+        if shares_master:
+            self._compute.rest_in_master(group)
+            # the next forward copies the shards from the staged master while the set is not reused
+            self._compute.keep_staged(group, staging.states["master"][:group.numel], staging, speculative=other_side)
+        elif self._delivery.writes_from_scratch:
+            # their files were written from the set's compute buffer (the speculative values too: an undo
+            # writes them again, which forgets these)
+            self._compute.keep_staged(group, staging.compute[:group.numel], staging)
+
+    def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
+        """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
+        for handle in self._update(group, self._memory.views(group), None, at, grad_coef=grad_coef):
+            handle.wait()
+
+    def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
+        """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
+        self._compute.staged.release(staging)  # the shards it held are read from NVMe from now on
+        return self.swapped.read(group, staging, step=step, urgent=urgent)
+
+    # -- reading and writing states (full_state_dict, checkpoints) -----------
+    def read_master(self, group: SubGroup, out: torch.Tensor) -> None:
+        self.read_state("master", group, out)
+
+    def read_state(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
+        """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out``: see
+        :meth:`RestingStates.read`."""
+        self.land_tail()  # the last step's updates behind the forward may not have reached this sub-group yet
+        self._resting.read(name, group, out, moments_written=self.step_count > 0)
+
+    def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
+        """Replace one state of a sub-group with fp32 ``values`` (loading a checkpoint)."""
+        self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
+        self._compute.staged.forget(group.index)  # a staged master or set is no longer the newest
+        self._resting.write(name, group, values)
+
+    def state_dict(self) -> dict:
+        """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
+        return {"step": self.step_count, "lr": self.lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        self.lr = float(state["lr"])
+
+    def flush(self) -> None:
+        """Wait for every update and write of earlier steps (they finish behind the next forward otherwise)."""
+        self.land_tail()
+        if self.swapped is not None:
+            self.swapped.wait_writes()
+
+    def close(self) -> None:
+        self.drop_tail()
+        if self.swapped is not None:
+            self.swapped.close()
+        self._memory.close()
+        self._delivery.close()
+        if self._grad_scratch is not None:
+            self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
+            self._grad_scratch = None
+        if self.undo is not None:
+            self.undo.close()

@@ -1,0 +1,147 @@
+"""The optimizer states of the sub-groups that rest on NVMe: the staging sets
+they pass through in host memory, and the two sides of their swap keys.
+
+A swapped sub-group's states are read into a staging set, updated there by the
+kernel, and written back from it; the set is reused only once its writes have
+completed. Every state has two keys, ``exp_avg.3`` and ``exp_avg.3.b``: a
+speculative update (an overlapped step that may still clip or overflow)
+writes the side not in use, so the states it may have to return to are never
+overwritten, and a committed step publishes that side. Which side is in use is
+this object's alone to say (:meth:`SwappedStates.key`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from infinity import kernels
+from infinity.placement.layout import SubGroup
+from infinity.storage import IOHandle
+from infinity.storage.stats import format_nbytes
+from infinity.placement.tiers import Tiers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StagingSet:
+    """Host buffers for one swapped sub-group in flight: its states and its new compute shards."""
+
+    states: dict[str, torch.Tensor]
+    compute: torch.Tensor
+    writes: list[IOHandle]
+
+    def wait_writes(self) -> None:
+        """Wait for every write; the list is emptied even when one failed (its error is raised once)."""
+        writes, self.writes = self.writes, []
+        error = None
+        for handle in writes:
+            try:
+                handle.wait()
+            except OSError as err:
+                error = error or err
+        if error is not None:
+            raise error
+
+
+def group_states(state_dtype: str, group: SubGroup, states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``states`` cut to the sub-group's tensors (a staging set's are sized for the largest sub-group)."""
+    return {spec.name: states[spec.name][:spec.numel] for spec in kernels.state_layout(state_dtype, group.numel)}
+
+
+class SwappedStates:
+    """The staging sets (host tier) and the swap keys of the sub-groups whose states rest on NVMe."""
+
+    def __init__(self, store, tiers: Tiers, state_dtype: str, *, largest_numel: int, set_count: int,
+                 compute_dtype: torch.dtype, compute_pinned: bool):
+        self._store = store
+        self._tiers = tiers
+        self.state_dtype = state_dtype
+        self._second_side: set[int] = set()  # sub-groups whose states live under their second keys
+        self.sets: list[StagingSet] = []
+        for _ in range(set_count):
+            states = {t.name: tiers.empty("host", t.numel, t.dtype)
+                      for t in kernels.state_layout(state_dtype, largest_numel)}
+            compute = tiers.empty("host", largest_numel, compute_dtype, pinned=compute_pinned)
+            self.sets.append(StagingSet(states, compute, []))
+
+    # -- keys ---------------------------------------------------------------
+    def key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
+        """The swap key of a state: the side in use, or with ``other_side`` the one a speculative update writes."""
+        second = (group.index in self._second_side) != other_side
+        return f"{name}.{group.index}" + (".b" if second else "")
+
+    def publish_other_side(self, indices) -> None:
+        """Committed speculative updates: these sub-groups' states now live under their other keys."""
+        self._second_side.symmetric_difference_update(indices)
+
+    def reserve_other_sides(self, groups: list[SubGroup]) -> bool:
+        """Reserve the second side of every state of ``groups`` on NVMe, where the disk has room for both sides
+        (with a tenth to spare for what else goes there); False, reserving nothing, where it has not: better a
+        step that overlaps less than a disk that fills up mid-run."""
+        one_side = sum(spec.nbytes for group in groups for spec in kernels.state_layout(self.state_dtype, group.numel))
+        free = shutil.disk_usage(self._store.directory).free
+        if groups and free < 2.2 * one_side:
+            logger.warning("overlapped step with clipping/fp16: %s free in %s, and undoing a speculative update on "
+                           "NVMe needs the optimizer's %s of swapped states twice (%s); swapped sub-groups wait for "
+                           "the global norm instead (the step is as exact, it overlaps less with backward)",
+                           format_nbytes(free), self._store.directory, format_nbytes(one_side),
+                           format_nbytes(2 * one_side))
+            return False
+        for group in groups:
+            for spec in kernels.state_layout(self.state_dtype, group.numel):
+                self._store.reserve(self.key(spec.name, group, other_side=True), spec.nbytes)
+        return True
+
+    # -- moving states --------------------------------------------------------
+    def read(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
+        """Read the sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
+        handles = []
+        for name, buffer in group_states(self.state_dtype, group, staging.states).items():
+            if name != "master" and step == 1:
+                buffer.zero_()  # moments (codes and scales) start at zero: nothing on disk yet
+                continue
+            handles.append(self._store.read(self.key(name, group), buffer, urgent=urgent))
+        return handles
+
+    def write(self, group: SubGroup, staging: StagingSet, *, other_side: bool, urgent_master: bool) -> None:
+        """Queue the writes of the sub-group's updated states from ``staging`` (on its set's list);
+        ``urgent_master`` puts the master ahead of the queue (the next forward reads it)."""
+        for name, tensor in group_states(self.state_dtype, group, staging.states).items():
+            urgent = urgent_master and name == "master"
+            staging.writes.append(self._store.write(self.key(name, group, other_side=other_side), tensor,
+                                                    urgent=urgent))
+
+    def write_master(self, group: SubGroup, values: torch.Tensor) -> IOHandle:
+        """Write the sub-group's whole master (its first values) to the side in use."""
+        return self._store.write(self.key("master", group), values)
+
+    def read_master(self, group: SubGroup, out: torch.Tensor) -> IOHandle:
+        """Read the sub-group's whole master, as the side in use holds it, into ``out``."""
+        return self._store.read(self.key("master", group), out)
+
+    def read_master_part(self, group: SubGroup, at: int, out: torch.Tensor) -> IOHandle:
+        """``out``'s bytes of the sub-group's master from byte ``at`` (compute shards that rest in it)."""
+        return self._store.read(self.key("master", group), out, at=at)
+
+    def wait_writes(self) -> None:
+        """Wait for every set's writes."""
+        for staging in self.sets:
+            staging.wait_writes()
+
+    def close(self) -> None:
+        """Wait for the writes still in flight (a failed one was raised by the step that issued it) and give the
+        sets back to the host tier."""
+        for staging in self.sets:
+            try:
+                staging.wait_writes()
+            except OSError as err:
+                logger.warning("closing after a failed write: %s", err)
+            for tensor in staging.states.values():
+                self._tiers.free("host", tensor)
+            self._tiers.free("host", staging.compute)
+        self.sets.clear()

@@ -1,0 +1,157 @@
+"""The dynamic prefetcher: swap shards in ahead of need, in the order the
+last pass used them.
+
+A pass (one micro-batch's forward and backward) records every fetch request
+in order. The next pass follows that trace: each time a request matches the
+trace, the swap-ins of the parameters coming next are started, as far ahead as
+``prefetch_bucket_size`` elements and as the live-parameter budget allow, so
+the NVMe reads run while the current module computes. A released parameter
+whose next use is within ``max_reuse_distance`` elements of fetches is kept
+gathered (within the same budget) instead of being fetched again.
+
+When the order changes (a data-dependent branch, adapters switched on or off)
+the pass stops prefetching, fetches on demand, and its trace becomes the plan
+for the next pass: no error, no deadlock, one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from infinity.params.sharded_param import ParamState, ShardedParam
+from infinity.storage import TierStats
+
+logger = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    def __init__(self, *, itemsize: int, bucket_numel: int, max_live_numel: int,
+                 max_reuse_distance: int, device_stats: TierStats, reserve_nbytes: int = 0):
+        self._itemsize = itemsize             # bytes of a full tensor's element
+        self._bucket_numel = bucket_numel
+        self._max_live_numel = max_live_numel
+        self._max_reuse_distance = max_reuse_distance
+        self._device = device_stats
+        self._reserve_nbytes = reserve_nbytes  # kept free in the memory budget for fetches on demand
+        self.plan: list[ShardedParam] = []    # the last complete pass's requests
+        self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
+        self._numel_before: list[int] = []    # elements requested before each plan position
+        self._trace: list[ShardedParam] = []  # this pass's requests so far
+        self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
+        self._on_plan = False
+        self._issued_upto = 0                 # plan positions below this have had their prefetch considered
+        # prefetched into host buffers, their reads not landed: each goes on to its copy up once its read is done
+        self._reading: list[ShardedParam] = []
+        self.prefetched = 0                   # swap-ins started ahead of need (metrics)
+        self.order_changes = 0
+
+    # -- a pass ------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._trace = []
+        self._last_request = {}
+        self._on_plan = bool(self.plan)
+        self._issued_upto = 0
+
+    def end_pass(self) -> None:
+        if self._trace != self.plan:
+            if self.plan:
+                self.order_changes += 1
+                logger.info("the order of parameter fetches changed (pass of %d requests, plan of %d): "
+                            "fetching on demand this pass and following the new order from the next",
+                            len(self._trace), len(self.plan))
+            self._adopt(self._trace)
+        self._trace = []
+        self._on_plan = False
+
+    def _adopt(self, trace: list[ShardedParam]) -> None:
+        self.plan = list(trace)
+        self._numel_before, total = [], 0
+        for p in self.plan:
+            self._numel_before.append(total)
+            total += p.slot.numel
+        self._next_use = [len(self.plan)] * len(self.plan)
+        last_seen: dict[int, int] = {}
+        for i in range(len(self.plan) - 1, -1, -1):
+            key = id(self.plan[i])
+            self._next_use[i] = last_seen.get(key, len(self.plan))
+            last_seen[key] = i
+
+    # -- what a ShardedParam tells and asks ----------------------------------------
+    def fetch_requested(self, param: ShardedParam) -> None:
+        """Every fetch request, in order: the pass's trace, and the point to issue the next prefetches."""
+        position = len(self._trace)
+        self._trace.append(param)
+        self._last_request[id(param)] = position
+        if not self._on_plan:
+            return
+        self._advance_reads()
+        if position >= len(self.plan) or self.plan[position] is not param:
+            self._on_plan = False  # off the plan: on demand until the pass ends
+            return
+        self._prefetch_after(position)
+
+    def keeps_gathered(self, param: ShardedParam) -> bool:
+        """Keep a released parameter gathered when the plan uses it again soon and the budget allows."""
+        if not self._on_plan or self._max_reuse_distance == 0:
+            return False
+        position = len(self._trace) - 1
+        last = self._last_request.get(id(param))
+        if last is None or position >= len(self.plan):
+            return False
+        nxt = self._next_use[last]  # on the plan, the trace so far is the plan's prefix
+        if nxt >= len(self.plan):
+            return False
+        distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
+        return (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
+                and self._room_for(param.full_nbytes))
+
+    def land_in_flight(self) -> None:
+        """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer
+        comes back once that copy has landed (GPU only)."""
+        for p in self._reading:
+            p.land_prefetch()
+        self._reading = []
+
+    # -- internals ----------------------------------------------------------------
+    def _prefetch_after(self, position: int) -> None:
+        start = max(position + 1, self._issued_upto)
+        ahead_numel = self._numel_before[start] - self._numel_before[position + 1] if start < len(self.plan) else 0
+        i = start
+        while i < len(self.plan):
+            p = self.plan[i]
+            numel = p.slot.numel
+            if ahead_numel + numel > self._bucket_numel and i > position + 1:
+                break
+            if p.state is ParamState.RELEASED and (p.needs_swap_in or p.needs_copy_up):
+                if not p.new_shard_delivered:
+                    break  # the last step's tail is still updating it: ask again at the next request
+                if self._live_numel() + p.slot.padded_numel > self._max_live_numel or not self._room_for(p.full_nbytes):
+                    break
+                if p.prefetch():
+                    self.prefetched += 1
+                    if p.reading_into_buffer:
+                        self._reading.append(p)
+            ahead_numel += numel
+            i += 1
+        self._issued_upto = i
+
+    def _advance_reads(self) -> None:
+        """Prefetches whose NVMe reads have landed issue their copies up now, so those overlap compute too.
+        Only reads into host buffers are looked at: a copy up from host memory, or a read straight into the
+        full tensor, has no next stage to issue (looking at every prefetch in flight at every request took a
+        small model's forward time quadratic in its parameter count)."""
+        still = []
+        for p in self._reading:
+            p.advance()
+            if p.reading_into_buffer:
+                still.append(p)
+        self._reading = still
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""
+        room = self._device.room_nbytes()
+        return room is None or room - nbytes >= self._reserve_nbytes
+
+    def _live_numel(self) -> int:
+        # device bytes are all gathered parameters (and resident shards when params stay on the device)
+        return self._device.live_nbytes // self._itemsize

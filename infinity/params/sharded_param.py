@@ -1,0 +1,283 @@
+"""One parameter under ZeRO-3: its full tensor comes and goes, its shard stays.
+
+The ``nn.Parameter`` keeps its identity, shape and dtype for its whole life;
+its ``.data`` is a view of ``full``, a padded flat tensor whose storage is
+resized to zero bytes when the parameter is released and back when it is
+fetched. Autograd's saved views of the parameter share that storage, so they
+see the fetched values again in backward.
+
+Fetching brings this rank's shard up into its own chunk of ``full``, then
+all-gathers in place. The shard comes from device memory (gathered from
+directly), from host memory (a copy up on the copy stream), or from NVMe (a
+read into a pinned buffer, then a copy up). The compute stream waits on the
+copy's event, never the host; a prefetch starts the read or the copy early.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from infinity.runtime.comm import Collectives
+from infinity.params.compute_shards import ComputeShards
+from infinity.placement.copies import CopyDone, Copies
+from infinity.params.gathered_blocks import FreshBlocks, ReusedBlocks
+from infinity.placement.layout import ParamSlot
+from infinity.storage import HostBufferPool
+from infinity.placement.tiers import Tiers
+
+if TYPE_CHECKING:
+    from infinity.params.prefetcher import Prefetcher
+    from infinity.optim.step_tail import StepTail
+
+logger = logging.getLogger(__name__)
+
+
+def needs_swap_in(shards: ComputeShards, slot: ParamSlot) -> bool:
+    """The slot's shard rests on NVMe: fetching it starts with a read."""
+    return shards.resident(slot) is None
+
+
+def needs_copy_up(shards: ComputeShards, copies: Copies, slot: ParamSlot) -> bool:
+    """The slot's shard is not in device memory: fetching it crosses (or swaps in)."""
+    return copies.distinct and not shards.resident_in_device_memory(slot)
+
+
+class ParamState(enum.Enum):
+    RELEASED = "released"   # only the shard exists
+    FETCHING = "fetching"   # the full tensor is allocated; its shard's swap-in or copy up is in flight (prefetch)
+    FETCHED = "fetched"     # the full tensor is in device memory
+
+
+class ShardedParam:
+    """A parameter's full tensor, its state, and the verbs that move between states."""
+
+    def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, *, shards: ComputeShards, comm: Collectives,
+                 tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool,
+                 blocks: FreshBlocks | ReusedBlocks,
+                 prefetcher: "Prefetcher | None" = None):
+        self.param = param
+        self.slot = slot
+        self.name = slot.name
+        self._shards = shards
+        self._comm = comm
+        self._tiers = tiers
+        self._copies = copies
+        self._read_pool = read_pool
+        self._blocks = blocks
+        """Where the full tensor's bytes come from at a fetch and go at a release."""
+        self.persistent = persistent
+        self.holders = 0
+        self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
+        self._tail: "StepTail | None" = None  # the step updates still to deliver this shard (behind the forward)
+        self._swap_in = None   # (handle, shard view, pool buffer or None) while an NVMe read is in flight
+        self._copy_up: CopyDone | None = None  # the shard's copy into its chunk of `full`, once issued
+        # Told of every fetch request (its trace), asked whether to keep a released parameter gathered,
+        # and asked to land its prefetches when the read pool runs dry; None: fetched on demand only.
+        self._prefetcher = prefetcher
+        dtype = shards.dtype
+        # With one rank and the shard in device memory, the shard is the full tensor.
+        resident = shards.resident(slot)
+        self.aliased = comm.world_size == 1 and shards.tier == "device" and resident is not None
+        if self.aliased:
+            self.full = resident
+            self.state = ParamState.FETCHED
+        else:
+            self.full = torch.empty(slot.padded_numel, dtype=dtype, device=tiers.device)
+            self.state = ParamState.RELEASED
+        param.data = self.full[:slot.numel].view(slot.shape)
+        if not self.aliased:
+            self.full.untyped_storage().resize_(0)
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.slot.padded_numel * self.full.element_size()
+
+    @property
+    def needs_swap_in(self) -> bool:
+        """Its shard rests on NVMe, so fetching it starts with a read that can be issued ahead."""
+        return needs_swap_in(self._shards, self.slot)
+
+    @property
+    def needs_copy_up(self) -> bool:
+        """Its shard is not in device memory: fetching it crosses (or swaps in), which can be issued ahead."""
+        return needs_copy_up(self._shards, self._copies, self.slot)
+
+    # -- verbs --------------------------------------------------------------
+    def fetch(self) -> None:
+        """Make the full tensor available; counted once per holder."""
+        self.holders += 1
+        self.wait_for_new_shard()
+        up_to_date = self.state is ParamState.FETCHED and not (self.stale and not self.aliased)
+        before = self.state
+        if not up_to_date and self.state is not ParamState.FETCHING:  # else a prefetch has started it already
+            if self.state is ParamState.RELEASED:
+                self._allocate()
+            self._start_up(block=True)
+            self.state = ParamState.FETCHING
+        if self._prefetcher is not None:
+            # After this parameter's own read: compute waits for it now, so it goes ahead of the prefetches
+            # this request issues (urgent reads are served in the order they were queued).
+            self._prefetcher.fetch_requested(self)
+        if up_to_date:
+            return
+        own = self._finish_up()
+        # every rank reaches this collective in the same program order; prefetches only read locally
+        self._comm.all_gather_into(self.full, own)
+        self.stale = False
+        self.state = ParamState.FETCHED
+        if before is not ParamState.FETCHED:
+            logger.debug("%s: %s -> FETCHED", self.name, before.name)
+
+    def prefetch(self) -> bool:
+        """Start bringing up the shard of a released parameter that is not in device memory (an NVMe read, or
+        a copy up from host memory); False if there is nothing to do or no buffer is free. The caller (the
+        prefetcher) asks :attr:`new_shard_delivered` first: a shard the last step's tail has not updated yet
+        is not read ahead."""
+        if self.state is not ParamState.RELEASED or not (self.needs_swap_in or self.needs_copy_up):
+            return False
+        self._allocate()
+        if not self._start_up(block=False):
+            self._deallocate()
+            return False
+        self.state = ParamState.FETCHING
+        logger.debug("%s: RELEASED -> FETCHING (%s)", self.name, "nvme->host" if self._swap_in else "host->device")
+        return True
+
+    @property
+    def reading_into_buffer(self) -> bool:
+        """An NVMe read of its shard into a host buffer is in flight; a copy up follows it (:meth:`advance`)."""
+        return self._swap_in is not None and self._swap_in[2] is not None
+
+    def advance(self) -> None:
+        """A prefetch whose NVMe read has landed goes on to its copy up, without waiting for anything."""
+        if self.reading_into_buffer and self._swap_in[0].done():
+            self._land()
+
+    def release(self) -> None:
+        """Drop one holder; free the full tensor when none is left (persistent parameters stay)."""
+        if self.holders > 0:
+            self.holders -= 1
+        if self.holders == 0 and not self.persistent and not (self._prefetcher is not None and self._prefetcher.keeps_gathered(self)):
+            self._free()
+
+    def force_release(self) -> None:
+        """Free the full tensor whoever holds it (end of a forward or backward pass)."""
+        self.holders = 0
+        if not self.persistent:
+            self._free()
+
+    def mark_stale(self, tail: "StepTail | None" = None) -> None:
+        """The shard changed (optimizer step), or will once ``tail`` has updated its sub-group: a fetched full
+        tensor must be gathered again, and not before then."""
+        self._tail = tail
+        if not self.aliased:
+            self.stale = True
+            if self.state is not ParamState.RELEASED and self.holders == 0:
+                self._free()  # a prefetch in flight read the old shard: drop it too
+
+    @property
+    def new_shard_delivered(self) -> bool:
+        """No step update is pending for the shard: a read or copy of it issued now sees the new values."""
+        return self._tail is None or self._tail.delivered(self.slot.index)
+
+    def wait_for_new_shard(self) -> None:
+        """The last step's tail updates the shard behind this forward: wait for it (once; an aliased shard is
+        the full tensor, so this comes before anything reads it)."""
+        if self._tail is not None:
+            self._tail.wait_for(self.slot.index)  # raises while the tail's failure stands
+            self._tail = None
+
+    # -- internals ----------------------------------------------------------
+    def _allocate(self) -> None:
+        self._blocks.take(self.full.untyped_storage(), self.full_nbytes)
+
+    def _deallocate(self) -> None:
+        self._blocks.give_back(self.full.untyped_storage())
+
+    def _own_slot(self) -> torch.Tensor:
+        """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place."""
+        n = self.slot.shard_numel
+        return self.full[self._comm.rank * n:(self._comm.rank + 1) * n]
+
+    def _start_up(self, *, block: bool) -> bool:
+        """Begin bringing the shard up: an NVMe read, or a copy from host memory (nothing when it is in
+        device memory). False if a read buffer is needed, none is free and not ``block``."""
+        if self.needs_swap_in:
+            return self._start_swap_in(block=block)
+        if self.needs_copy_up:
+            self._copy_up = self._copies.to_device(self._shards.resident(self.slot), self._own_slot())
+        return True
+
+    def _finish_up(self) -> torch.Tensor:
+        """The tensor to gather from, once the compute stream may read it."""
+        if self._swap_in is not None:
+            self._land()
+        if self._copy_up is not None:
+            done, self._copy_up = self._copy_up, None
+            # the gather reads the chunk the copy stream writes
+            self._copies.compute_waits(done)
+            return self._own_slot()
+        if self.needs_swap_in:
+            return self._own_slot()  # read in place (one memory)
+        return self._shards.resident(self.slot)
+
+    def _start_swap_in(self, *, block: bool) -> bool:
+        """Issue the NVMe read of the shard: into its own chunk of the full tensor when that is in host
+        memory, else into a host buffer copied up on landing (False if no buffer is free and not ``block``)."""
+        if not self._copies.distinct:
+            target, buffer = self._own_slot(), None
+        else:
+            nbytes = self.slot.shard_numel * self.full.element_size()
+            self._copies.poll()  # buffers whose copies up have landed go back to the pool
+            try:
+                buffer = self._read_pool.acquire(nbytes, timeout=0)
+            except MemoryError:
+                if not block:
+                    return False  # a prefetch never waits for a buffer
+                # Buffers held by prefetched shards are given back once their copies up have landed:
+                # issue those copies, wait for them, then take a buffer.
+                if self._prefetcher is not None:
+                    self._prefetcher.land_in_flight()
+                self._copies.drain()
+                buffer = self._read_pool.acquire(nbytes)
+            target = buffer[:nbytes].view(self.full.dtype)
+        self._swap_in = (self._shards.read(self.slot, target), target, buffer)
+        return True
+
+    def land_prefetch(self) -> None:
+        """Complete a prefetch's read now and issue its copy up (its host buffer is freed once the copy has
+        landed); the gather still waits for fetch()."""
+        if self.reading_into_buffer:
+            self._land()
+
+    def _land(self) -> None:
+        """Wait for the swap-in; copy it up to the device when it went through a host buffer."""
+        handle, target, buffer = self._swap_in
+        self._swap_in = None
+        try:
+            handle.wait()
+        except BaseException:
+            if buffer is not None:
+                self._read_pool.release(buffer)
+            raise
+        if buffer is not None:
+            self._copy_up = self._copies.to_device(target, self._own_slot())
+            # the buffer is read by the copy stream until then
+            self._copies.release_after(self._copy_up, lambda: self._read_pool.release(buffer))
+
+    def _free(self) -> None:
+        if self.aliased or self.state is ParamState.RELEASED:
+            return
+        if self._swap_in is not None:  # a prefetch nobody used: let the read land before freeing its target
+            self._land()
+        if self._copy_up is not None:
+            # a copy up nobody used: the compute stream frees the chunk only after the copy has written it
+            self._copies.compute_waits(self._copy_up)
+            self._copy_up = None
+        self._deallocate()
+        logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
+        self.state = ParamState.RELEASED

@@ -1,0 +1,270 @@
+"""One host-memory budget for everything the engine allocates in host memory.
+
+The budget (``zero_optimization.host_memory_budget``: bytes, or a fraction of
+the memory available at start; by default :data:`DEFAULT_FRACTION` of it) is
+enforced by the tiers' accounting: host buffers, pinned or not, and — where
+device memory is host memory — device buffers all charge it, and an
+allocation past it fails. Within it, the engine plans in this order:
+
+1. the minimum working set: gradient slices, states that rest in memory (the
+   persistent parameters' shards too, where the others are on NVMe), two
+   staging sets, the largest gathered module (where the device is the host),
+   and a reserve for transient buffers (checkpoint and state-dict streaming).
+   A budget below it is refused before any work, naming what to change;
+2. staging: sized from the budget and the largest shard, whatever
+   ``sub_group_size`` and ``buffer_count`` say (staging beyond
+   :data:`MAX_STAGED_SUB_GROUP_NUMEL` elements a set buys no bandwidth);
+3. with NVMe configured, compute shards and then optimizer sub-groups stay in
+   host memory while they fit; only the rest spills to NVMe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from infinity.placement.layout import packed_offsets
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FRACTION = 0.8
+"""Without a setting, the budget is this share of the memory available at start (split between local ranks)."""
+
+MAX_STAGED_SUB_GROUP_NUMEL = 100_000_000
+"""Elements per staging set beyond which NVMe staging buys no bandwidth (1.4 GB a set, ~0.7 s at 2 GB/s)."""
+
+STATE_BYTES = 12
+"""fp32 master and both moments, per element (``state_dtype`` fp32; :func:`state_nbytes` for any)."""
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget") -> int | float | None:
+    """A budget setting: bytes (an integer above 1, or ``"8GiB"``), or a fraction of the available memory
+    (a number in (0, 1], or ``"60%"``). None stays None (the default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be bytes (8GiB) or a fraction of the available memory (0.6, 60%), got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if text.endswith("%"):
+            return _fraction(key, _number(key, value, text[:-1]) / 100)
+        match = re.fullmatch(r"([0-9.e+]+)([kmgt]i?b|b)?", text)
+        if not match:
+            raise ValueError(f"{key}: cannot read {value!r} as bytes (8GiB, 8e9) or a fraction (0.6, 60%)")
+        number = _number(key, value, match.group(1))
+        if match.group(2) is None and number <= 1:
+            return _fraction(key, number)
+        return _bytes(key, number * _UNITS[match.group(2) or ""])
+    if isinstance(value, (int, float)):
+        return _fraction(key, float(value)) if value <= 1 else _bytes(key, value)
+    raise ValueError(f"{key} must be bytes or a fraction of the available memory, got {value!r}")
+
+
+def state_nbytes(state_dtype: str, numel: int) -> int:
+    """Bytes of the optimizer states of ``numel`` elements in ``state_dtype`` (12, 6 or ~4.03 an element)."""
+    from infinity.kernels import state_nbytes as nbytes
+    return nbytes(state_dtype, numel)
+
+
+def state_bytes_per_numel(state_dtype: str) -> int:
+    """Whole bytes an element of optimizer states, rounded up (planning in integers): 12, 6 or 5."""
+    from infinity.kernels import state_bytes_per_element
+    return math.ceil(state_bytes_per_element(state_dtype))
+
+
+def resolve_host_budget(setting: int | float | None, *, available_nbytes: int | None = None,
+                        local_ranks: int | None = None) -> int:
+    """The budget in bytes for this rank: a fraction (or the default) is of the memory available now, shared
+    by the ranks on this machine; bytes are this rank's own."""
+    if isinstance(setting, int):
+        return setting
+    if available_nbytes is None:
+        import psutil
+        available_nbytes = psutil.virtual_memory().available
+    if local_ranks is None:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    fraction = DEFAULT_FRACTION if setting is None else setting
+    return int(available_nbytes * fraction) // local_ranks
+
+
+def staged_sub_group_numel(sub_group_size: int, *, largest_shard_numel: int, budget_nbytes: int, sets: int,
+                           bytes_per_numel: int) -> int:
+    """Elements per sub-group when the optimizer stages its states from NVMe: at most a quarter of the budget
+    for all staging sets and at most :data:`MAX_STAGED_SUB_GROUP_NUMEL`, never below the largest shard (a
+    sub-group holds whole shards)."""
+    by_budget = budget_nbytes // (4 * sets * bytes_per_numel)
+    return max(largest_shard_numel, min(sub_group_size, MAX_STAGED_SUB_GROUP_NUMEL, by_budget))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSet:
+    """The bytes of host memory a run cannot do without, by kind."""
+
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {_format(n)}" for name, n in self.parts if n)
+
+
+def check_budget(budget_nbytes: int, minimum: WorkingSet, *, key: str = "zero_optimization.host_memory_budget") -> None:
+    """``ValueError`` naming the budget, the minimum and what to change, before any work."""
+    if budget_nbytes >= minimum.nbytes:
+        return
+    raise ValueError(
+        f"{key} is {_format(budget_nbytes)}, but this run needs at least {_format(minimum.nbytes)} of host memory "
+        f"({minimum.describe()}); raise the budget (--host-memory), offload more to nvme, use more ranks, or "
+        f"lower gradient_accumulation_steps (fp32 gradient slices take twice the bytes of bf16 ones)")
+
+
+def transient_reserve_nbytes(largest_sub_group_numel: int, largest_shard_numel: int, compute_itemsize: int) -> int:
+    """Buffers made for a moment (checkpoint and full-state-dict streaming: two sub-groups of fp32, two
+    shards in compute precision), kept out of what the planner hands to resting states."""
+    return 2 * largest_sub_group_numel * 4 + 2 * largest_shard_numel * compute_itemsize
+
+
+def resident_prefix_numel(shard_numels: list[int], room_nbytes: int, itemsize: int) -> int:
+    """Elements of the first shards (in order) that fit in ``room_nbytes``."""
+    total = 0
+    for numel in shard_numels:
+        if (total + numel) * itemsize > room_nbytes:
+            break
+        total += numel
+    return total
+
+
+class HostMemoryPlan:
+    """How one engine uses its budget, decided before anything is allocated: the sub-group size and the
+    staging sets, the minimum working set (refused when it does not fit), the reserve kept for buffers made
+    later, and the compute shards kept in host memory. Optimizer sub-groups take what is left (the optimizer
+    measures it once its staging is allocated)."""
+
+    def __init__(self, config, budget_nbytes: int, compute_dtype: torch.dtype):
+        self.config = config
+        self.budget_nbytes = budget_nbytes
+        self.itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        self.state_dtype = config.zero.offload_optimizer.state_dtype
+        self.layout = self.placement = None
+        self.staging_sets = self._configured_staging_sets()
+
+    def sub_group_size(self, named_params: list, world_size: int) -> int:
+        """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
+        zero = self.config.zero
+        if zero.offload_optimizer.device != "nvme":
+            return zero.sub_group_size
+        largest_shard = max((math.ceil(p.numel() / world_size) for _, p in named_params), default=0)
+        size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
+                                      budget_nbytes=self.budget_nbytes, sets=self.staging_sets,
+                                      bytes_per_numel=state_bytes_per_numel(self.state_dtype) + self.itemsize)
+        if size < zero.sub_group_size:
+            logger.info("sub_group_size %d -> %d: %d NVMe staging sets of that size fit the host-memory budget "
+                        "of %s (staging more buys no bandwidth)", zero.sub_group_size, size, self.staging_sets,
+                        _format(self.budget_nbytes))
+        return size
+
+    def settle(self, layout, placement) -> None:
+        """With the layout and the placement known: refuse a budget below the minimum working set, and take
+        fewer staging sets (down to two) where the budget is tight."""
+        self.layout, self.placement = layout, placement
+        check_budget(self.budget_nbytes, self.minimum_working_set())
+        configured = self.staging_sets
+        if placement.master.tier == "nvme":
+            while self.staging_sets > 2 and self.minimum_working_set(self.staging_sets).nbytes > self.budget_nbytes:
+                self.staging_sets -= 1
+        if self.staging_sets < configured:
+            logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
+                        configured, self.staging_sets, _format(self.budget_nbytes))
+
+    def minimum_working_set(self, staging_sets: int = 2) -> WorkingSet:
+        """What host memory must hold whatever the budget."""
+        layout, placement, itemsize = self.layout, self.placement, self.itemsize
+        charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
+        grad_bytes = itemsize if placement.grads_lossless else 4
+        grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
+        if placement.compute_shard.tier in charged:
+            shards = layout.total_numel * itemsize
+        elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
+            persistent = layout.persistent_slots(self.config.zero.param_persistence_threshold)
+            shards = packed_offsets([s.shard_numel for s in layout.slots if s.index in persistent])[1] * itemsize
+        else:
+            shards = 0
+        states = state_nbytes(self.state_dtype, layout.trainable_numel) if placement.master.tier in charged else 0
+        staging = 0
+        if placement.master.tier == "nvme":
+            largest = layout.largest_sub_group_numel
+            staging = staging_sets * (state_nbytes(self.state_dtype, largest) + largest * itemsize)
+        gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
+        reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
+        return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
+                           (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
+                           ("streaming buffers", reserve)))
+
+    def reserve_nbytes(self, read_pool_nbytes: int = 0) -> int:
+        """Host memory kept free for buffers made later or for a moment: what the planner never hands to
+        resting states (gathered parameters where the device is the host, scratch, read buffers, the gradient
+        ring, streaming)."""
+        from infinity.grads.reducer import RING_SLICES
+        from infinity.placement.placement import GradRoute
+        parts = dict(self.minimum_working_set().parts)
+        scratch = self.layout.largest_sub_group_numel * self.itemsize
+        ring = 0
+        if self.placement.grad_route is GradRoute.HOST_RING:
+            ring = RING_SLICES * self.layout.largest_shard_numel * self.itemsize
+        return parts["gathered parameters"] + parts["streaming buffers"] + scratch + read_pool_nbytes + ring
+
+    def param_cache_numel(self, room_nbytes: int | None, reserve_nbytes: int) -> int:
+        """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory
+        first (each byte kept saves 3 bytes of I/O a step, against 2 for optimizer states), after what the
+        gradients, the optimizer and the reserve will need."""
+        configured = self.config.zero.offload_param.max_in_cpu
+        if self.placement.compute_shard.tier != "nvme" or room_nbytes is None:
+            return configured
+        parts = dict(self.minimum_working_set(self.staging_sets).parts)
+        later = sum(n for name, n in parts.items() if name in ("gradient slices", "compute shards", "optimizer states")
+                    or name.endswith("staging sets"))
+        fits = max(0, room_nbytes - later - reserve_nbytes) // self.itemsize
+        if fits < configured:
+            logger.info("offload_param.max_in_cpu %d -> %d: what the host-memory budget leaves", configured, fits)
+        return min(configured, fits)
+
+    def _configured_staging_sets(self) -> int:
+        optimizer = self.config.zero.offload_optimizer
+        return max(2, optimizer.buffer_count) if optimizer.pipeline_read or optimizer.pipeline_write else 1
+
+
+def _number(key: str, raw, text: str) -> float:
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"{key}: cannot read {raw!r} as bytes (8GiB, 8e9) or a fraction (0.6, 60%)") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{key} must be positive, got {raw!r}")
+    return number
+
+
+def _fraction(key: str, value: float) -> float:
+    if not (0 < value <= 1) or not math.isfinite(value):
+        raise ValueError(f"{key}: a fraction of the available memory must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _bytes(key: str, value: float) -> int:
+    if not math.isfinite(value) or value < 1 << 20:
+        raise ValueError(f"{key}: {value!r} bytes is not a usable budget (at least 1 MiB)")
+    return int(value)
+
+
+def _format(nbytes: int) -> str:
+    from infinity.storage.stats import format_nbytes
+    return format_nbytes(nbytes)

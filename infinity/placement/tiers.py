@@ -1,0 +1,113 @@
+"""The three tiers as the engine sees them: accounting for device and host
+memory, and one swap store per NVMe directory.
+
+On a machine without a GPU the device is the CPU; device bytes are still
+counted apart from host bytes, so a budget for each means the same thing on
+every machine. In the test mode (``INFINITY_DISTINCT_DEVICE=1``) device
+allocations are ordinary tensors apart from the host tier's aligned buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from infinity.config.schema import InfinityConfig
+from infinity.placement.placement import Placement
+from infinity.storage import AsyncIO, BackgroundPinner, SwapStore, TierStats, aligned_empty
+from infinity.storage.pinning import Pinner
+from infinity.config.tier_names import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class Tiers:
+    """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
+
+    def __init__(self, config: InfinityConfig, placement: Placement, timeline=None, *,
+                 host_budget_nbytes: int | None = None, pinner: Pinner | None = None):
+        self.placement = placement
+        self.device = placement.device
+        self._timeline = timeline
+        # One budget for host memory: host buffers charge it, and so do device buffers where the device is the host.
+        self.host_memory = TierStats("host memory", host_budget_nbytes)
+        self.stats = {Tier.DEVICE: TierStats("device", within=None if placement.distinct else self.host_memory),
+                      Tier.HOST: TierStats("host", within=self.host_memory)}
+        self._io: AsyncIO | None = None
+        self._stores: dict[str, SwapStore] = {}
+        self._aio = config.aio
+        # Pinned host buffers are registered behind initialize and the first steps (~0.3 s a GB otherwise spent
+        # in initialize); until a buffer's turn, its copies are synchronous, which is slower but just as correct.
+        self.pinner = pinner if pinner is not None else _background_pinner(placement)
+
+    # -- memory ---------------------------------------------------------------
+    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+        """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`.
+
+        ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for)."""
+        nbytes = numel * _itemsize(dtype)
+        self.stats[tier].allocate(nbytes)
+        if tier == Tier.DEVICE and self.placement.distinct:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        # Host tensors are aligned so that they can go to NVMe without a bounce.
+        return aligned_empty(numel, dtype, pin=pinned and tier == Tier.HOST, pinner=self.pinner)
+
+    def free(self, tier: str, tensor: torch.Tensor) -> None:
+        self.stats[tier].free(tensor.numel() * tensor.element_size())
+
+    # -- nvme -----------------------------------------------------------------
+    def swap_store(self, nvme_path: str) -> SwapStore:
+        """The store for ``nvme_path`` (one private directory per run and path); its requests go on the timeline."""
+        store = self._swap_store(nvme_path)
+        if self._timeline is None:
+            return store
+        from infinity.runtime.trace import TracedStore
+        return TracedStore(store, self._timeline)
+
+    def _swap_store(self, nvme_path: str) -> SwapStore:
+        key = os.path.realpath(nvme_path)
+        if key not in self._stores:
+            if self._io is None:
+                aio = self._aio
+                self._io = AsyncIO(aio.backend, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                                   thread_count=aio.thread_count, single_submit=aio.single_submit,
+                                   overlap_events=aio.overlap_events)
+                logger.info("nvme I/O backend: %s", self._io.backend)
+            shared_stats = next(iter(self._stores.values())).stats if self._stores else None
+            self._stores[key] = SwapStore(nvme_path, io=self._io, stats=shared_stats,
+                                          buffered_fallback=self._aio.buffered_fallback)
+        return self._stores[key]
+
+    @property
+    def nvme_stats(self) -> TierStats | None:
+        return next(iter(self._stores.values())).stats if self._stores else None
+
+    def snapshot(self) -> dict:
+        out = {name: stats.snapshot() for name, stats in self.stats.items()}
+        nvme = self.nvme_stats
+        out[Tier.NVME] = nvme.snapshot() if nvme is not None else TierStats("nvme").snapshot()
+        return out
+
+    def close(self) -> None:
+        if isinstance(self.pinner, BackgroundPinner):
+            self.pinner.close()  # the buffers still queued are about to be freed: not worth pinning
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+
+
+def _background_pinner(placement: Placement) -> BackgroundPinner | None:
+    """A pinner for this run's pinned buffers, or None where nothing is pinned (no GPU, or pinning off)."""
+    if placement.device.type != "cuda" or not (placement.compute_shard.pinned or placement.grads.pinned):
+        return None
+    index = placement.device.index
+    return BackgroundPinner(device_index=torch.cuda.current_device() if index is None else index)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

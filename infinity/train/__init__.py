@@ -1,0 +1,1 @@
+"""What `infinity train` feeds and watches: data, held-out evaluation, the metrics log."""

@@ -1,0 +1,76 @@
+"""Text for a Hugging Face model: its own tokenizer when the folder has one, else bytes it can take.
+
+``infinity train --hf-model DIR`` reads the corpus as :mod:`infinity.train.data`
+does (a file or a folder of text), then:
+
+* with a tokenizer in ``DIR`` (``tokenizer.json`` or ``tokenizer_config.json``,
+  loaded by ``transformers.AutoTokenizer``, local files only), the text is
+  encoded with it, and every id must be below the model's ``vocab_size``;
+* without one, bytes are the ids, which needs ``vocab_size >= 256``; a smaller
+  vocabulary is refused with a message saying so.
+
+Windows, shuffling and the split over ranks are :class:`ByteCorpus`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from infinity.train.data import DEFAULT_MAX_BYTES, ByteCorpus, read_corpus_bytes
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A model folder with one of these has a tokenizer (copied along by ``--save-pretrained``)."""
+TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                        "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
+
+
+def has_tokenizer(model_dir) -> bool:
+    return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
+class TokenCorpus(ByteCorpus):
+    """:class:`ByteCorpus` over token ids instead of bytes (``num_bytes`` counts tokens)."""
+
+    unit = "tokens"
+
+    def __init__(self, tokens: torch.Tensor, description: str, *, seq_len: int, micro_batch: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        super().__init__(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size,
+                         data=b"\0" * (seq_len + 1))  # validation of the arguments; the ids replace these bytes
+        if tokens.numel() < seq_len + 1:
+            raise ValueError(f"{description}: {tokens.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        self.bytes = tokens
+        self.num_windows = (tokens.numel() - 1) // seq_len
+        self.description = description
+
+
+def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batch: int, seed: int = 0,
+              rank: int = 0, world_size: int = 1, max_bytes: int | None = DEFAULT_MAX_BYTES) -> ByteCorpus:
+    """The corpus at ``path`` as ids for the model in ``model_dir`` (see the module's docstring)."""
+    model_dir = Path(model_dir)
+    if not has_tokenizer(model_dir):
+        if vocab_size < 256:
+            raise ValueError(
+                f"model folder {model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) and its vocab_size="
+                f"{vocab_size} cannot take byte ids 0..255: put the model's tokenizer files in the folder")
+        logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
+        return ByteCorpus(path, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                          world_size=world_size, max_bytes=max_bytes)
+    from infinity.hf.pretrained import require_transformers
+
+    transformers = require_transformers("a model folder's tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    data, description = read_corpus_bytes(path, max_bytes=max_bytes)
+    ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    tokens = torch.tensor(ids, dtype=torch.int32)
+    if tokens.numel() and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"the tokenizer in {model_dir} gives id {int(tokens.max())} but the model's vocab_size is "
+                         f"{vocab_size}: the tokenizer is not this model's")
+    description = f"{description}, {tokens.numel():,} tokens ({type(tokenizer).__name__} of {model_dir})"
+    return TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                       world_size=world_size)

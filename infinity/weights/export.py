@@ -1,0 +1,243 @@
+"""Writing a model in the Hugging Face layout, one tensor at a time.
+
+    out_dir/model-00001-of-00002.safetensors   tensors, each file at most ``max_shard_nbytes``
+    out_dir/model-00002-of-00002.safetensors
+    out_dir/model.safetensors.index.json       {"metadata": {"total_size": ...}, "weight_map": {name: file}}
+    out_dir/config.json                        the model's ``transformers`` config (when it has one)
+
+``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it. Every file's
+header is written first and the tensors streamed after it (the writer of
+:mod:`infinity.checkpoint.safetensors_io`), so memory holds one tensor at a time. Tied
+parameters are written once, under their first name, as ``transformers`` does.
+
+The files are written into a temporary sibling folder and moved into
+``out_dir`` only when all are complete (the index last), so an interrupted
+save never leaves an index naming a file that is not whole.
+
+:func:`save_pretrained` (``engine.save_pretrained``) gathers each parameter
+from the ranks' shards; ``infinity consolidate --hf`` does the same from a
+checkpoint (:func:`write_hf_folder` with the outputs of consolidation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir
+from infinity.checkpoint.safetensors_io import SafetensorsWriter
+from infinity.checkpoint.shard_source import ShardSource, require_step_boundary
+from infinity.checkpoint.state_dict import FullParamGatherer
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DEFAULT_MAX_SHARD_NBYTES = 5 * 10**9
+
+
+@dataclasses.dataclass
+class HFTensor:
+    """One tensor of the output: its name, shape and dtype, and how to fill it (called once, in file order)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: Callable[[torch.Tensor], None]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def save_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _HF_DTYPE_NAMES:
+        return dtype
+    if dtype in SAVE_DTYPES:
+        return SAVE_DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = None,
+                    extra_files: dict[str, str] | None = None,
+                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES, write: bool = True) -> dict:
+    """Write ``tensors`` (in order) as sharded safetensors + index (+ ``config.json``) into ``out_dir``.
+
+    With ``write=False`` every ``fill`` is still called, in the same order, and
+    nothing is written (ranks other than 0 take part in the gathers this way).
+    """
+    if max_shard_nbytes <= 0:
+        raise ValueError(f"max_shard_nbytes must be positive, got {max_shard_nbytes}")
+    files: list[list[HFTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if files[-1] and size + t.nbytes > max_shard_nbytes:
+            files.append([])
+            size = 0
+        files[-1].append(t)
+        size += t.nbytes
+    if not write:
+        for t in tensors:
+            value = torch.empty(t.shape, dtype=t.dtype)
+            t.fill(value)
+        return {}
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"save_pretrained: {out_dir} exists and is not a folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    tmp.mkdir()
+    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    weight_map: dict[str, str] = {}
+    largest = total = 0
+    try:
+        for name, group in zip(names, files):
+            entries = [(t.name, t.dtype, tuple(t.shape)) for t in group]
+            with SafetensorsWriter(tmp / name, entries, {"format": "pt"}) as writer:
+                for t in group:
+                    value = torch.empty(t.shape, dtype=t.dtype)
+                    t.fill(value)
+                    writer.write(t.name, value)
+                    largest = max(largest, t.nbytes)
+                    total += t.nbytes
+                    weight_map[t.name] = name
+                    del value
+                writer.close()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+        fsync_dir(tmp)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote %s: %d tensors in %d file(s), %.1f MiB", out_dir, len(tensors), len(files), total / 2**20)
+    return {"path": str(out_dir), "tensors": len(tensors), "files": len(files), "nbytes": total,
+            "largest_tensor_nbytes": largest}
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Move the complete folder into place: a rename when ``out_dir`` is new, else file by file, the index last."""
+    if not out_dir.exists():
+        os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+        return
+    old_index = out_dir / INDEX_FILE
+    old_index.unlink(missing_ok=True)  # never an index naming files that are being replaced
+    (out_dir / "model.safetensors").unlink(missing_ok=True)  # a single-file save would shadow the index
+    for entry in sorted(tmp.iterdir(), key=lambda p: p.name == INDEX_FILE):
+        os.replace(entry, out_dir / entry.name)
+    fsync_dir(out_dir)
+    tmp.rmdir()
+
+
+def hf_config_of(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
+    """The ``transformers`` config of ``model`` (or of the model it wraps) as JSON, its dtype set to ``dtype``."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and callable(getattr(config, "to_dict", None)) and hasattr(config, "model_type"):
+            out = json.loads(config.to_json_string(use_diff=False))  # JSON as transformers writes it (str keys)
+            out["dtype"] = _HF_DTYPE_NAMES[dtype]
+            if "torch_dtype" in out:
+                out["torch_dtype"] = _HF_DTYPE_NAMES[dtype]
+            return out
+    return None
+
+
+def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dtype="fp32",
+                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
+    """Write the run's ``model`` in the Hugging Face layout; every rank calls it, rank 0 writes.
+
+    Trainable parameters are their fp32 masters (cast to ``dtype``), frozen
+    ones their compute shards; each is gathered from the ranks' shards and
+    written before the next, so memory holds one sub-group of masters and one
+    full tensor at a time. ``model`` gives the Hugging Face config and the
+    names' prefix.
+    """
+    require_step_boundary(source, "save_pretrained")
+    out_dtype = save_dtype(dtype)
+    if source.tiling_plan is not None and not source.tiling_plan.is_empty:
+        raise ValueError("save_pretrained with tiling is not supported yet; use save_checkpoint + infinity consolidate")
+    prefix = getattr(model, "weights_prefix", "")
+    strip = (lambda n: n[len(prefix):] if prefix and n.startswith(prefix) else n)
+    gatherer = FullParamGatherer(source)
+    tensors = [HFTensor(strip(param.name), param.shape, out_dtype,
+                        lambda out, p=param: out.copy_(gatherer.gather(p)))
+               for param in source.params]
+    for buf in source.buffers():
+        if not buf.persistent:
+            continue
+        kind = out_dtype if buf.tensor.is_floating_point() else buf.tensor.dtype
+        tensors.append(HFTensor(strip(buf.name), tuple(buf.tensor.shape), kind,
+                                lambda out, b=buf.tensor: out.copy_(b.detach().cpu())))
+    config = hf_config_of(model, out_dtype)
+    extra = {}
+    generation = next((getattr(m, "generation_config", None) for m in model.modules()
+                       if getattr(m, "generation_config", None) is not None), None)
+    if generation is not None and callable(getattr(generation, "to_json_string", None)):
+        extra["generation_config.json"] = generation.to_json_string()
+    try:
+        return write_hf_folder(out_dir, tensors, config=config, extra_files=extra, max_shard_nbytes=max_shard_nbytes,
+                               write=source.comm.rank == 0)
+    finally:
+        gatherer.close()
+
+
+def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None, verify: bool = True,
+                   config_dir=None, max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
+    """``infinity consolidate --hf``: a sharded checkpoint written in the Hugging Face layout.
+
+    ``config.json`` comes from ``config_dir`` (the model folder the run started
+    from) or, when the run recorded it (``infinity train --hf-model`` does), from
+    the checkpoint's ``client_state["hf_config"]``. Names lose the wrapper's
+    prefix (``inner.``) as ``engine.save_pretrained`` does.
+    """
+    from infinity.checkpoint.publish import resolve_checkpoint
+    from infinity.checkpoint.reader import Checkpoint
+    from infinity.checkpoint.consolidation import _consolidated_outputs
+    from infinity.models.gpt import _HFCausalLM
+
+    out_dtype = save_dtype(dtype)
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        config = None
+        if config_dir is not None:
+            path = Path(config_dir) / "config.json" if Path(config_dir).is_dir() else Path(config_dir)
+            try:
+                config = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise FileNotFoundError(f"--hf-config: {path} does not exist") from None
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"--hf-config: {path} is not JSON: {err}") from None
+        else:
+            config = (ckpt.meta.get("client_state") or {}).get("hf_config")
+        if config is None:
+            raise ValueError(f"checkpoint {ckpt.path} does not record its Hugging Face config: pass --hf-config DIR "
+                             f"(the model folder the run started from)")
+        config = dict(config, dtype=_HF_DTYPE_NAMES[out_dtype])
+        if verify:
+            ckpt.verify()
+        outputs = _consolidated_outputs(ckpt, out_dtype)
+        prefix = _HFCausalLM.weights_prefix
+        strip = all(name.startswith(prefix) for o in outputs for name in o.names)
+        tensors = [HFTensor(o.names[0][len(prefix):] if strip else o.names[0], tuple(o.shape), o.dtype, o.fill)
+                   for o in outputs]
+        summary = write_hf_folder(out_dir, tensors, config=config, max_shard_nbytes=max_shard_nbytes)
+    finally:
+        ckpt.close()
+    return dict(summary, checkpoint=str(ckpt.path), global_step=ckpt.meta["global_step"], world_size=ckpt.world_size,
+                dtype=dtype)
