@@ -34,7 +34,8 @@ import time
 import torch
 
 from infinity.placement.estimate import estimate_gpt
-from infinity.placement.host_budget import parse_host_memory, resolve_host_budget
+from infinity.placement.host_budget import resolve_host_budget
+from infinity.config.units import parse_host_memory
 from infinity.models.gpt import get_preset
 
 

@@ -19,7 +19,7 @@ import time
 from typing import Callable, Iterable, Protocol
 
 from .aio_libaio import LibaioBackend
-from .aio_request import READ, _Request, io_error
+from .aio_request import READ, BlockQueue, _Request, io_error
 from .aio_threads import ThreadsBackend
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class Backend(Protocol):
     """What the queue needs of a backend."""
 
-    def worker_loops(self, core: _Core) -> list[tuple[str, Callable[[], None]]]:
+    def worker_loops(self, core: BlockQueue) -> list[tuple[str, Callable[[], None]]]:
         """Acquire what the workers need; return each worker's thread name and loop. A loop
         takes blocks from ``core`` and returns once ``core.stopping`` is set and it has
         nothing in flight."""

@@ -16,12 +16,9 @@ import functools
 import os
 import struct
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from .aio_request import READ, _Request, io_error
-
-if TYPE_CHECKING:
-    from .aio_core import _Core
+from .aio_request import READ, BlockQueue, _Request, io_error
 
 _IOCB = struct.Struct("<QIIhhIQQqQII")  # struct iocb on 64-bit little-endian Linux (64 bytes)
 _EVENT = struct.Struct("<QQqq")  # struct io_event: data, obj, res, res2 (32 bytes)
@@ -84,14 +81,14 @@ def load() -> _LibAIO:
 
 
 class LibaioBackend:
-    """Worker threads for a :class:`~.aio_core._Core`, ``thread_count`` of them,
+    """Worker threads for a :class:`~.aio_request.BlockQueue`, ``thread_count`` of them,
     each with its own AIO context of ``queue_depth`` slots."""
 
     def __init__(self, lib: _LibAIO) -> None:
         self.lib = lib
         self.contexts: list[ctypes.c_void_p] = []
 
-    def worker_loops(self, core: _Core) -> list[tuple[str, Callable[[], None]]]:
+    def worker_loops(self, core: BlockQueue) -> list[tuple[str, Callable[[], None]]]:
         loops = []
         for i in range(core.thread_count):
             ctx = self.lib.setup(core.queue_depth)
@@ -105,7 +102,7 @@ class LibaioBackend:
         self.contexts.clear()
 
 
-def _worker(core: _Core, lib: _LibAIO, ctx: ctypes.c_void_p) -> None:
+def _worker(core: BlockQueue, lib: _LibAIO, ctx: ctypes.c_void_p) -> None:
     """One worker on its own context: fill free slots with blocks, submit them, reap completions
     (requeueing short transfers and EAGAIN), report them; return once the queue stops and nothing is in flight."""
     qd, cond = core.queue_depth, core.cond

@@ -9,9 +9,11 @@ cut into *blocks* of at most ``block_size`` bytes as the queue
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
+from typing import Protocol
 
 READ, WRITE = "read", "write"
 
@@ -54,3 +56,24 @@ class _Request:
         self.urgent = op == READ  # someone is (or soon will be) waiting on it; see _Core.submit
         self.held_by = 0  # requests this one must follow that have not finished (see _Core.submit)
         self.dependents: list[_Request] = []  # requests held until this one finishes
+
+
+class BlockQueue(Protocol):
+    """What a backend's workers read of the queue (:class:`~.aio_core._Core` is the one): its sizes and flags,
+    the condition that guards it, and the two verbs that hand out blocks and take back their results."""
+
+    queue_depth: int
+    thread_count: int
+    single_submit: bool
+    overlap_events: bool
+    cond: threading.Condition
+    queue: collections.deque[_Request]
+    """Requests with blocks left to issue (read under ``cond``)."""
+    stopping: bool
+    """Set under ``cond`` when the queue closes: a worker returns once it has nothing in flight."""
+
+    def take_blocks(self, limit: int) -> list[tuple[_Request, int, int, int]]:
+        """Up to ``limit`` blocks to issue, each ``(request, address, nbytes, offset)``; called under ``cond``."""
+
+    def complete(self, req: _Request, error: OSError | None) -> None:
+        """One block of ``req`` is done (``error`` None) or failed."""

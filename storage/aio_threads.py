@@ -10,18 +10,15 @@ import errno
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from .aio_request import READ, _Request, io_error
-
-if TYPE_CHECKING:
-    from .aio_core import _Core
+from .aio_request import READ, BlockQueue, _Request, io_error
 
 
 class ThreadsBackend:
-    """Worker threads for a :class:`~.aio_core._Core`; they hold nothing to release."""
+    """Worker threads for a :class:`~.aio_request.BlockQueue`; they hold nothing to release."""
 
-    def worker_loops(self, core: _Core) -> list[tuple[str, Callable[[], None]]]:
+    def worker_loops(self, core: BlockQueue) -> list[tuple[str, Callable[[], None]]]:
         n = core.queue_depth * core.thread_count
         return [(f"infinity-io-{i}", functools.partial(_worker, core)) for i in range(n)]
 
@@ -29,7 +26,7 @@ class ThreadsBackend:
         pass
 
 
-def _worker(core: _Core) -> None:
+def _worker(core: BlockQueue) -> None:
     """One worker: take a block, transfer it, report it; return once the queue stops and is empty."""
     cond = core.cond
     while True:

@@ -19,15 +19,13 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import psutil
 import torch
 
 from infinity.checkpoint.files import META_FILE, shard_file, write_meta
-
-if TYPE_CHECKING:
-    from infinity.runtime.comm import Collectives
+from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
 

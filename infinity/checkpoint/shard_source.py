@@ -24,14 +24,13 @@ The engine builds one per use (``Engine.shard_source()``, implemented by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from infinity.runtime.comm import Collectives
-    from infinity.config.schema import InfinityConfig
-    from infinity.tiling.plan import TilingPlan
+from infinity.config.schema import InfinityConfig
+from infinity.runtime.comm import Collectives
+from infinity.tiling.plan import TilingPlan
 
 COMPUTE_SHARD = "param"
 """The ``state`` of a run that holds a compute shard (the optimizer's runs hold one of ``STATE_NAMES``)."""

@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 
+from infinity.commands.train_checks import check_writable
 from infinity.storage import libaio_unavailable_reason
 from infinity.storage.aio import AsyncIO
 from infinity.storage.bench import BenchBuffers, check_free_space, measure_copy, measure_nvme, median, parse_size
@@ -116,7 +117,6 @@ def _bench_dir(path: str | None):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
-    from infinity.commands.train_checks import check_writable
 
     check_writable(path, what="--path")  # a missing folder is created (0700), as `train --nvme-path` does
     yield path

@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from infinity.checkpoint.consolidation import consolidate
+from infinity.weights.export import consolidate_hf
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
@@ -34,12 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infinity.checkpoint.consolidation import consolidate
-
     started = time.perf_counter()
     if args.hf:
-        from infinity.weights.export import consolidate_hf
-
         s = consolidate_hf(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify,
                            config_dir=args.hf_config)
         print(f"wrote {s['path']} (Hugging Face layout): {s['tensors']} tensors in {s['files']} file(s), "

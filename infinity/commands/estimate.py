@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from infinity.placement.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
 from infinity.config.tier_names import OFFLOAD_DEVICES
-
+from infinity.models.gpt import get_preset
+from infinity.placement.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
+from infinity.placement.host_budget import resolve_host_budget
+from infinity.config.units import parse_host_memory
 
 MAX_PARAMS = 10**15
 """A quadrillion parameters: above that a count is a typo, not a model."""
@@ -72,7 +74,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _budget(text: str | None) -> int | None:
     if text is None:
         return None
-    from infinity.placement.host_budget import parse_host_memory, resolve_host_budget
     return resolve_host_budget(parse_host_memory(text, key="--host-memory"), local_ranks=1)
 
 
@@ -107,8 +108,6 @@ def run(args: argparse.Namespace) -> int:
         state_dtype=args.optimizer_state_dtype,
     )
     if args.preset is not None:
-        from infinity.models.gpt import get_preset
-
         cfg = get_preset(args.preset)
         if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
             raise ValueError(f"--seq-len must be in 1..{cfg.seq_len} for preset {args.preset!r}, got {args.seq_len}")

@@ -6,6 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
+from infinity.hf.pretrained import require_transformers
+from infinity.train.hf_data import TOKENIZER_SIDE_FILES
+from infinity.weights.pretrained import PretrainedWeights
+
 
 def read_hf_model_config(model_dir: str) -> dict:
     """What the plan needs from ``DIR/config.json`` (checked before any work): vocab, context, hidden size."""
@@ -23,8 +27,6 @@ def read_hf_model_config(model_dir: str) -> dict:
     missing = [k for k in ("vocab_size",) if not isinstance(text.get(k), int)]
     if missing:
         raise ValueError(f"{path}: no integer {missing[0]!r}; is this a causal language model's config?")
-    from infinity.hf.pretrained import require_transformers
-    from infinity.weights.pretrained import PretrainedWeights
 
     require_transformers("--hf-model")
     PretrainedWeights.open(folder).close()  # the weights are there and readable, before any work
@@ -36,7 +38,6 @@ def read_hf_model_config(model_dir: str) -> dict:
 
 def save_pretrained_with_tokenizer(engine, out_dir: str, *, dtype: str, source: str | None) -> str:
     """``engine.save_pretrained(out_dir)`` plus the source folder's tokenizer files; returns the line to print."""
-    from infinity.train.hf_data import TOKENIZER_SIDE_FILES
 
     summary = engine.save_pretrained(out_dir, dtype=dtype)
     copied = []

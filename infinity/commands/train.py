@@ -27,18 +27,27 @@ import sys
 import time
 
 from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands.hf_model import save_pretrained_with_tokenizer
 from infinity.commands.train_checkpoints import engine_has_checkpoints, save, stop_on_nonfinite, stop_on_signal
-from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
+from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for
 from infinity.commands.train_monitor import peak_rss_bytes, print_summary
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
 from infinity.commands.train_signals import Cleanup, GracefulStop
-from infinity.placement.estimate import format_bytes
-from infinity.runtime.hardware import PRECISION_CHOICES
+from infinity.config.lr_schedule import lr_at
 from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
+from infinity.engine.engine import initialize
+from infinity.hf.pretrained import build_meta_causal_lm
+from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
+from infinity.placement.estimate import format_bytes
+from infinity.config.units import parse_host_memory
+from infinity.runtime.hardware import PRECISION_CHOICES
+from infinity.train.data import ByteCorpus
+from infinity.train.evaluation import Validation, carve_held_out
+from infinity.train.hf_data import hf_corpus
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _host_memory(text: str):
-    from infinity.placement.host_budget import parse_host_memory
     try:
         return parse_host_memory(text, key="--host-memory")
     except ValueError as err:
@@ -117,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
     if (args.save_dir or args.resume) and not engine_has_checkpoints():
         raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
     if plan.preset is not None:  # a preset's size is known without building it
-        from infinity.models.gpt import get_preset
-
         plan.estimate = estimate_for(plan, get_preset(plan.preset))
         check_nvme_room(plan)
         check_memory(plan)
@@ -135,12 +141,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _corpora(args: argparse.Namespace, plan: Plan):
     """The training corpus, and the validation batches when --eval-every asks for them."""
-    from infinity.train.data import ByteCorpus
 
     monitor = plan.monitor
     if plan.hf_model is not None:
-        from infinity.train.hf_data import hf_corpus
-
         return hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
                          micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
                          max_bytes=args.max_bytes), None
@@ -148,7 +151,6 @@ def _corpora(args: argparse.Namespace, plan: Plan):
         corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
                             rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
         return corpus, None
-    from infinity.train.evaluation import Validation, carve_held_out
 
     held = carve_held_out(args.data, max_bytes=args.max_bytes, seq_len=plan.seq_len, val_path=monitor.val_data,
                           val_fraction=monitor.val_fraction)
@@ -166,14 +168,9 @@ def _build_model(plan: Plan, seed: int):
 
     torch.manual_seed(seed)
     if plan.hf_model is not None:
-        from infinity.hf.pretrained import build_meta_causal_lm
-
         return build_meta_causal_lm(plan.hf_model)
     if plan.model_file is not None:
-        from infinity.models.gpt import load_model_file
-
         return load_model_file(plan.model_file)
-    from infinity.models.gpt import GPT, count_params, get_preset
 
     cfg = get_preset(plan.preset)
     if count_params(cfg) > META_BUILD_ABOVE:
@@ -208,9 +205,6 @@ def _process_group_backend() -> str:
 def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cleanup, stop: GracefulStop) -> int:
     from tqdm import tqdm
 
-    import infinity
-    from infinity.config.lr_schedule import lr_at
-
     is_main = plan.rank == 0
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
 
@@ -242,7 +236,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))
 
     _init_distributed(plan, cleanup)
-    engine = infinity.initialize(model, plan.config, weights=plan.hf_model)
+    engine = initialize(model, plan.config, weights=plan.hf_model)
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
 
@@ -313,8 +307,6 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
     if getattr(args, "save_pretrained", None):
-        from infinity.commands.hf_model import save_pretrained_with_tokenizer
-
         say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
     engine.close()
     monitor.close()

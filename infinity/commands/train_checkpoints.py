@@ -17,6 +17,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from infinity.checkpoint import CheckpointError
+from infinity.engine.engine import Engine
+from infinity.weights.export import hf_config_of
+
 __all__ = ["SavePolicy", "add_arguments", "call_checkpoint", "checkpoint_dir_and_tag", "checkpoint_tags",
            "engine_has_checkpoints", "load", "save", "save_policy", "stop_on_nonfinite", "stop_on_signal"]
 
@@ -24,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 
 def engine_has_checkpoints() -> bool:
-    from infinity.engine.engine import Engine
-
     return (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")
             and importlib.util.find_spec("infinity.checkpoint") is not None)
 
@@ -170,7 +172,6 @@ def save_policy(args: argparse.Namespace, ds: dict) -> SavePolicy:
 
 def load(engine, resume: str) -> dict:
     """The checkpoint's client state; an unusable checkpoint is named with the tags that exist beside it."""
-    from infinity.checkpoint import CheckpointError
 
     save_dir, tag = checkpoint_dir_and_tag(resume)
     try:
@@ -183,8 +184,6 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_las
     tag = f"step{step}"
     before = _latest(save_dir) if engine.comm.rank == 0 else None
     import torch
-
-    from infinity.weights.export import hf_config_of
 
     client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
     hf_config = hf_config_of(engine.module, torch.float32)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from infinity.placement.estimate import format_bytes
 from infinity.config.tier_names import OffloadDevice
+from infinity.placement.estimate import format_bytes
+from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 
 __all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
            "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
@@ -97,7 +98,6 @@ TEMPORARY_PREFIX = "infinity-train-"
 def remove_dead_swap_folders(parent: str) -> int:
     """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
     and this command's private folders (``infinity-train-<pid>-*``) of dead processes. How many went."""
-    from infinity.storage.swap_store import STALE_AFTER_S, remove_dead_stores
 
     removed = remove_dead_stores(parent)
     import time
@@ -177,8 +177,6 @@ def direct_io_problem(path: str) -> str | None:
     """Why the folder ``path`` does not take O_DIRECT (tmpfs, a filesystem that refuses it), or None: the
     filesystem's type, then one aligned O_DIRECT write of a probe file."""
     import mmap
-
-    from infinity.storage.swap_store import direct_io_problem as by_filesystem
 
     problem = by_filesystem(path)
     if problem is not None or not hasattr(os, "O_DIRECT"):

@@ -3,17 +3,17 @@ made before any work from the engine's config the plan holds."""
 
 from __future__ import annotations
 
+from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
+from infinity.placement.estimate import estimate, gpt_activation_nbytes
+from infinity.placement.host_budget import resolve_host_budget
+from infinity.placement.placement import distinct_device_requested
+
 __all__ = ["estimate_for"]
 
 
 def estimate_for(plan, model) -> dict:
     """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
     import torch
-
-    from infinity.placement.estimate import estimate, gpt_activation_nbytes
-    from infinity.placement.host_budget import resolve_host_budget
-    from infinity.placement.placement import distinct_device_requested
-    from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 
     cfg = plan.config
     zero = cfg.zero

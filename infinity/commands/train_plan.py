@@ -14,14 +14,19 @@ import os
 from dataclasses import dataclass
 
 from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checkpoints import SavePolicy
 from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
-                                            check_output_folder, check_writable, config_number,
-                                            default_swap_location, finite_positive, read_config_file)
+                                            check_output_folder, check_writable, config_number, default_swap_location,
+                                            finite_positive, read_config_file)
 from infinity.commands.train_monitor import MonitorPlan
-from infinity.config.schema import InfinityConfig, TraceConfig
-from infinity.runtime.hardware import resolve_precision
+from infinity.config.auto import fill_auto
+from infinity.config.deepspeed import asked_precision
+from infinity.config.schema import InfinityConfig
+from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
+from infinity.models.gpt import DEFAULT_PRESET, get_preset
+from infinity.runtime.hardware import resolve_precision
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
            "MODEL_FILE_LR", "PRESET_LR", "Plan", "make_plan", "nvme_offloads", "with_swap_folder"]
@@ -150,14 +155,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
     preset = None if (args.model or hf_model) else (args.preset or _default_preset())
     hf_vocab_size = hidden_size = None
     if hf_model is not None:
-        from infinity.commands.hf_model import read_hf_model_config
-
         hf_config = read_hf_model_config(hf_model)
         model_seq, hf_vocab_size = hf_config["max_position_embeddings"], hf_config["vocab_size"]
         hidden_size = hf_config.get("hidden_size")
     elif preset is not None:
-        from infinity.models.gpt import get_preset
-
         model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
         preset = preset.lower()
     else:
@@ -201,7 +202,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
 
     # The file, read once (unknown keys and bad values named here); then the flags on top.
-    from infinity.config.deepspeed import asked_precision
 
     config = InfinityConfig.from_deepspeed(raw)
     config, precision, precision_said = _apply_precision(config, args, asked_precision(raw))
@@ -245,7 +245,6 @@ def _complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, gra
     * an offload block on NVMe without ``nvme_path`` gets ``TEMPORARY_SWAP_PATH``: the run makes that folder;
     * ``--precision`` replaces the ``fp16`` block (its loss scaling means nothing in the precision asked for).
     """
-    from infinity.config.auto import fill_auto
 
     raw = fill_auto(raw, {
         "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
@@ -322,6 +321,4 @@ def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) 
 
 
 def _default_preset() -> str:
-    from infinity.models.gpt import DEFAULT_PRESET
-
     return DEFAULT_PRESET

@@ -18,15 +18,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from infinity.config.schema import (AioConfig, InfinityConfig, LossScaleConfig, OffloadOptimizerConfig, OffloadParamConfig,
-                             OptimizerConfig, TilingConfig, TraceConfig, ZeroConfig)
 from infinity.config.lr_schedule import scheduler_from_deepspeed
+from infinity.config.sections import (AioConfig, LossScaleConfig, OffloadOptimizerConfig, OffloadParamConfig,
+                                      OptimizerConfig, TilingConfig, TraceConfig, ZeroConfig)
+from infinity.runtime.hardware import resolve_precision
 
 __all__ = ["asked_precision", "translate"]
 
 
-def translate(raw: dict) -> InfinityConfig:
-    """The config a DeepSpeed-style dict says (see the module's docstring)."""
+def translate(raw: dict) -> dict[str, Any]:
+    """The fields of the :class:`~infinity.config.schema.InfinityConfig` a DeepSpeed-style dict says (see the
+    module's docstring); ``InfinityConfig.from_deepspeed`` builds the config from them."""
     return _DeepSpeedTranslator(raw).translate()
 
 
@@ -119,7 +121,7 @@ class _DeepSpeedTranslator:
         self.bf16_optimizer_states = False
         """``bf16.bf16_optimizer_states`` was true: the optimizer states default to ``bf16``."""
 
-    def translate(self) -> InfinityConfig:
+    def translate(self) -> dict[str, Any]:
         raw = dict(self.raw)
         kwargs: dict[str, Any] = {}
         for key in list(raw):
@@ -155,7 +157,7 @@ class _DeepSpeedTranslator:
         if raw:
             raise ValueError(f"unknown config key(s): {', '.join(sorted(map(repr, raw)))}")
         kwargs["not_applicable"] = tuple(self.not_applicable)
-        return InfinityConfig(**kwargs)
+        return kwargs
 
     def _fields(self, where: str, block: Any, honoured: dict, not_applicable: set = frozenset(),
                 only_value: dict | None = None) -> dict:
@@ -209,8 +211,6 @@ class _DeepSpeedTranslator:
             raise ValueError(f"{where} must be a JSON object like {{\"enabled\": true}}, got {block!r}")
         enabled = block.get("enabled", False)
         if where == "bf16" and enabled == "auto":  # bf16 where the device computes it fast (infinity.runtime.hardware)
-            from infinity.runtime.hardware import resolve_precision
-
             return resolve_precision("auto").precision == "bf16"
         if not isinstance(enabled, bool):
             allowed = "true, false or \"auto\"" if where == "bf16" else "true or false"

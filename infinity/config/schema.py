@@ -9,234 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from infinity.config.deepspeed import translate
 from infinity.config.lr_schedule import DeepSpeedScheduler
-from infinity.config.tier_names import OFFLOAD_DEVICES, OffloadDevice
-
-logger = logging.getLogger(__name__)
-
-StateDtype = Literal["fp32", "bf16", "int8"]
-STATE_DTYPES = ("fp32", "bf16", "int8")
-"""Forms of the optimizer states (``infinity.kernels.compact``): 12, 6 and ~4.03 bytes an element."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AioConfig:
-    """How the storage engine talks to NVMe (the top-level ``aio`` block)."""
-
-    block_size: int = 1 << 20
-    """Bytes per I/O request; a transfer is split into blocks of this size."""
-    queue_depth: int = 32
-    """Requests kept in flight per transfer."""
-    thread_count: int = 1
-    """Threads of the ``threads`` backend (DeepSpeed: ``intra_op_parallelism`` / ``thread_count``)."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
-    overlap_events: bool = True
-    """Submit new requests while reaping completions."""
-    backend: Literal["auto", "libaio", "threads"] = "auto"
-    """``auto`` takes libaio when the system library works, else threads."""
-    buffered_fallback: bool = False
-    """Where the swap folder does not take O_DIRECT (tmpfs, some network filesystems), use buffered I/O through the
-    page cache (said in a warning) instead of refusing. ``infinity train --buffered-io`` sets it."""
-
-    def __post_init__(self):
-        _require_positive("aio.block_size", self.block_size)
-        if self.block_size % 4096:
-            raise ValueError(f"aio.block_size must be a multiple of 4096 bytes, got {self.block_size}")
-        _require_positive("aio.queue_depth", self.queue_depth)
-        _require_positive("aio.thread_count", self.thread_count)
-        _require_choice("aio.backend", self.backend, ("auto", "libaio", "threads"))
-        if not isinstance(self.buffered_fallback, bool):
-            raise ValueError(f"config key aio.buffered_fallback must be true or false, got {self.buffered_fallback!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadParamConfig:
-    """Where compute shards rest (``zero_optimization.offload_param``)."""
-
-    device: OffloadDevice = OffloadDevice.NONE
-    """``none``: device memory; ``cpu``: host memory; ``nvme``: files under ``nvme_path``."""
-    nvme_path: str | None = None
-    """Directory for the swap files; required when ``device`` is ``nvme``."""
-    buffer_count: int = 5
-    """Host buffers for NVMe reads of parameters; grown (and logged) if too few for the largest module."""
-    buffer_size: int = 100_000_000
-    """Elements per host buffer; grown (and logged) if smaller than the largest parameter shard."""
-    max_in_cpu: int = 1_000_000_000
-    """Shard elements that may stay in host memory when ``device`` is ``nvme``."""
-    pin_memory: bool | None = None
-    """Page-lock the host buffers that cross to the GPU (resting compute shards, NVMe read buffers), so their
-    copies are asynchronous. None (the default): pin where there is a GPU. False is honoured (pageable, copies
-    synchronous); True without a GPU is said once in the log."""
-    compute_from_master: bool = True
-    """With ``device`` nvme, a bf16 master on NVMe (``offload_optimizer.state_dtype`` bf16 or int8) and bf16
-    compute, read the compute shards of the swapped sub-groups from the master's swap file instead of writing a
-    copy of their own each step (the same bits, 2 B an element less written). False keeps the copy."""
-
-    def __post_init__(self):
-        _require_offload_device("offload_param", self)
-        _require_optional_bool("offload_param.pin_memory", self.pin_memory)
-        if not isinstance(self.compute_from_master, bool):
-            raise ValueError(f"config key offload_param.compute_from_master must be true or false, "
-                             f"got {self.compute_from_master!r}")
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_param.device is 'nvme' but offload_param.nvme_path is not set")
-        _require_positive("offload_param.buffer_count", self.buffer_count)
-        _require_positive("offload_param.buffer_size", self.buffer_size)
-        _require_non_negative("offload_param.max_in_cpu", self.max_in_cpu)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OffloadOptimizerConfig:
-    """Where the fp32 master, the moments and the gradient slices rest (``zero_optimization.offload_optimizer``)."""
-
-    device: OffloadDevice = OffloadDevice.NONE
-    """As ``offload_param.device``."""
-    nvme_path: str | None = None
-    buffer_count: int = 4
-    """Host buffers for swapping optimizer state; at least 2 (double buffering)."""
-    pin_memory: bool | None = None
-    """Page-lock the host buffers that cross to the GPU (gradient slices, new compute shards); as for
-    ``offload_param.pin_memory``. Master and moments never cross and are never pinned."""
-    grad_accumulation: Literal["device_if_fits", "device", "host"] = "device_if_fits"
-    """Where gradient slices accumulate over micro-batches when the optimizer is off the device: ``device``
-    (fp32, one copy down per step), ``host`` (each micro-batch's slice copied down and added by a worker off
-    the backward hook), ``device_if_fits`` (the default): on the device when the fp32 accumulator takes at
-    most a quarter of the device memory free at initialize."""
-    max_in_cpu: int | None = None
-    """With ``device: nvme``, optimizer-state elements that may rest in host memory (our key, after
-    ``offload_param.max_in_cpu``): None (the default) keeps whatever fits the host-memory budget, so NVMe is a
-    spill tier; 0 puts every sub-group on NVMe."""
-    state_dtype: StateDtype = "fp32"
-    """How master and moments are stored, in every tier (memory, NVMe swap files, staging): ``fp32`` (12 bytes an
-    element); ``bf16`` (6: master and moments in bf16, master and second moment stochastically rounded);
-    ``int8`` (~4.03: bf16 master, moments as 8-bit codes with an fp32 scale per block of 256). The step computes
-    in fp32 either way (``infinity.kernels.compact``). Checkpoints hold fp32 states whatever this says, so one
-    saved with one state dtype loads into another. DeepSpeed's ``bf16.bf16_optimizer_states: true`` means
-    ``bf16``."""
-    pipeline_read: bool = True
-    """Read sub-group i+1 while sub-group i is updated."""
-    pipeline_write: bool = True
-    """Write sub-group i-1 while sub-group i is updated."""
-
-    def __post_init__(self):
-        _require_offload_device("offload_optimizer", self)
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
-        if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
-            raise ValueError(f"config key offload_optimizer.buffer_count must be at least 2 (one buffer is updated while "
-                             f"another is read or written), got {self.buffer_count!r}")
-        _require_optional_bool("offload_optimizer.pin_memory", self.pin_memory)
-        if self.max_in_cpu is not None:
-            _require_non_negative("offload_optimizer.max_in_cpu", self.max_in_cpu)
-        _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
-                        ("device_if_fits", "device", "host"))
-        _require_choice("zero_optimization.offload_optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ZeroConfig:
-    """ZeRO stage 3 partitioning and the offload engine (``zero_optimization``)."""
-
-    stage: int = 3
-    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
-    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
-    sub_group_size: int = 100_000_000
-    """Elements the optimizer updates per chunk (and swaps per NVMe transfer). DeepSpeed defaults to
-    1e9; we take 1e8, the value its ZeRO-Infinity examples use: with the optimizer on NVMe the host
-    stages ``offload_optimizer.buffer_count`` sub-groups of 14 bytes an element."""
-    prefetch_bucket_size: int = 50_000_000
-    """Elements swapped in ahead of need; 0 turns prefetching off."""
-    param_persistence_threshold: int = 100_000
-    """Parameters with at most this many elements stay gathered between uses."""
-    max_live_parameters: int = 1_000_000_000
-    """Gathered elements allowed at once, beyond the module running now."""
-    max_reuse_distance: int = 1_000_000_000
-    """A parameter used again within this many elements of fetches is kept gathered."""
-    overlap_step_with_backward: bool = True
-    """Update a shard as soon as its gradient is final, while backward goes on."""
-    overlap_step_with_forward: bool = True
-    """With ``overlap_step_with_backward``: the updates an overlapped step makes after the global norm is known
-    (all of them when the step clips, or follows one that did) run on a worker thread while the next forward
-    begins; a parameter's fetch waits only for its own sub-group (our key)."""
-    host_memory_budget: int | float | None = None
-    """Host memory this rank's engine may use (our key): bytes, or a fraction of the memory available at start
-    (shared by the ranks on the machine). None: 80 % of what is available. Every host allocation charges it;
-    staging is sized from it; with NVMe configured, the states that fit stay in host memory."""
-
-    def __post_init__(self):
-        if self.stage != 3:
-            raise ValueError(
-                f"zero_optimization.stage must be 3 (this engine is ZeRO stage 3 with offload), got {self.stage!r}"
-            )
-        for name in ("sub_group_size", "max_live_parameters"):
-            _require_positive(f"zero_optimization.{name}", getattr(self, name))
-        for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
-            _require_non_negative(f"zero_optimization.{name}", getattr(self, name))
-        from infinity.placement.host_budget import parse_host_memory
-        object.__setattr__(self, "host_memory_budget", parse_host_memory(self.host_memory_budget))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerConfig:
-    """Adam or AdamW (``optimizer``); the step runs on the CPU kernel."""
-
-    type: Literal["Adam", "AdamW"] = "AdamW"
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    adamw: bool = True
-    """Decoupled weight decay (AdamW). DeepSpeed's ``Adam`` is AdamW unless ``adam_w_mode`` is false."""
-    bias_correction: bool = True
-
-    def __post_init__(self):
-        _require_choice("optimizer.type", self.type, ("Adam", "AdamW"))
-        _require_non_negative("optimizer.params.lr", self.lr)
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"optimizer.params.betas must be two numbers in [0, 1), got {self.betas!r}")
-        _require_positive("optimizer.params.eps", self.eps)
-        _require_non_negative("optimizer.params.weight_decay", self.weight_decay)
-        for name in ("lr", "eps", "weight_decay"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"config key optimizer.params.{name} must be a finite number, got {getattr(self, name)!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LossScaleConfig:
-    """fp16 dynamic loss scaling (the ``fp16`` block)."""
-
-    loss_scale: float = 0.0
-    """0 for dynamic scaling, else a static scale."""
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TilingConfig:
-    """Memory-centric tiling (our key ``tiling``)."""
-
-    max_tile_numel: int | None = None
-    """Linear and Embedding layers whose weight has more elements are split into tiles; None: no tiling."""
-
-    def __post_init__(self):
-        if self.max_tile_numel is not None:
-            _require_positive("tiling.max_tile_numel", self.max_tile_numel)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TraceConfig:
-    """A Chrome trace of compute, I/O and collectives (our key ``trace``)."""
-
-    path: str | None = None
+from infinity.config.sections import (AioConfig, LossScaleConfig, OptimizerConfig, TilingConfig, TraceConfig,
+                                      ZeroConfig, _require_choice, _require_non_negative, _require_positive)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -304,9 +84,8 @@ class InfinityConfig:
     @classmethod
     def from_deepspeed(cls, raw: dict) -> "InfinityConfig":
         """Translate a DeepSpeed-style config once, here at the edge."""
-        from infinity.config.deepspeed import translate
 
-        return translate(raw)
+        return cls(**translate(raw))
 
     # -- typed changes: each returns a copy, validated as at construction -------------------------
     def replace(self, **changes) -> "InfinityConfig":
@@ -332,29 +111,3 @@ class InfinityConfig:
     def with_aio(self, **changes) -> "InfinityConfig":
         """A copy with fields of ``aio`` changed."""
         return self.replace(aio=dataclasses.replace(self.aio, **changes))
-
-
-def _require_positive(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"config key {key} must be a positive number, got {value!r}")
-
-
-def _require_non_negative(key: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"config key {key} must be a non-negative number, got {value!r}")
-
-
-def _require_optional_bool(key: str, value) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"config key {key} must be true or false, got {value!r}")
-
-
-def _require_offload_device(where: str, block) -> None:
-    """``block.device`` is one of OFFLOAD_DEVICES; held as the :class:`OffloadDevice` member (its tier is known)."""
-    _require_choice(f"{where}.device", block.device, OFFLOAD_DEVICES)
-    object.__setattr__(block, "device", OffloadDevice(block.device))
-
-
-def _require_choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"config key {key} must be one of {', '.join(map(repr, choices))}, got {value!r}")

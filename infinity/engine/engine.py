@@ -7,35 +7,39 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from infinity.runtime.comm import Collectives, rank_in
-from infinity.params.compute_shards import ComputeShards
+from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint.shard_source import ShardSource
+from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
-from infinity.placement.copies import Copies
-from infinity.params.gathered_blocks import full_blocks_for
-from infinity.grads.reducer import GradReducer
-from infinity.runtime.allocator import keep_large_blocks_mapped
-from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
-from infinity.placement.layout import ShardLayout
-from infinity.grads.loss_scaler import LossScaler
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
-from infinity.optim.offload_optimizer import OffloadOptimizer
-from infinity.optim.overlapped_step import StepCheck
-from infinity.placement.host_budget import HostMemoryPlan, resolve_host_budget
-from infinity.placement.placement import Placement, compute_device, device_memory_is_distinct, grad_accumulator_fits_device
-from infinity.params.prefetcher import Prefetcher
-from infinity.optim.step_cycle import StepCycle
+from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter
-from infinity.params.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
-from infinity.storage import HostBufferPool
+from infinity.grads.loss_scaler import LossScaler
+from infinity.grads.reducer import GradReducer
+from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
+from infinity.optim.speculation import StepCheck
+from infinity.optim.step_cycle import StepCycle
+from infinity.params.compute_shards import ComputeShards
+from infinity.params.gathered_blocks import full_blocks_for
+from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
+from infinity.params.prefetcher import Prefetcher
+from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam, needs_copy_up, needs_swap_in
+from infinity.placement.copies import Copies
+from infinity.placement.host_budget import HostMemoryPlan, resolve_host_budget
+from infinity.placement.layout import ShardLayout
+from infinity.placement.placement import (Placement, compute_device, device_memory_is_distinct,
+                                          grad_accumulator_fits_device)
 from infinity.placement.tiers import Tiers
+from infinity.runtime.allocator import keep_large_blocks_mapped
+from infinity.runtime.comm import Collectives, rank_in
 from infinity.runtime.trace import Timeline
-
-if TYPE_CHECKING:
-    from infinity.checkpoint.shard_source import ShardSource
+from infinity.storage import HostBufferPool
+from infinity.tiling import tile_model
+from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
+from infinity.weights.pretrained import open_for_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,6 @@ class Engine:
         self._initializer = Initializer(model, param_init)
         self._weights = None
         if weights is not None:
-            from infinity.weights.pretrained import open_for_model
             self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
@@ -77,7 +80,6 @@ class Engine:
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
         if config.tiling.max_tile_numel is not None:
-            from infinity.tiling import tile_model
             self.tiling_plan = tile_model(model, config.tiling.max_tile_numel)
         else:
             self.tiling_plan = None
@@ -125,28 +127,21 @@ class Engine:
                                    grad_dtype=grad_dtype, compute_dtype=self.dtype)
         # Exact with clipping and fp16 too: those steps speculate and are settled once the norm is known.
         self.overlap_step = zero.overlap_step_with_backward
-        self.optimizer = OffloadOptimizer(layout, config.optimizer, placement, self.tiers, self.compute, self.reducer,
-                                          self.copies, nvme_path=zero.offload_optimizer.nvme_path,
-                                          pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-                                          buffer_count=budget.staging_sets, timeline=self.timeline,
-                                          reserve_nbytes=reserve, backward_order=self.overlap_step,
-                                          max_in_cpu=zero.offload_optimizer.max_in_cpu,
-                                          step_undo=self.overlap_step and self._step_may_be_undone(),
-                                          state_dtype=zero.offload_optimizer.state_dtype,
-                                          compute_from_master=zero.offload_param.compute_from_master,
-                                          rank=self.comm.rank)
+        parts = OptimizerParts(layout, placement, self.tiers, self.compute, self.reducer, self.copies,
+                               timeline=self.timeline, rank=self.comm.rank)
+        self.optimizer = OffloadOptimizer(parts, config.optimizer, zero, staging_sets=budget.staging_sets,
+                                          reserve_nbytes=reserve,
+                                          step_undo=self.overlap_step and self._step_may_be_undone())
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.prefetcher = self._make_prefetcher(reserve)
         self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
+        path = FetchPath(self.compute, self.comm, self.tiers, self.copies, self._read_pool, self.full_blocks,
+                         prefetcher=self.prefetcher)
         for slot in layout.slots:
-            param = by_name[slot.name]
-            sharded = ShardedParam(param, slot, shards=self.compute, comm=self.comm, tiers=self.tiers,
-                                   copies=self.copies, read_pool=self._read_pool,
-                                   persistent=slot.index in persistent, blocks=self.full_blocks,
-                                   prefetcher=self.prefetcher)
+            sharded = ShardedParam(by_name[slot.name], slot, path, persistent=slot.index in persistent)
             self.params.append(sharded)
         write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
                              comm=self.comm, compute=self.compute, optimizer=self.optimizer)
@@ -393,35 +388,33 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
-        from infinity.checkpoint.state_dict import gather_full_state_dict
         return gather_full_state_dict(self.shard_source())
 
     def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
         """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
         Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`."""
-        from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
         self._ensure_open()
         return save_pretrained(self.shard_source(), self.module, out_dir, dtype=dtype,
                                max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
 
     # -- checkpoints ---------------------------------------------------------------
-    def shard_source(self) -> "ShardSource":
+    def shard_source(self) -> ShardSource:
         """This rank's shards, buffers, counters and scalars as checkpoints, state dicts and exports see them
         (:mod:`infinity.checkpoint.shard_source`); made afresh for each use."""
-        from infinity.engine.shards import EngineShards
         self.optimizer.land_tail()  # the last step's updates behind the forward write the shards it reads
-        return EngineShards(self)
+        owners = ShardOwners(module=self.module, params=self.params, layout=self.layout, compute=self.compute,
+                             optimizer=self.optimizer, tiers=self.tiers, comm=self.comm, config=self.config,
+                             tiling_plan=self.tiling_plan, loss_scaler=self.loss_scaler)
+        return EngineShards(owners, self)
 
     def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
         """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
-        from infinity.checkpoint import save_checkpoint
         self._ensure_open()
         self._cancel_unused_overlap()
         return save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
-        from infinity.checkpoint import load_checkpoint
         self._ensure_open()
         self._cancel_unused_overlap()
         self.optimizer.drop_tail()  # what the last step's updates behind the forward left is replaced (or failed)

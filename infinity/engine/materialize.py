@@ -32,17 +32,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from infinity.optim.offload_optimizer import OffloadOptimizer
+from infinity.params.compute_shards import ComputeShards
+from infinity.params.sharded_param import ShardedParam
 from infinity.placement.layout import ParamSlot
-
-if TYPE_CHECKING:
-    from infinity.runtime.comm import Collectives
-    from infinity.params.compute_shards import ComputeShards
-    from infinity.optim.offload_optimizer import OffloadOptimizer
-    from infinity.params.sharded_param import ShardedParam
+from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
 

@@ -7,38 +7,72 @@ state dicts and exports see only the :class:`ShardSource` it implements.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from infinity.kernels.compact import STATE_NAMES, checkpoint_dtype
-from infinity.placement.layout import ParamSlot, SubGroup
-from infinity.placement.placement import Memory
 from infinity.checkpoint.shard_source import COMPUTE_SHARD, ModelBuffer, ParamShard, RunCounters, ShardRun, ShardSpan
+from infinity.config.schema import InfinityConfig
+from infinity.grads.loss_scaler import LossScaler
+from infinity.kernels.compact import STATE_NAMES, checkpoint_dtype
+from infinity.optim.offload_optimizer import OffloadOptimizer
+from infinity.params.compute_shards import ComputeShards
+from infinity.params.sharded_param import ShardedParam
+from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup
+from infinity.placement.placement import Memory
+from infinity.placement.tiers import Tiers
+from infinity.runtime.comm import Collectives
+from infinity.tiling.plan import TilingPlan
 
-if TYPE_CHECKING:
-    from infinity.engine.engine import Engine
+
+class RunProgress(Protocol):
+    """What a save reads, and a load restores, of the run itself (the engine)."""
+
+    global_step: int
+    micro_step: int
+
+    @property
+    def step_in_progress(self) -> bool:
+        """Between a step's first micro-batch and its ``step()``: no checkpoint can be taken."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardOwners:
+    """The engine's parts that hold shards and scalars, as :class:`EngineShards` reads them."""
+
+    module: torch.nn.Module
+    params: list[ShardedParam]
+    layout: ShardLayout
+    compute: ComputeShards
+    optimizer: OffloadOptimizer
+    tiers: Tiers
+    comm: Collectives
+    config: InfinityConfig
+    tiling_plan: TilingPlan | None
+    loss_scaler: LossScaler | None
 
 
 class EngineShards:
     """One engine's shards, counters and scalars; made by ``Engine.shard_source()`` for one save, load or
     export (the runs' tiers are those of that moment)."""
 
-    def __init__(self, engine: Engine):
-        self._engine = engine
-        self._optimizer = engine.optimizer
-        self._compute = engine.compute
-        self._tiers = engine.tiers
-        self.comm = engine.comm
-        self.config = engine.config
-        self.compute_dtype = engine.compute.dtype
-        self.tiling_plan = engine.tiling_plan
-        layout = engine.layout
+    def __init__(self, owners: ShardOwners, run: RunProgress):
+        self._owners = owners
+        self._run = run
+        self._optimizer = owners.optimizer
+        self._compute = owners.compute
+        self._tiers = owners.tiers
+        self.comm = owners.comm
+        self.config = owners.config
+        self.compute_dtype = owners.compute.dtype
+        self.tiling_plan = owners.tiling_plan
+        layout = owners.layout
         self.params = tuple(ParamShard(s.index, s.name, tuple(s.shape), s.numel, s.shard_numel, s.trainable)
                             for s in layout.slots)
-        index_of = {id(sharded.param): sharded.slot.index for sharded in engine.params}
+        index_of = {id(sharded.param): sharded.slot.index for sharded in owners.params}
         self.param_names = tuple((name, index_of[id(param)])
-                                 for name, param in engine.module.named_parameters(remove_duplicate=False)
+                                 for name, param in owners.module.named_parameters(remove_duplicate=False)
                                  if id(param) in index_of)
         runs: list[ShardRun] = []
         self._targets: list[SubGroup | ParamSlot] = []  # run index -> what holds it
@@ -71,11 +105,11 @@ class EngineShards:
     # -- the model ------------------------------------------------------------------
     @property
     def step_in_progress(self) -> bool:
-        return self._engine.step_in_progress
+        return self._run.step_in_progress
 
     def buffers(self) -> tuple[ModelBuffer, ...]:
         found = []
-        for module_name, module in self._engine.module.named_modules():
+        for module_name, module in self._owners.module.named_modules():
             for local, buf in module._buffers.items():  # every name, as the module's state_dict() has them
                 if buf is None:
                     continue
@@ -113,11 +147,11 @@ class EngineShards:
 
     # -- scalars --------------------------------------------------------------------
     def counters(self) -> RunCounters:
-        return RunCounters(global_step=self._engine.global_step, micro_step=self._engine.micro_step)
+        return RunCounters(global_step=self._run.global_step, micro_step=self._run.micro_step)
 
     def set_counters(self, counters: RunCounters) -> None:
-        self._engine.global_step = counters.global_step
-        self._engine.micro_step = counters.micro_step
+        self._run.global_step = counters.global_step
+        self._run.micro_step = counters.micro_step
 
     def optimizer_state(self) -> dict:
         return self._optimizer.state_dict()
@@ -126,14 +160,14 @@ class EngineShards:
         self._optimizer.load_state_dict(state)
 
     def loss_scaler_state(self) -> dict | None:
-        scaler = self._engine.loss_scaler
+        scaler = self._owners.loss_scaler
         return scaler.state_dict() if scaler is not None else None
 
     def load_loss_scaler_state(self, state: dict) -> None:
-        if self._engine.loss_scaler is not None:
-            self._engine.loss_scaler.load_state_dict(state)
+        if self._owners.loss_scaler is not None:
+            self._owners.loss_scaler.load_state_dict(state)
 
     def compute_shards_changed(self) -> None:
-        self._engine.compute.staged.clear()  # what the staging sets hold predates the loaded shards
-        for sharded in self._engine.params:
+        self._compute.staged.clear()  # what the staging sets hold predates the loaded shards
+        for sharded in self._owners.params:
             sharded.mark_stale()

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from infinity.runtime.comm import Collectives
-from infinity.placement.copies import Copies
 from infinity.params.staging import StagedShards
+from infinity.placement.copies import Copies
 from infinity.placement.tiers import Tiers
+from infinity.runtime.comm import Collectives
 from infinity.runtime.trace import Timeline
 
 

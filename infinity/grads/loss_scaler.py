@@ -4,7 +4,7 @@ overflowing step is skipped."""
 
 from __future__ import annotations
 
-from infinity.config.schema import LossScaleConfig
+from infinity.config.sections import LossScaleConfig
 
 
 class LossScaler:

@@ -29,19 +29,16 @@ from typing import Protocol
 
 import torch
 
-from infinity.runtime.comm import Collectives
-from infinity.placement.copies import CopyDone, Copies
 from infinity.grads.norm import sq_norm_fp64
+from infinity.placement.copies import Copies, CopyDone
 from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup
-from infinity.placement.placement import GradRoute, Placement
-from infinity.storage import HostBufferPool
+from infinity.placement.placement import RING_SLICES, GradRoute, Placement
 from infinity.placement.tiers import Tiers
+from infinity.runtime.comm import Collectives
+from infinity.storage import HostBufferPool
 
 logger = logging.getLogger(__name__)
 
-RING_SLICES = 4
-"""Slices of the largest shard the host route's pinned ring holds: backward stalls only when the adder is
-this far behind."""
 
 
 class FinalGradSink(Protocol):

@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from infinity.engine.engine import initialize
+from infinity.models.gpt import _HFCausalLM
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,7 +41,6 @@ def build_meta_causal_lm(path) -> torch.nn.Module:
     Buffers computed in ``__init__`` (e.g. rotary frequencies) are on the meta
     device too; the engine gives them values with the model's ``_init_weights``.
     """
-    from infinity.models.gpt import _HFCausalLM
 
     path = Path(path)
     if not path.is_dir():
@@ -59,7 +61,6 @@ def from_pretrained(path, config=None, *, process_group=None):
     tensors, a shape or dtype that does not fit, and a missing or damaged file
     are errors naming them, raised before any state is written.
     """
-    from infinity.engine.engine import initialize
 
     model = build_meta_causal_lm(path)
     return initialize(model, config, process_group=process_group, weights=path)

@@ -38,37 +38,60 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from infinity import kernels
+from infinity.config.sections import OptimizerConfig, ZeroConfig
+from infinity.grads.reducer import GradReducer
+from infinity.optim.in_memory import MemoryStates
+from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
+from infinity.optim.speculation import InMemoryUndo, StepCheck, UpdateAt
+from infinity.optim.state_io import RestingStates
+from infinity.optim.step_tail import StepTail
 from infinity.params.compute_shards import ComputeShards
-from infinity.config.schema import OptimizerConfig
 from infinity.params.delivery import ComputeDelivery
 from infinity.placement.copies import Copies
-from infinity.grads.reducer import GradReducer
 from infinity.placement.layout import ShardLayout, SubGroup
-from infinity.optim.in_memory import MemoryStates
-from infinity.optim.overlapped_step import InMemoryUndo, OverlappedStep, StepCheck, UpdateAt
-from infinity.optim.step_tail import StepTail
 from infinity.placement.placement import Placement
-from infinity.optim.state_io import RestingStates
-from infinity.storage import IOHandle
-from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
 from infinity.placement.tiers import Tiers
+from infinity.runtime.trace import Timeline
+from infinity.storage import IOHandle
 
 logger = logging.getLogger(__name__)
 
 _nothing = contextlib.nullcontext
 
 
+@dataclass(frozen=True, slots=True)
+class OptimizerParts:
+    """The engine's parts an optimizer works with."""
+
+    layout: ShardLayout
+    placement: Placement
+    tiers: Tiers
+    compute: ComputeShards
+    """Where the kernel's new compute shards go."""
+    grads: GradReducer
+    """Where the gradient slices are read."""
+    copies: Copies
+    timeline: Timeline | None = None
+    rank: int = 0
+
+
 class OffloadOptimizer:
-    def __init__(self, layout: ShardLayout, config: OptimizerConfig, placement: Placement, tiers: Tiers,
-                 compute: ComputeShards, grads: GradReducer, copies: Copies, *,
-                 nvme_path: str | None = None, pipeline: bool = True, buffer_count: int = 2, timeline=None,
-                 reserve_nbytes: int = 0, backward_order: bool = False, max_in_cpu: int | None = None,
-                 step_undo: bool = False, state_dtype: str = "fp32", compute_from_master: bool = True,
-                 rank: int = 0):
+    def __init__(self, parts: OptimizerParts, config: OptimizerConfig, zero: ZeroConfig, *, staging_sets: int = 2,
+                 reserve_nbytes: int = 0, step_undo: bool = False):
+        """``zero`` gives the states' form and tier (``offload_optimizer``), whether compute shards are read from
+        the master (``offload_param.compute_from_master``) and whether steps overlap backward (the sub-groups
+        kept in host memory are then those backward finishes first); ``staging_sets`` host buffer sets pipeline
+        the states on NVMe, ``reserve_nbytes`` of the host budget is left to others, and ``step_undo`` keeps
+        what undoes a speculative update."""
+        layout, placement, tiers, compute = parts.layout, parts.placement, parts.tiers, parts.compute
+        offload = zero.offload_optimizer
+        state_dtype = offload.state_dtype
         self.layout = layout
         self.state_dtype = kernels.compact.check_state_dtype(state_dtype)
         self.config = config
@@ -77,20 +100,20 @@ class OffloadOptimizer:
         self.step_count = 0
         self._tiers = tiers
         self._compute = compute
-        self._grads = grads
-        self._copies = copies
-        self._timeline = timeline
+        self._grads = parts.grads
+        self._copies = parts.copies
+        self._timeline = parts.timeline
         self._on_device = placement.optimizer_on_device
         if state_dtype != "fp32" and self._on_device and placement.device.type != "cpu":
             raise ValueError(
                 f"zero_optimization.offload_optimizer.state_dtype is {state_dtype!r}, but the optimizer states are "
                 f"on {placement.device} (offload_optimizer.device 'none'), where torch's fused AdamW keeps fp32 "
                 f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
-        self._rank = rank
+        self._rank = parts.rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
-        self._delivery = ComputeDelivery(layout, placement, tiers, compute, copies)
+        self._delivery = ComputeDelivery(layout, placement, tiers, compute, parts.copies)
         # the states in memory (host memory for NVMe's sub-groups kept within the budget)
-        self._memory = MemoryStates(tiers, copies, tier="device" if self.tier == "device" else "host",
+        self._memory = MemoryStates(tiers, parts.copies, tier="device" if self.tier == "device" else "host",
                                     state_dtype=self.state_dtype, on_device=self._on_device)
         self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
         self._store = None
@@ -103,21 +126,23 @@ class OffloadOptimizer:
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
         if self.tier == "nvme":
-            self._store = tiers.swap_store(nvme_path)
+            self._store = tiers.swap_store(offload.nvme_path)
             # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
+            pipelined = offload.pipeline_read or offload.pipeline_write
             self.swapped = SwappedStates(self._store, tiers, self.state_dtype,
                                          largest_numel=layout.largest_sub_group_numel,
-                                         set_count=max(2, buffer_count) if pipeline else 1,
+                                         set_count=max(2, staging_sets) if pipelined else 1,
                                          compute_dtype=compute.dtype, compute_pinned=self._delivery.scratch_pinned)
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
-            self._keep_in_host(0 if room is None else room - reserve_nbytes, backward_order, max_in_cpu)
+            self._keep_in_host(0 if room is None else room - reserve_nbytes, zero.overlap_step_with_backward,
+                               offload.max_in_cpu)
         else:
             self._memory.allocate(layout.sub_groups)
         self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store,
                                       self.swapped.key if self.swapped is not None else None)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
-        self._shares_master = self._groups_sharing_master(compute_from_master)
+        self._shares_master = self._groups_sharing_master(zero.offload_param.compute_from_master)
         """Swapped sub-groups whose master is read as their compute shards (their update writes no copy)."""
         if step_undo:
             self._make_room_to_undo()
@@ -293,18 +318,17 @@ class OffloadOptimizer:
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
 
-    # -- the step overlapped with backward (see infinity.optim.overlapped_step) --------
-    def begin_overlapped_step(self, check: StepCheck = StepCheck()) -> OverlappedStep:
-        """From now on, a sub-group is updated (on a worker thread) as soon as the returned step is told its
-        gradients are final, under ``check``'s assumptions when the step may still clip or overflow."""
+    # -- the step overlapped with backward (infinity.optim.overlapped_step drives these) ------
+    def begin_step(self) -> None:
+        """An overlapped step begins: its updates count as the next step's (:meth:`take_back_step` undoes this)."""
         self.step_count += 1
-        return OverlappedStep(self, self._grads, check, after=self.tail)
 
-    def finish_behind_forward(self, overlap: OverlappedStep) -> StepTail:
-        """A settled overlapped step's remaining updates run on a worker thread while the next forward begins
-        (:mod:`infinity.optim.step_tail`); ``tail`` is theirs until it has landed."""
-        self.tail = StepTail(overlap.remaining, overlap.update_remaining, copies=self._copies,
-                             timeline=self._timeline)
+    def finish_behind_forward(self, groups: list[SubGroup],
+                              update_all: Callable[[Callable[[SubGroup], None]], None]) -> StepTail:
+        """A settled overlapped step's remaining updates of ``groups`` (``update_all``, as ``StepTail`` takes it)
+        run on a worker thread while the next forward begins (:mod:`infinity.optim.step_tail`); ``tail`` is
+        theirs until it has landed."""
+        self.tail = StepTail(groups, update_all, copies=self._copies, timeline=self._timeline)
         return self.tail
 
     def land_tail(self) -> None:

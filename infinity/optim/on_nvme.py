@@ -20,9 +20,9 @@ import torch
 
 from infinity import kernels
 from infinity.placement.layout import SubGroup
+from infinity.placement.tiers import Tiers
 from infinity.storage import IOHandle
 from infinity.storage.stats import format_nbytes
-from infinity.placement.tiers import Tiers
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import torch
 
 from infinity import kernels
 from infinity.kernels.compact import STATE_NAMES
-from infinity.placement.layout import SubGroup
 from infinity.optim.in_memory import MemoryStates
+from infinity.placement.layout import SubGroup
 from infinity.placement.tiers import Tiers
 
 

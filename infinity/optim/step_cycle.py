@@ -34,14 +34,15 @@ import time
 
 import torch
 
-from infinity.runtime.comm import Collectives
+from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.norm import global_grad_norm
 from infinity.grads.reducer import GradReducer
-from infinity.grads.loss_scaler import LossScaler
 from infinity.optim.offload_optimizer import OffloadOptimizer
-from infinity.optim.overlapped_step import OverlappedStep, StepCheck
-from infinity.params.sharded_param import ShardedParam
+from infinity.optim.overlapped_step import OverlappedStep
+from infinity.optim.speculation import StepCheck
 from infinity.optim.step_tail import StepTail
+from infinity.params.sharded_param import ShardedParam
+from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class StepCycle:
         """The coming step runs during its last backward (begun from that micro-batch's forward, so optimizer
         states can be read ahead); one already begun goes on."""
         if self.overlap is None:
-            self.overlap = self._optimizer.begin_overlapped_step(check)
+            self._optimizer.begin_step()
+            self.overlap = OverlappedStep(self._optimizer, self._reducer, check, after=self._optimizer.tail)
             logger.debug("step %d: overlapped step begun (%s)", self.global_step, check)
 
     def begin_backward(self) -> None:
@@ -249,7 +251,7 @@ class StepCycle:
         if not overlap.remaining:
             return None
         if self._finish_behind_forward:
-            return self._optimizer.finish_behind_forward(overlap)
+            return self._optimizer.finish_behind_forward(overlap.remaining, overlap.update_remaining)
         overlap.update_remaining()
         return None
 

@@ -25,13 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from infinity.placement.copies import CopyDone, Copies
+from infinity.placement.copies import Copies, CopyDone
 from infinity.placement.layout import SubGroup
-
-if TYPE_CHECKING:
-    from infinity.runtime.trace import Timeline
+from infinity.runtime.trace import Timeline
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,13 @@ from typing import Callable
 
 import torch
 
+from infinity.config.tier_names import Tier
+from infinity.params.staging import StagedShards
 from infinity.placement.copies import Copies
 from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup, packed_offsets
 from infinity.placement.placement import Memory, StatePlace
-from infinity.params.staging import StagedShards
-from infinity.config.tier_names import Tier
-from infinity.storage import IOHandle
 from infinity.placement.tiers import Tiers
+from infinity.storage import IOHandle
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from infinity.params.compute_shards import ComputeShards
-from infinity.placement.copies import CopyDone, Copies
+from infinity.placement.copies import Copies, CopyDone
 from infinity.placement.layout import ShardLayout, SubGroup
 from infinity.placement.placement import Placement
-from infinity.storage import IOHandle
 from infinity.placement.tiers import Tiers
+from infinity.storage import IOHandle
 
 
 class ComputeDelivery:

@@ -17,23 +17,46 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from infinity.runtime.comm import Collectives
 from infinity.params.compute_shards import ComputeShards
-from infinity.placement.copies import CopyDone, Copies
 from infinity.params.gathered_blocks import FreshBlocks, ReusedBlocks
+from infinity.placement.copies import Copies, CopyDone
 from infinity.placement.layout import ParamSlot
-from infinity.storage import HostBufferPool
 from infinity.placement.tiers import Tiers
-
-if TYPE_CHECKING:
-    from infinity.params.prefetcher import Prefetcher
-    from infinity.optim.step_tail import StepTail
+from infinity.runtime.comm import Collectives
+from infinity.storage import HostBufferPool
 
 logger = logging.getLogger(__name__)
+
+
+class Prefetching(Protocol):
+    """What a parameter asks of the prefetcher (:class:`~infinity.params.prefetcher.Prefetcher`)."""
+
+    def fetch_requested(self, param: ShardedParam) -> None:
+        """Every fetch request, in order: the pass's trace, and the point to issue the next prefetches."""
+
+    def keeps_gathered(self, param: ShardedParam) -> bool:
+        """Keep ``param`` gathered at its release: the plan uses it again soon and the budget allows."""
+
+    def land_in_flight(self) -> None:
+        """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer comes
+        back once that copy has landed."""
+
+
+class PendingUpdate(Protocol):
+    """The last step's updates still to deliver new shards behind the forward (:class:`~infinity.optim.step_tail.StepTail`)."""
+
+    def delivered(self, slot_index: int) -> bool:
+        """The slot's new compute shard is on its way home (a fetch issued now reads it), or there is no update
+        for it."""
+
+    def wait_for(self, slot_index: int) -> None:
+        """Before a fetch of the slot's shard: its sub-group's update has delivered it; raises while the
+        updates' failure stands."""
 
 
 def needs_swap_in(shards: ComputeShards, slot: ParamSlot) -> bool:
@@ -52,32 +75,44 @@ class ParamState(enum.Enum):
     FETCHED = "fetched"     # the full tensor is in device memory
 
 
+@dataclass(frozen=True, slots=True)
+class FetchPath:
+    """What every parameter fetches and releases through, shared by all of them."""
+
+    shards: ComputeShards
+    comm: Collectives
+    tiers: Tiers
+    copies: Copies
+    read_pool: HostBufferPool | None
+    """Host buffers an NVMe shard is read into before it crosses up (None: read in place)."""
+    blocks: FreshBlocks | ReusedBlocks
+    prefetcher: Prefetching | None = None
+
+
 class ShardedParam:
     """A parameter's full tensor, its state, and the verbs that move between states."""
 
-    def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, *, shards: ComputeShards, comm: Collectives,
-                 tiers: Tiers, copies: Copies, read_pool: HostBufferPool | None, persistent: bool,
-                 blocks: FreshBlocks | ReusedBlocks,
-                 prefetcher: "Prefetcher | None" = None):
+    def __init__(self, param: torch.nn.Parameter, slot: ParamSlot, path: FetchPath, *, persistent: bool):
         self.param = param
         self.slot = slot
         self.name = slot.name
-        self._shards = shards
-        self._comm = comm
-        self._tiers = tiers
-        self._copies = copies
-        self._read_pool = read_pool
-        self._blocks = blocks
+        self._shards = path.shards
+        self._comm = path.comm
+        self._tiers = path.tiers
+        self._copies = path.copies
+        self._read_pool = path.read_pool
+        self._blocks = path.blocks
         """Where the full tensor's bytes come from at a fetch and go at a release."""
         self.persistent = persistent
         self.holders = 0
         self.stale = True  # the full tensor no longer matches the shard (set after each optimizer step)
-        self._tail: "StepTail | None" = None  # the step updates still to deliver this shard (behind the forward)
+        self._tail: PendingUpdate | None = None  # the step updates still to deliver this shard (behind the forward)
         self._swap_in = None   # (handle, shard view, pool buffer or None) while an NVMe read is in flight
         self._copy_up: CopyDone | None = None  # the shard's copy into its chunk of `full`, once issued
         # Told of every fetch request (its trace), asked whether to keep a released parameter gathered,
         # and asked to land its prefetches when the read pool runs dry; None: fetched on demand only.
-        self._prefetcher = prefetcher
+        self._prefetcher = path.prefetcher
+        shards, comm, tiers = path.shards, path.comm, path.tiers
         dtype = shards.dtype
         # With one rank and the shard in device memory, the shard is the full tensor.
         resident = shards.resident(slot)
@@ -170,7 +205,7 @@ class ShardedParam:
         if not self.persistent:
             self._free()
 
-    def mark_stale(self, tail: "StepTail | None" = None) -> None:
+    def mark_stale(self, tail: PendingUpdate | None = None) -> None:
         """The shard changed (optimizer step), or will once ``tail`` has updated its sub-group: a fetched full
         tensor must be gathered again, and not before then."""
         self._tail = tail

@@ -58,11 +58,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from itertools import product
 
-from infinity.placement.host_budget import state_bytes_per_numel, state_nbytes, staged_sub_group_numel, transient_reserve_nbytes
+from infinity.config.tier_names import (OFFLOAD_DEVICES as OFFLOAD_CHOICES,  # (the name this module's users know)
+                                        TIER_OF_OFFLOAD, TIERS)
 from infinity.kernels.compact import checkpoint_bytes_per_element
+from infinity.models.gpt import largest_module_params, param_numels
+from infinity.placement.host_budget import (staged_sub_group_numel, state_bytes_per_numel, state_nbytes,
+                                            transient_reserve_nbytes)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
-from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES  # (the name this module's users know)
-from infinity.config.tier_names import TIER_OF_OFFLOAD, TIERS
 
 __all__ = [
     "TIERS",
@@ -390,7 +392,6 @@ def gpt_activation_nbytes(cfg, *, micro_batch: int, seq_len: int | None = None, 
 
 def estimate_gpt(cfg, *, micro_batch: int = 1, seq_len: int | None = None, precision: str = "bf16", **kwargs) -> dict:
     """``estimate`` for ``GPT(cfg)``: exact per-parameter padding, largest layer and activations."""
-    from infinity.models.gpt import param_numels, largest_module_params
 
     result = estimate(
         param_numels=param_numels(cfg),

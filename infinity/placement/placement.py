@@ -54,6 +54,11 @@ class GradRoute(enum.Enum):
     worker adds them into the host accumulator, so the backward hook never computes on the host."""
 
 
+RING_SLICES = 4
+"""Slices of the largest shard the ``HOST_RING`` route's pinned ring holds: backward stalls only when the adder
+is this far behind."""
+
+
 @dataclass(frozen=True, slots=True)
 class StatePlace:
     """One kind of state: the tier it rests in, the memory it is used from, and whether that memory is pinned."""

@@ -15,10 +15,11 @@ import os
 import torch
 
 from infinity.config.schema import InfinityConfig
+from infinity.config.tier_names import Tier
 from infinity.placement.placement import Placement
+from infinity.runtime.trace import TracedStore
 from infinity.storage import AsyncIO, BackgroundPinner, SwapStore, TierStats, aligned_empty
 from infinity.storage.pinning import Pinner
-from infinity.config.tier_names import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ class Tiers:
         store = self._swap_store(nvme_path)
         if self._timeline is None:
             return store
-        from infinity.runtime.trace import TracedStore
         return TracedStore(store, self._timeline)
 
     def _swap_store(self, nvme_path: str) -> SwapStore:

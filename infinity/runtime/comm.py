@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from infinity.runtime.trace import Timeline
+from infinity.runtime.trace import Timeline
 
 logger = logging.getLogger(__name__)
 

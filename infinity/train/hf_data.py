@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.hf.pretrained import require_transformers
 from infinity.train.data import DEFAULT_MAX_BYTES, ByteCorpus, read_corpus_bytes
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
         logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
         return ByteCorpus(path, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
                           world_size=world_size, max_bytes=max_bytes)
-    from infinity.hf.pretrained import require_transformers
 
     transformers = require_transformers("a model folder's tokenizer")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -31,10 +31,13 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir
+from infinity.checkpoint.consolidation import _consolidated_outputs
+from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
+from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import SafetensorsWriter
 from infinity.checkpoint.shard_source import ShardSource, require_step_boundary
 from infinity.checkpoint.state_dict import FullParamGatherer
+from infinity.models.gpt import _HFCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +209,6 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
     the checkpoint's ``client_state["hf_config"]``. Names lose the wrapper's
     prefix (``inner.``) as ``engine.save_pretrained`` does.
     """
-    from infinity.checkpoint.publish import resolve_checkpoint
-    from infinity.checkpoint.reader import Checkpoint
-    from infinity.checkpoint.consolidation import _consolidated_outputs
-    from infinity.models.gpt import _HFCausalLM
 
     out_dtype = save_dtype(dtype)
     ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))

@@ -43,7 +43,7 @@ def _speculate_always(monkeypatch):
     """Every overlapped step speculates on every sub-group, even once its norm already says it will clip or
     overflow: every such step is undone (the policy that avoids this is what the other runs use)."""
     from infinity.engine.engine import Engine
-    from infinity.optim.overlapped_step import StepCheck
+    from infinity.optim.speculation import StepCheck
 
     monkeypatch.setattr(StepCheck, "surely_rejected", lambda self, sq_norm: False)
     original = Engine._step_check

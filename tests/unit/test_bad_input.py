@@ -168,7 +168,7 @@ def test_a_tmpfs_tmp_falls_back_to_a_disk_that_takes_o_direct(monkeypatch, tmp_p
 
 def test_a_tmpfs_nvme_path_names_the_flag_and_the_flag_is_honoured(no_work, capsys, monkeypatch):
     from infinity.commands import train_checks
-    from infinity.config.schema import AioConfig
+    from infinity.config.sections import AioConfig
 
     monkeypatch.setattr(train_checks, "direct_io_problem", lambda p: "it is on tmpfs")
     err = _fails(capsys, "--nvme-path", str(no_work / "swap"))

@@ -319,14 +319,16 @@ def test_bad_values_are_refused_by_name(raw, message):
 
 def test_compact_states_on_a_gpu_are_refused_naming_the_key():
     """torch's fused AdamW keeps fp32 states: with the optimizer on a CUDA device, a compact form is refused."""
-    from infinity.optim.offload_optimizer import OffloadOptimizer
+    from infinity.config.sections import OffloadOptimizerConfig, ZeroConfig
+    from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
 
     placement = types.SimpleNamespace(master=types.SimpleNamespace(tier="device"), optimizer_on_device=True,
                                       device=torch.device("cuda", 0), compute_shard_in_optimizer_memory=True,
                                       grads=types.SimpleNamespace(pinned=False))
     with pytest.raises(ValueError, match="offload_optimizer.state_dtype is 'int8'.*'cpu' or 'nvme'"):
-        OffloadOptimizer(types.SimpleNamespace(sub_groups=()), InfinityConfig().optimizer, placement, None, None,
-                         None, None, state_dtype="int8")
+        parts = OptimizerParts(types.SimpleNamespace(sub_groups=()), placement, None, None, None, None)
+        OffloadOptimizer(parts, InfinityConfig().optimizer,
+                         ZeroConfig(offload_optimizer=OffloadOptimizerConfig(state_dtype="int8")))
 
 
 def test_train_says_the_state_dtype_and_refuses_a_bad_one(fresh_cwd, capsys):

@@ -10,7 +10,7 @@ import pytest
 from infinity.cli import build_parser, main
 from infinity.commands import train
 from infinity.commands.train_checks import TEMPORARY_SWAP_PATH
-from infinity.config.schema import OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, TraceConfig
+from infinity.config.sections import OffloadOptimizerConfig, OffloadParamConfig, OptimizerConfig, TraceConfig
 from infinity.runtime.hardware import resolve_precision
 
 

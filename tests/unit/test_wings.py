@@ -43,6 +43,9 @@ def _modules(*folders: str) -> dict[str, Path]:
             for path in sorted((REPO / folder).rglob("*.py"))}
 
 
+MODULES = set(_modules(*ROOTS))
+
+
 def _imports(path: Path) -> list[tuple[str, int, bool]]:
     """(module, line, at the top) for every import of an ``infinity`` module in the file; relative imports are
     resolved. "At the top" is a statement of the module itself, not inside a function, class or ``if``."""
@@ -60,7 +63,9 @@ def _imports(path: Path) -> list[tuple[str, int, bool]]:
                 anchor = package.split(".")
                 anchor = anchor[:len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            # `from package import module` names the module; `from module import name` names the module
+            targets = sorted({f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                              for alias in node.names})
         else:
             continue
         for target in targets:
