@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# GPU checks of zero-infinity on a machine with a CUDA GPU: the test suite with CUDA present, the GPU path
+# against plain PyTorch, the compact optimizer states on a disk-bound model, and the largest GPT one GPU
+# trains with host memory and NVMe. Each phase ends within ten minutes.
+#
+# In a Python whose torch has CUDA, with the project installed (`pip install -e '.[test,hf]'`;
+# without the system libaio the storage engine uses its threads backend):
+#
+#   bash benchmarks/gpu_check.sh quick    # ~6 min: the compact kernels against their bandwidth floor on this CPU,
+#                                         #   bench_gpu.py's 124M table, then the whole suite (tests/gpu first)
+#   bash benchmarks/gpu_check.sh tests    # the whole suite with CUDA present: tests/gpu and tests/unit, with
+#                                         #   tests/distributed (the multi-rank tests) in a second pytest beside them
+#   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B (every tier, accumulation 1 and 4, against
+#                                         #   plain PyTorch; nvme against the disk; spill against cpu), the compact states
+#                                         #   on a disk-bound 1.3B, the gradient norm and the compact kernels on this CPU
+#   bash benchmarks/gpu_check.sh scale    # a 13B GPT with int8 optimizer states under a 100 GiB host budget
+#   bash benchmarks/gpu_check.sh all      # tests, bench, scale, one after the other (~30 min)
+#
+# (6.7B with fp32 states: python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB.)
+#
+# Logs go under $OUT (default ./gpu-check-logs), flat, at most eight files a phase: phases.log (the machine, then
+# each step's command, limit, exit status and seconds) and one NAME.log per step, written as the step runs, so a
+# step cut off by its limit still leaves what it printed. Benchmarks print a JSON line last. Swap files go under
+# temporary folders the benchmarks remove.
+#
+# Each step has its own limit, and no step runs past the phase's (GPU_CHECK_PHASE_S, default 580 s), so one slow
+# step cannot eat the next one's time and a phase ends within ten minutes. At a limit the step gets SIGINT first,
+# so a cut-off pytest still prints its summary, then KILL 20 s later if it has not stopped.
+#   PYTHON=python3.12 bash benchmarks/gpu_check.sh tests    # another interpreter
+
+set -u
+usage="usage: gpu_check.sh quick|tests|bench|scale|all"
+phase=${1:?$usage}
+case $phase in quick|tests|bench|scale|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
+out=${OUT:-./gpu-check-logs}
+py=${PYTHON:-python3}
+phase_s=${GPU_CHECK_PHASE_S:-580}
+grace_s=20
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."  # the project root: the steps name tests/ and benchmarks/ from there
+export PYTHONUNBUFFERED=1
+
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "no CUDA GPU visible to $py (torch.cuda.is_available() is False): nothing to check here" >&2
+  exit 2
+fi
+
+failed=0
+deadline=0
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log, note the exit status
+  local name=$1 limit=$2
+  shift 2
+  local left=$((deadline - SECONDS - grace_s))
+  if ((left < limit)); then limit=$left; fi
+  if ((limit < 10)); then
+    echo "== $name: skipped, the phase's ${phase_s} s are spent" | tee -a "$out/phases.log"
+    failed=1
+    return
+  fi
+  echo "== $name (limit ${limit} s): $*" | tee -a "$out/phases.log"
+  local start=$SECONDS
+  # SIGINT first, so a cut-off pytest still prints its summary; KILL $grace_s s later if it has not stopped
+  timeout -s INT -k "$grace_s" "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$out/phases.log"
+  tail -n 15 "$out/$name.log"
+  if ((rc != 0)); then failed=1; fi
+}
+
+whole_suite_in_two() {  # tests/gpu and tests/unit here, tests/distributed beside them; fails if either fails
+  # the multi-rank tests' own log under $out, written as it goes, so a cut-off run still leaves it; 8 threads
+  # for each of the two processes, so together they do not oversubscribe a 16-core host
+  local side="$out/tests-distributed.log"
+  OMP_NUM_THREADS=8 "$py" -m pytest -q -rfs -p no:cacheprovider tests/distributed > "$side" 2>&1 &
+  local distributed=$!
+  OMP_NUM_THREADS=8 "$py" -m pytest -q -rfs --durations=15 -p no:cacheprovider tests/gpu tests/unit
+  local rest=$?
+  wait "$distributed"
+  local rc=$?
+  echo "== tests/distributed (tests-distributed.log): $(tail -n 1 "$side")"
+  return $((rest | rc))
+}
+export -f whole_suite_in_two
+export py out
+
+run_phase() {
+  local name=$1
+  deadline=$((SECONDS + phase_s))
+  { echo "== phase $name"; nvidia-smi; nproc; free -g; df -h "${TMPDIR:-/tmp}"; } >> "$out/phases.log" 2>&1
+  case $name in
+    quick)
+      step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+      # the short steps first, so a slow suite cannot cut them
+      step bench-adam 60 "$py" benchmarks/bench_adam.py --rounds 9 --cases bf16s,int8s
+      step bench-gpu-124m 110 "$py" benchmarks/bench_gpu.py --models 124m --rounds 2 --warmup 1
+      step tests-all 300 bash -c whole_suite_in_two
+      ;;
+    tests)
+      # the C++ kernel's first build (tens of seconds on a fresh machine) in its own step, not in a test's time
+      step kernel-build 120 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+      step tests-all 420 bash -c whole_suite_in_two
+      ;;
+    bench)
+      step bench-gpu-124m 130 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1
+      # rows print as they finish, so a cut-off run still leaves them
+      step bench-gpu-1.3b 250 "$py" benchmarks/bench_gpu.py --models 1.3b --cases none:4,cpu:4,cpu:1,nvme:1,spill:1 \
+        --rounds 3 --warmup 1
+      step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
+        --precision bf16 --steps 2 --warmup 1
+      step bench-grad-norm 20 "$py" benchmarks/bench_grad_norm.py --numel 100000000 --rounds 5
+      step bench-adam 60 "$py" benchmarks/bench_adam.py --rounds 7 --cases bf16s,int8s
+      ;;
+    scale)
+      step scale-13b-int8 540 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
+        --steps 3 --lr 1e-6 --host-memory 100GiB --max-rss 120GiB --out "$out/scale-13b-int8.json"
+      ;;
+  esac
+}
+
+if [[ $phase == all ]]; then
+  for p in tests bench scale; do run_phase "$p"; done
+else
+  run_phase "$phase"
+fi
+echo "== logs in $out; $([[ $failed == 0 ]] && echo 'every step passed' || echo 'some step failed or was cut off: see phases.log')"
+exit $failed
