@@ -231,6 +231,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
         f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else "") + f"; optimizer states {plan.state_dtype}")
+    if plan.precision_warning:
+        say(f"  {plan.precision_warning}")
+    if plan.offload_note:
+        say(f"  {plan.offload_note}")
     if plan.swap is not None and plan.swap.note:
         say(f"  {plan.swap.note}")
         if plan.swap.buffered and is_main:

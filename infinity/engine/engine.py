@@ -18,6 +18,7 @@ from infinity.placement.copies import Copies
 from infinity.params.gathered_blocks import full_blocks_for
 from infinity.grads.reducer import GradReducer
 from infinity.runtime.allocator import keep_large_blocks_mapped
+from infinity.runtime.hardware import slow_precision_warning
 from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
 from infinity.placement.layout import ShardLayout
 from infinity.grads.loss_scaler import LossScaler
@@ -73,6 +74,9 @@ class Engine:
         self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
+        slow = slow_precision_warning(config.precision, self.device.type)
+        if slow is not None:
+            logger.warning("%s", slow)
         self._check_batch_size()
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
