@@ -12,6 +12,8 @@ import logging
 import os
 import sys
 
+from infinity import __version__
+
 # name -> one-line help. The module infinity.commands.<name> provides
 # add_arguments(parser) and run(args) -> int.
 COMMANDS = {
@@ -30,6 +32,7 @@ def _load(name: str):
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infinity", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for INFO logs, -vv for DEBUG")
+    parser.add_argument("--version", action="version", version=f"infinity {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chosen = next((a for a in argv if a in COMMANDS), None)
     for name, help_text in COMMANDS.items():

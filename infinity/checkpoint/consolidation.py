@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsWriter
 
-
 CONSOLIDATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROGRESS_AFTER_S = 2.0
+"""A consolidation shows a progress bar once it has taken this long."""
 
 
 @dataclasses.dataclass
@@ -84,6 +88,13 @@ def _dense_fill(ckpt: Checkpoint, dense: dict, slot_of: dict[str, str]):
     return fill
 
 
+def progress_bar(total_nbytes: int) -> tqdm:
+    """The bytes written so far, on stderr, once writing has taken ``PROGRESS_AFTER_S`` (as ``infinity train`` shows
+    its steps); nothing for a quick one."""
+    return tqdm(total=total_nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidating",
+                delay=PROGRESS_AFTER_S, leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
 def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Write one safetensors state dict of the plain model (original names, tied names, persistent buffers)
@@ -106,6 +117,7 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
         entries = [(name, o.dtype, o.shape) for o in outputs for name in o.names]
         metadata = {"format": "pt", "source": str(ckpt.path), "global_step": str(ckpt.meta["global_step"])}
         largest = 0
+        bar = progress_bar(sum(math.prod(o.shape) * o.dtype.itemsize for o in outputs))
         with SafetensorsWriter(tmp, entries, metadata) as writer:
             for o in outputs:
                 value = torch.empty(o.shape, dtype=o.dtype)
@@ -113,8 +125,10 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
                 for name in o.names:
                     writer.write(name, value)
                 largest = max(largest, value.numel() * value.element_size())
+                bar.update(value.numel() * value.element_size())
                 del value
             _, nbytes = writer.close()
+        bar.close()
         os.replace(tmp, out_path)
         fsync_dir(out_path.parent)
     except BaseException:

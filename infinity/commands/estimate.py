@@ -2,21 +2,32 @@
 
     infinity estimate --params 7B --world-size 8 --offload-param nvme --offload-optimizer nvme
     infinity estimate --preset 1.3b --micro-batch 4 --json
+    infinity estimate --hf-model ./my-llama --config ds_config.json --cpu
 
-Prints the requested setting broken down by kind of state, then every
-offload alternative (none/cpu/nvme for parameters x optimizer) for comparison.
+The settings are read as ``infinity train`` reads them: the ``--config`` file (DeepSpeed-style JSON) first, then the
+flags given, then the train command's defaults (both offloads on NVMe, gradient clipping 1.0, ...). The engine's
+config is built by the same code as train's, and the figures come from the same function, so the NVMe bytes said
+here are the bytes ``infinity train`` reserves for the same settings, the extents kept to undo a speculative step
+included. Prints the setting broken down by kind of state, then every offload alternative (none/cpu/nvme for
+parameters x optimizer) for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
+from infinity.commands.hf_model import read_hf_model_config
+from infinity.commands.train_checks import config_number, read_config_file
+from infinity.commands.train_estimate import model_numels
+from infinity.commands.train_plan import DEFAULT_LR, DEFAULT_STEPS, complete_file, engine_config, kept_offload_note
+from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OFFLOAD_DEVICES
-from infinity.models.gpt import get_preset
-from infinity.placement.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
-from infinity.placement.host_budget import resolve_host_budget
 from infinity.config.units import parse_host_memory
+from infinity.hf.pretrained import build_meta_causal_lm
+from infinity.models.gpt import get_preset
+from infinity.placement.estimate import estimate_for_config, format_table, gpt_activation_nbytes, parse_count
 
 MAX_PARAMS = 10**15
 """A quadrillion parameters: above that a count is a typo, not a model."""
@@ -29,52 +40,127 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _host_memory(text: str):
+    try:
+        return parse_host_memory(text, key="--host-memory")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # Defaults are None so that a flag given is told from one left out: those left out take the --config file's
+    # value, then the train command's default (shown in the help).
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=_count, metavar="N", help="parameter count: 7B, 350M, 1.3e9, ...")
     model.add_argument("--preset", metavar="NAME", help="one of our GPT presets (exact layout and activations)")
+    model.add_argument("--hf-model", metavar="DIR",
+                       help="a local Hugging Face model folder: the shapes from its config.json (no weights needed; "
+                            "needs transformers)")
+    p.add_argument("--config", metavar="FILE",
+                   help="DeepSpeed-style JSON config, read as `infinity train --config` reads it; flags given override it")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
-    p.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default="none", help="where compute shards rest")
-    p.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default="none", help="where master + moments rest")
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="compute precision")
-    p.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+    p.add_argument("--offload-param", choices=OFFLOAD_DEVICES,
+                   help="where compute shards rest (default: the config's, else nvme as in `infinity train`)")
+    p.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES,
+                   help="where master + moments rest (default: the config's, else nvme as in `infinity train`)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="compute precision (default: the config's, else auto as in `infinity train`: bf16 where this "
+                        "machine computes it fast, else fp32)")
+    p.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
                    help="form of master + moments: fp32 (12 B an element), bf16 (6 B), int8 (~4.03 B) (default fp32)")
-    p.add_argument("--micro-batch", type=int, default=1, metavar="N", help="micro-batch per rank (with --preset)")
-    p.add_argument("--grad-accum", type=int, default=1, metavar="N",
+    p.add_argument("--micro-batch", type=int, metavar="N", help="micro-batch per rank (with --preset; default 1)")
+    p.add_argument("--grad-accum", type=int, metavar="N",
                    help="micro-batches per step; more than 1 keeps gradients in fp32 (default 1)")
     p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (with --preset)")
     p.add_argument("--largest-layer", type=_count, default=None, metavar="N",
-                   help="parameters of the largest layer (default: from the preset, or a GPT of that size)")
-    p.add_argument("--max-live-parameters", type=_count, default=10**9, metavar="N",
+                   help="parameters of the largest layer (default: from the model, or a GPT of that size)")
+    p.add_argument("--max-live-parameters", type=_count, metavar="N",
                    help="gathered parameter budget on the device (default 1e9)")
-    p.add_argument("--prefetch-bucket-size", type=_count, default=5 * 10**7, metavar="N",
+    p.add_argument("--prefetch-bucket-size", type=_count, metavar="N",
                    help="parameters swapped in ahead of need with --offload-param nvme (default 5e7)")
-    p.add_argument("--max-reuse-distance", type=_count, default=10**9, metavar="N",
+    p.add_argument("--max-reuse-distance", type=_count, metavar="N",
                    help="parameters used again within this many stay gathered (default 1e9)")
-    p.add_argument("--param-persistence-threshold", type=_count, default=10**5, metavar="N",
+    p.add_argument("--param-persistence-threshold", type=_count, metavar="N",
                    help="parameters this small stay gathered (default 1e5)")
-    p.add_argument("--max-in-cpu", type=_count, default=0, metavar="N",
+    p.add_argument("--max-in-cpu", type=_count, metavar="N",
                    help="shard elements kept in host memory with --offload-param nvme (default 0, as "
                         "`infinity train` sets it; the engine's config default is 1e9)")
-    p.add_argument("--sub-group-size", type=_count, default=10**8, metavar="N",
+    p.add_argument("--sub-group-size", type=_count, metavar="N",
                    help="optimizer elements stepped at once (default 1e8, the engine's)")
-    p.add_argument("--optimizer-buffer-count", type=int, default=4, metavar="N",
+    p.add_argument("--optimizer-buffer-count", type=int, metavar="N",
                    help="host staging sets with the optimizer on NVMe (offload_optimizer.buffer_count, default 4)")
-    p.add_argument("--buffer-count", type=int, default=5, metavar="N", help="host buffers for NVMe params (default 5)")
-    p.add_argument("--buffer-size", type=_count, default=10**8, metavar="N",
+    p.add_argument("--buffer-count", type=int, metavar="N", help="host buffers for NVMe params (default 5)")
+    p.add_argument("--buffer-size", type=_count, metavar="N",
                    help="elements per host buffer for NVMe params (default 1e8)")
     p.add_argument("--cpu", action="store_true",
                    help="the ranks compute on the CPU (no GPU): NVMe reads need no host buffers")
-    p.add_argument("--host-memory", metavar="SIZE", default=None,
+    p.add_argument("--host-memory", metavar="SIZE", type=_host_memory, default=None,
                    help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
-                        "NVMe becomes a spill tier under it, as in the engine (default: no budget, nvme means nvme)")
+                        "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
+                        "the memory this machine has available; give bytes to plan for another machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def _budget(text: str | None) -> int | None:
-    if text is None:
+ZERO_FLAGS = {"max_live_parameters": "max_live_parameters", "prefetch_bucket_size": "prefetch_bucket_size",
+              "max_reuse_distance": "max_reuse_distance", "param_persistence_threshold": "param_persistence_threshold",
+              "sub_group_size": "sub_group_size"}
+"""Flags (as argparse names them) -> ``zero_optimization`` fields, applied on top of the config when given."""
+OFFLOAD_FLAGS = {"max_in_cpu": ("param", "max_in_cpu"), "buffer_count": ("param", "buffer_count"),
+                 "buffer_size": ("param", "buffer_size"), "optimizer_buffer_count": ("optimizer", "buffer_count")}
+"""Flags -> (offload block, field), applied on top of the config when given."""
+
+
+def _engine_config(args: argparse.Namespace, raw: dict, offload: tuple[str | None, str | None]) -> tuple[InfinityConfig, str]:
+    """The config ``infinity train`` would build from ``raw`` and these flags (``offload``: the two offload flags),
+    with the estimate's engine flags on top: (config, the precision as said)."""
+    micro_batch = _pick(args.micro_batch, config_number(raw, "train_micro_batch_size_per_gpu",
+                                                        "train_micro_batch_size_per_gpu"), 1)
+    grad_accum = _pick(args.grad_accum, config_number(raw, "gradient_accumulation_steps",
+                                                      "gradient_accumulation_steps"), 1)
+    optimizer = raw.get("optimizer") if isinstance(raw.get("optimizer"), dict) else {}
+    params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+    lr = config_number(params, "lr", "optimizer.params.lr", integer=False) or DEFAULT_LR  # (no bytes depend on it)
+    engine_args = argparse.Namespace(config=args.config, precision=args.precision, offload_param=offload[0],
+                                     offload_optimizer=offload[1], nvme_path=None, host_memory=args.host_memory,
+                                     optimizer_state_dtype=args.optimizer_state_dtype)
+    completed = complete_file(raw, engine_args, micro_batch=micro_batch, grad_accum=grad_accum,
+                              world_size=args.world_size, steps=DEFAULT_STEPS, warmup=max(1, DEFAULT_STEPS // 20),
+                              lr=lr, min_lr=lr / 10, hidden_size=args.hidden_size)
+    config, _, said, _ = engine_config(completed, engine_args, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr)
+    zero = {field: getattr(args, flag) for flag, field in ZERO_FLAGS.items() if getattr(args, flag) is not None}
+    if zero:
+        config = config.with_zero(**zero)
+    for flag, (which, field) in OFFLOAD_FLAGS.items():
+        if getattr(args, flag) is not None:
+            config = config.with_offload(which, **{field: getattr(args, flag)})
+    return config, said
+
+
+def _pick(flag, from_config, default):
+    return flag if flag is not None else (from_config if from_config is not None else default)
+
+
+def _model(args: argparse.Namespace) -> tuple[dict, object]:
+    """(what the estimate takes of the model: param_numels or num_params, largest layer; the GPTConfig of a preset
+    for its activations, else None)."""
+    if args.preset is not None:
+        cfg = get_preset(args.preset)
+        if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
+            raise ValueError(f"--seq-len must be in 1..{cfg.seq_len} for preset {args.preset!r}, got {args.seq_len}")
+        numels, largest = model_numels(cfg)
+        return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest}, cfg
+    if args.hf_model is not None:
+        model = build_meta_causal_lm(args.hf_model)  # on the meta device: shapes, no memory, no weights read
+        numels, largest = model_numels(model)
+        return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest}, None
+    return {"num_params": args.params, "largest_layer_params": args.largest_layer}, None
+
+
+def _hidden_size(args: argparse.Namespace) -> int | None:
+    """The model's hidden size (for the config's ``"auto"`` bucket sizes, as train fills them)."""
+    if args.hf_model is None:
         return None
-    return resolve_host_budget(parse_host_memory(text, key="--host-memory"), local_ranks=1)
+    return read_hf_model_config(args.hf_model, weights=False)["hidden_size"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,41 +171,40 @@ def run(args: argparse.Namespace) -> int:
     if args.params is not None and args.params > MAX_PARAMS:
         raise ValueError(f"--params {args.params:.3g} is more than this estimate is made for (at most {MAX_PARAMS:.0e}, "
                          f"a quadrillion); did you mean a smaller count such as 7B or 1.3e12?")
-    if args.grad_accum < 1:
-        raise ValueError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    if args.micro_batch < 1:
-        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
-    common = dict(
-        world_size=args.world_size,
-        precision=args.precision,
-        largest_layer_params=args.largest_layer,
-        max_live_parameters=args.max_live_parameters,
-        prefetch_bucket_size=args.prefetch_bucket_size,
-        max_reuse_distance=args.max_reuse_distance,
-        gpu=not args.cpu,
-        param_persistence_threshold=args.param_persistence_threshold,
-        max_in_cpu=args.max_in_cpu,
-        sub_group_size=args.sub_group_size,
-        optimizer_buffer_count=args.optimizer_buffer_count,
-        buffer_count=args.buffer_count,
-        buffer_size=args.buffer_size,
-        gradient_accumulation_steps=args.grad_accum,
-        host_memory_budget=_budget(args.host_memory),
-        state_dtype=args.optimizer_state_dtype,
-    )
-    if args.preset is not None:
-        cfg = get_preset(args.preset)
-        if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
-            raise ValueError(f"--seq-len must be in 1..{cfg.seq_len} for preset {args.preset!r}, got {args.seq_len}")
-        fn, common = estimate_gpt, dict(common, cfg=cfg, micro_batch=args.micro_batch, seq_len=args.seq_len)
-    else:
-        fn, common = estimate, dict(common, num_params=args.params)
-    chosen = fn(**common, offload_param=args.offload_param, offload_optimizer=args.offload_optimizer)
-    alts = alternatives(fn, **common)
+    for flag in ("grad_accum", "micro_batch"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    raw = read_config_file(args.config) if args.config else {}
+    args.hidden_size = _hidden_size(args)
+    model, gpt_cfg = _model(args)
+    config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
+    micro_batch = config.micro_batch_size or 1
+    seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
+
+    def figures(config: InfinityConfig) -> dict:
+        activations = 0 if gpt_cfg is None else gpt_activation_nbytes(gpt_cfg, micro_batch=micro_batch,
+                                                                        seq_len=seq_len, precision=config.precision)
+        result = estimate_for_config(config, **model, world_size=args.world_size, gpu=not args.cpu,
+                                     activation_nbytes=activations)
+        if gpt_cfg is not None:
+            result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len)
+        return result
+
+    chosen = figures(config)
+    alts = [figures(_engine_config(args, raw, (op, oo))[0]) for op in OFFLOAD_DEVICES for oo in OFFLOAD_DEVICES]
+    note = kept_offload_note(argparse.Namespace(config=args.config, offload_param=args.offload_param,
+                                            offload_optimizer=args.offload_optimizer), raw)
     if args.json:
         print(json.dumps({"estimate": chosen, "alternatives": alts}))
-    else:
-        if args.preset is not None:
-            print(f"preset {args.preset}: {chosen['setting']['model']}")
-        print(format_table(chosen, alts))
+        return 0
+    if args.preset is not None:
+        print(f"preset {args.preset}: {chosen['setting']['model']}")
+    elif args.hf_model is not None:
+        print(f"Hugging Face model {args.hf_model}")
+    print(f"as `infinity train` would run it{f' with --config {args.config}' if args.config else ''}: {precision_said}; "
+          f"gradient clipping {config.gradient_clipping:g}"
+          + ("; the extents that undo a speculative step are counted" if chosen["tiers"]["nvme"]["step_undo"] else ""))
+    if note:
+        print(note)
+    print(format_table(chosen, alts))
     return 0

@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 from infinity.hf.pretrained import require_transformers
-from infinity.train.hf_data import TOKENIZER_SIDE_FILES
+from infinity.train.hf_data import TOKENIZER_SIDE_FILES, check_tokenizer_files
 from infinity.weights.pretrained import PretrainedWeights
 
 
-def read_hf_model_config(model_dir: str) -> dict:
-    """What the plan needs from ``DIR/config.json`` (checked before any work): vocab, context, hidden size."""
+def read_hf_model_config(model_dir: str, *, weights: bool = True) -> dict:
+    """What the plan needs from ``DIR/config.json`` (checked before any work): vocab, context, hidden size. With
+    ``weights`` the folder's weights and tokenizer files are checked too (``infinity estimate`` needs only the
+    config)."""
     folder = Path(model_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"--hf-model folder {model_dir!r} does not exist")
@@ -29,7 +31,9 @@ def read_hf_model_config(model_dir: str) -> dict:
         raise ValueError(f"{path}: no integer {missing[0]!r}; is this a causal language model's config?")
 
     require_transformers("--hf-model")
-    PretrainedWeights.open(folder).close()  # the weights are there and readable, before any work
+    if weights:
+        PretrainedWeights.open(folder).close()  # the weights are there and readable, before any work
+        check_tokenizer_files(folder)
     seq = text.get("max_position_embeddings") or text.get("n_positions") or text.get("n_ctx") or 256
     hidden = text.get("hidden_size") or text.get("n_embd") or text.get("d_model")
     return {"vocab_size": text["vocab_size"], "max_position_embeddings": int(seq),

@@ -39,11 +39,11 @@ from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAU
 from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.config.lr_schedule import lr_at
 from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
+from infinity.config.units import parse_host_memory
 from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
 from infinity.placement.estimate import format_bytes
-from infinity.config.units import parse_host_memory
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out
@@ -225,6 +225,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
         f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
         + (f" ({plan.nvme_path})" if plan.nvme_path else "") + f"; optimizer states {plan.state_dtype}")
+    if plan.precision_warning:
+        say(f"  {plan.precision_warning}")
+    if plan.offload_note:
+        say(f"  {plan.offload_note}")
     if plan.swap is not None and plan.swap.note:
         say(f"  {plan.swap.note}")
         if plan.swap.buffered and is_main:

@@ -56,7 +56,9 @@ def stop_on_nonfinite(args, plan, engine, corpus, losses: list[float], step: int
         message += (f"; no update was made from it. The weights after step {step} are saved in "
                     f"{Path(args.save_dir) / f'step{step}'}.")
     if plan.rank == 0:
-        print(f"{message} Lower --lr, raise --warmup, or train in fp32 (--precision fp32).", file=sys.stderr, flush=True)
+        advice = "Lower --lr or raise --warmup" + (", or train in fp32 (--precision fp32)" if plan.precision != "fp32"
+                                                    else "")
+        print(f"{message} {advice}.", file=sys.stderr, flush=True)
     engine.close()
     return 1
 
@@ -158,6 +160,12 @@ def save_policy(args: argparse.Namespace, ds: dict) -> SavePolicy:
         if not args.save_dir:
             raise ValueError("--resume without a folder resumes from --save-dir's latest checkpoint: give --save-dir "
                              "(or --resume DIR)")
+        if not _latest(args.save_dir) and checkpoint_tags(args.save_dir):
+            tags = checkpoint_tags(args.save_dir)
+            raise ValueError(f"--resume: --save-dir {args.save_dir!r} has no `{LATEST_FILE}` file naming the checkpoint "
+                             f"to resume from (it holds {', '.join(tags)}): give --resume "
+                             f"{Path(args.save_dir) / tags[-1]} to resume from one of them, or --overwrite without "
+                             f"--resume to start afresh there")
         resume = args.save_dir if _latest(args.save_dir) else None
     elif resume is not None and not Path(resume).is_dir():
         raise FileNotFoundError(f"--resume folder {resume!r} does not exist")

@@ -3,7 +3,7 @@
 The engine's config is built in one direction: the file is read into an :class:`~infinity.config.schema.InfinityConfig`
 (translated once, by :mod:`infinity.config.deepspeed`), then the flags are applied on top of it with typed changes
 (``replace``, ``with_offload``, ...), each validated as the config's own constructor validates it. Before the file
-is read, what it leaves to the run is completed in it (:func:`_complete_file`): Hugging Face's ``"auto"`` values, a
+is read, what it leaves to the run is completed in it (:func:`complete_file`): Hugging Face's ``"auto"`` values, a
 swap folder still to be made, and the blocks a flag replaces (``--lr-schedule``, ``--precision``).
 """
 
@@ -26,10 +26,12 @@ from infinity.config.schema import InfinityConfig
 from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.models.gpt import DEFAULT_PRESET, get_preset
-from infinity.runtime.hardware import resolve_precision
+from infinity.runtime.hardware import default_device, resolve_precision, slow_precision_warning
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
-           "MODEL_FILE_LR", "PRESET_LR", "Plan", "make_plan", "nvme_offloads", "with_swap_folder"]
+           "MODEL_FILE_LR", "PRESET_LR", "Plan", "complete_file", "engine_config", "kept_offload_note", "make_plan",
+           "nvme_offloads",
+           "with_swap_folder"]
 
 DEFAULT_STEPS = 200
 DEFAULT_MICRO_BATCH = 8
@@ -84,6 +86,10 @@ class Plan:
     hf_vocab_size: int | None = None
     precision_said: str = ""
     """The precision as the start line says it: ``fp32 (auto: CPU without bf16 units (avx2))``."""
+    precision_warning: str = ""
+    """Said on the start line when the precision is emulated here (bf16 on a CPU without bf16 units)."""
+    offload_note: str = ""
+    """Said on the start line when --config sets no offload and the command's default (nvme) is kept."""
     save: SavePolicy | None = None
     """--save-dir, --keep-last and the checkpoint to resume from."""
     swap: SwapLocation | None = None
@@ -139,6 +145,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """Read the config file, apply the flags on top of it and check every input, before any work."""
     raw = read_config_file(args.config) if args.config else {}
     _block(raw, "zero_optimization")
+    offload_note = kept_offload_note(args, raw)
     opt_params = _block(_block(raw, "optimizer"), "params", "optimizer.params")
 
     def pick(flag, from_config, default):
@@ -181,7 +188,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     if args.trace:
         check_output_folder("--trace", args.trace)
-    raw = _complete_file(raw, args, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
+    raw = complete_file(raw, args, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                          steps=steps, warmup=warmup, lr=lr, min_lr=min_lr, hidden_size=hidden_size)
     monitor = train_monitor.monitor_plan(args, raw, steps=steps)  # (--lr-schedule takes the scheduler block out)
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
@@ -201,16 +208,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"config key train_batch_size={raw['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
 
-    # The file, read once (unknown keys and bad values named here); then the flags on top.
-
-    config = InfinityConfig.from_deepspeed(raw)
-    config, precision, precision_said = _apply_precision(config, args, asked_precision(raw))
-    config = _apply_schedule(config, raw, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr)
-    config = _apply_offload(config, args, raw)
-    if args.trace:
-        config = config.replace(trace=TraceConfig(path=args.trace))
-    if args.buffered_io:
-        config = config.with_aio(buffered_fallback=True)
+    config, precision, precision_said, precision_warning = engine_config(raw, args, micro_batch=micro_batch,
+                                                                        grad_accum=grad_accum, lr=lr)
 
     nvme_blocks = nvme_offloads(config)
     nvme_paths = list(dict.fromkeys(b.nvme_path for b in nvme_blocks if b.nvme_path != TEMPORARY_SWAP_PATH))
@@ -218,7 +217,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.nvme_path and not nvme_blocks:
         raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
                          f"{offload_param}, optimizer -> {offload_optimizer}"
-                         + (", as --config names no offload" if args.config else "")
+                         + (", as --config sets" if args.config else "")
                          + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
     for path in nvme_paths:
         check_writable(path)
@@ -232,11 +231,30 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 offload_optimizer=offload_optimizer.value, nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=nvme_is_temporary, preset=preset, model_file=args.model, rank=rank,
                 world_size=world_size, local_world_size=local_world_size, monitor=monitor,
-                precision_said=precision_said, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
+                precision_said=precision_said, precision_warning=precision_warning,
+                offload_note=offload_note, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
                 swap=swap)
 
 
-def _complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int, world_size: int,
+def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,
+                  lr: float) -> tuple[InfinityConfig, str, str, str]:
+    """The engine's config from the completed file (:func:`complete_file`) with the flags on top: (config,
+    precision, how the start line says it, a warning when the precision is emulated here). ``args`` holds the
+    engine's flags (precision, offload_param, offload_optimizer, nvme_path, optimizer_state_dtype, host_memory,
+    config, trace, buffered_io). Touches no file: ``infinity estimate`` builds the same config from it."""
+    # The file, read once (unknown keys and bad values named here); then the flags on top.
+    config = InfinityConfig.from_deepspeed(raw)
+    config, precision, precision_said, precision_warning = _apply_precision(config, args, asked_precision(raw))
+    config = _apply_schedule(config, raw, micro_batch=micro_batch, grad_accum=grad_accum, lr=lr)
+    config = _apply_offload(config, args, raw)
+    if getattr(args, "trace", None):
+        config = config.replace(trace=TraceConfig(path=args.trace))
+    if getattr(args, "buffered_io", False):
+        config = config.with_aio(buffered_fallback=True)
+    return config, precision, precision_said, precision_warning
+
+
+def complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int, world_size: int,
                    steps: int, warmup: int, lr: float, min_lr: float, hidden_size: int | None) -> dict:
     """A copy of the config file with what it leaves to the run filled in, so that it reads as a valid config:
 
@@ -264,16 +282,20 @@ def _complete_file(raw: dict, args: argparse.Namespace, *, micro_batch: int, gra
 
 
 def _apply_precision(config: InfinityConfig, args: argparse.Namespace,
-                     asked: str | None) -> tuple[InfinityConfig, str, str]:
-    """--precision, else the file's, else ``auto``: (config, precision, how the start line says it). ``auto`` is
-    resolved for the config's device (bf16 where it computes it fast)."""
+                     asked: str | None) -> tuple[InfinityConfig, str, str, str]:
+    """--precision, else the file's, else ``auto``: (config, precision, how the start line says it, a warning when
+    the precision is emulated on the device: bf16 on a CPU without bf16 units). ``auto`` is resolved for the
+    config's device (bf16 where it computes it fast)."""
     requested = args.precision or asked or "auto"
     chosen = resolve_precision(requested, config.device) if requested != "fp16" else None
     precision = chosen.precision if chosen else "fp16"
     said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
+    device = config.device if config.device not in (None, "auto") else default_device()
+    fix = "--precision auto" if args.precision is not None else 'bf16.enabled: "auto" in --config (or --precision auto)'
+    slow = slow_precision_warning(precision, device, how_to_fix=fix)
     if args.precision is not None or asked in (None, "auto"):
         config = config.replace(precision=precision)
-    return config, precision, said
+    return config, precision, said, f"WARNING: {slow}" if slow else ""
 
 
 def _apply_schedule(config: InfinityConfig, raw: dict, *, micro_batch: int, grad_accum: int,
@@ -295,15 +317,17 @@ def _apply_schedule(config: InfinityConfig, raw: dict, *, micro_batch: int, grad
 def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) -> InfinityConfig:
     """--offload-param/--offload-optimizer, --nvme-path, --optimizer-state-dtype and --host-memory.
 
-    Without --config everything goes to NVMe (the `make train` job); a config file that names no offload means
-    none, as in DeepSpeed. `--offload-* nvme` means the disk: nothing kept in host memory unless the file says
+    Without a flag, an offload the config file sets is the file's; one it does not set keeps the command's
+    default, NVMe (the `make train` job), and the start line says so (``Plan.offload_note``): a file holding only
+    a batch size does not move the states into memory. `--offload-* nvme` means the disk: nothing kept in host memory unless the file says
     otherwise (``max_in_cpu``); with --host-memory, NVMe is a spill tier under that budget: the engine keeps in
     host memory what fits."""
     zero_raw = raw.get("zero_optimization", {})
     for which in OFFLOADS:
         block = getattr(config.zero, f"offload_{which}")
         flag = getattr(args, f"offload_{which}")
-        device = OffloadDevice(flag if flag is not None else (block.device if args.config else OffloadDevice.NVME))
+        file_sets = isinstance(zero_raw, dict) and f"offload_{which}" in zero_raw
+        device = OffloadDevice(flag if flag is not None else (block.device if file_sets else OffloadDevice.NVME))
         changes: dict = {"device": device}
         if device == OffloadDevice.NVME:
             changes["nvme_path"] = args.nvme_path or block.nvme_path or TEMPORARY_SWAP_PATH
@@ -318,6 +342,22 @@ def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) 
     if args.host_memory is not None:
         config = config.with_zero(host_memory_budget=args.host_memory)
     return config
+
+
+def kept_offload_note(args: argparse.Namespace, raw: dict) -> str:
+    """The start line's note when --config is given but sets an offload that no flag gives: the command's default
+    (nvme) is kept, said with the flag that changes it; ``""`` otherwise."""
+    if not args.config:
+        return ""
+    zero = raw.get("zero_optimization")
+    kept = [which for which in OFFLOADS if getattr(args, f"offload_{which}") is None
+            and not (isinstance(zero, dict) and f"offload_{which}" in zero)]
+    if not kept:
+        return ""
+    flags = " and ".join(f"--offload-{which}" for which in kept)
+    keys = " or ".join(f"zero_optimization.offload_{which}" for which in kept)
+    return (f"note: {args.config} sets no {keys}: on nvme, this command's default ({flags} choose"
+            f"{'s' if len(kept) == 1 else ''} otherwise)")
 
 
 def _default_preset() -> str:

@@ -35,6 +35,7 @@ from infinity.placement.placement import (Placement, compute_device, device_memo
 from infinity.placement.tiers import Tiers
 from infinity.runtime.allocator import keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
+from infinity.runtime.hardware import slow_precision_warning
 from infinity.runtime.trace import Timeline
 from infinity.storage import HostBufferPool
 from infinity.tiling import tile_model
@@ -76,6 +77,9 @@ class Engine:
         self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
+        slow = slow_precision_warning(config.precision, self.device.type)
+        if slow is not None:
+            logger.warning("%s", slow)
         self._check_batch_size()
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))

@@ -32,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.params.compute_shards import ComputeShards
@@ -43,6 +45,9 @@ from infinity.placement.layout import ParamSlot
 from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_AFTER_S = 2.0
+"""Loading pretrained weights shows a progress bar once it has taken this long."""
 
 ParamInit = Callable[[torch.nn.Module], None]
 
@@ -273,6 +278,11 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
             torch.manual_seed(seed)
         if initializing_meta:
             initializer.prepare()
+        # Reading a large model's weights takes a while: a bar on stderr (on the first rank) once it has taken
+        # PROGRESS_AFTER_S, as `infinity train` shows its steps; nothing for a quick load.
+        bar = tqdm(total=sum(s.slot.numel for s in params), unit="param", unit_scale=True, desc="loading weights",
+                   delay=PROGRESS_AFTER_S, leave=False, file=sys.stderr, dynamic_ncols=True,
+                   disable=weights is None or comm.rank != 0)
         for module_name, module in model.named_modules():
             direct = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in sharded_by_id]
             todo = [(n, p) for n, p in direct if id(p) not in done]
@@ -298,7 +308,9 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
                     handle.wait()
                 done.add(id(param))
                 original_data[id(param)] = None
+                bar.update(sharded.slot.numel)
             optimizer.init_master(pending_master)
+        bar.close()
     if pending_master:
         raise RuntimeError(f"internal error: masters not written for slots {sorted(pending_master)}")
 

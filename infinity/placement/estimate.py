@@ -58,18 +58,19 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from itertools import product
 
-from infinity.config.tier_names import (OFFLOAD_DEVICES as OFFLOAD_CHOICES,  # (the name this module's users know)
-                                        TIER_OF_OFFLOAD, TIERS)
+from infinity.config.schema import InfinityConfig
+from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_OF_OFFLOAD, TIERS
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
-from infinity.placement.host_budget import (staged_sub_group_numel, state_bytes_per_numel, state_nbytes,
-                                            transient_reserve_nbytes)
+from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
+                                            state_nbytes, transient_reserve_nbytes)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
 
 __all__ = [
     "TIERS",
     "OFFLOAD_CHOICES",
     "estimate",
+    "estimate_for_config",
     "estimate_gpt",
     "alternatives",
     "gpt_activation_nbytes",
@@ -281,6 +282,46 @@ def estimate(
         # the compute shard, for every element of the rank's shards (a frozen parameter's states are zeros).
         "checkpoint_nbytes": shard_numel * (checkpoint_bytes_per_element(state_dtype) + cbytes),
     }
+
+
+def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
+                        num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
+                        gpu: bool, activation_nbytes: int = 0) -> dict:
+    """:func:`estimate` for the engine's ``config``: every setting the engine reserves by is read from it, so the
+    figures are what ``initialize`` will reserve (``infinity train`` and ``infinity estimate`` both come here).
+
+    The host-memory budget is resolved as the engine resolves it (:func:`resolve_host_budget`: a fraction of the
+    memory available now unless the config gives bytes); the undo extents of a speculative step are counted when
+    the step overlaps the backward and may be undone (gradient clipping or fp16 loss scaling), as
+    :mod:`infinity.optim.overlapped_step` reserves them. ``gpu``: device memory apart from host memory."""
+    zero = config.zero
+    return estimate(
+        num_params,
+        param_numels=param_numels,
+        world_size=world_size,
+        offload_param=zero.offload_param.device.value,
+        offload_optimizer=zero.offload_optimizer.device.value,
+        precision=config.precision,
+        largest_layer_params=largest_layer_params,
+        max_live_parameters=zero.max_live_parameters,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_reuse_distance=zero.max_reuse_distance,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        sub_group_size=zero.sub_group_size,
+        buffer_count=zero.offload_param.buffer_count,
+        buffer_size=zero.offload_param.buffer_size,
+        max_in_cpu=zero.offload_param.max_in_cpu,
+        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
+        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        gpu=gpu,
+        activation_nbytes=activation_nbytes,
+        host_memory_budget=resolve_host_budget(zero.host_memory_budget),
+        optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
+        overlap_step=zero.overlap_step_with_backward,
+        step_undo=zero.overlap_step_with_backward and (config.gradient_clipping > 0 or config.precision == "fp16"),
+        state_dtype=zero.offload_optimizer.state_dtype,
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["FastPrecision", "cpu_flags", "cpu_name", "fast_precision", "gpu_name", "machine_description",
-           "resolve_precision"]
+           "resolve_precision", "slow_precision_warning"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,3 +136,16 @@ def resolve_precision(requested: str, device: str | None = None) -> FastPrecisio
     chosen = fast_precision(device)
     logger.info("precision auto -> %s: %s", chosen.precision, chosen.reason)
     return chosen
+
+
+def slow_precision_warning(precision: str, device: str, *, how_to_fix: str = 'bf16.enabled: "auto"') -> str | None:
+    """The warning for computing in ``precision`` on ``device`` (``cpu``, ``cuda``) where it is emulated: bf16 on
+    a CPU without bf16 units runs several times slower than fp32. None when the precision is fast there.
+    ``how_to_fix`` names the setting that picks the fast one (``bf16.enabled: "auto"``, ``--precision auto``)."""
+    if precision != "bf16" or not device.startswith("cpu"):
+        return None
+    fast = fast_precision("cpu")
+    if fast.precision == "bf16":
+        return None
+    return (f"bf16 is asked for but the CPU {cpu_name()} has no bf16 units ({fast.reason}): bf16 is emulated there, "
+            f"several times slower than fp32; set {how_to_fix} to compute in the fast precision (fp32 here)")

@@ -65,8 +65,10 @@ def read_corpus_bytes(path: str | Path | None = None, *, max_bytes: int | None =
     ``path=None`` reads the standard library's ``*.py`` files. A folder is read
     recursively (files whose first 8 KiB hold no NUL byte), in sorted order,
     until ``max_bytes`` (``None``: no cap). A single file is read whole up to
-    ``max_bytes``. Raises ``FileNotFoundError`` for a missing path and
-    ``ValueError`` for a corpus with no bytes, each naming the path.
+    ``max_bytes``. A corpus given by path that holds more than ``max_bytes``
+    says so in the description, as a warning naming ``--max-bytes``. Raises
+    ``FileNotFoundError`` for a missing path and ``ValueError`` for a corpus
+    with no bytes, each naming the path.
     """
     if path is None:
         folder, pattern = default_corpus_path(), "*.py"
@@ -83,11 +85,15 @@ def read_corpus_bytes(path: str | Path | None = None, *, max_bytes: int | None =
         with folder.open("rb") as f:
             data = f.read() if max_bytes is None else f.read(max_bytes)
         nfiles = 1
+        held = folder.stat().st_size
     elif folder.is_dir():
-        chunks, total, nfiles = [], 0, 0
+        chunks, total, nfiles, held = [], 0, 0, 0
         for p in _folder_files(folder, pattern):
             if max_bytes is not None and total >= max_bytes:
-                break
+                if path is None:
+                    break
+                held += p.stat().st_size if _is_text(p) else 0  # what the cut leaves out, said in the description
+                continue
             if pattern == "*" and not _is_text(p):
                 continue
             try:
@@ -95,6 +101,7 @@ def read_corpus_bytes(path: str | Path | None = None, *, max_bytes: int | None =
             except OSError as err:  # an unreadable file in a big tree is skipped, not fatal
                 log.warning("skipping %s: %s", p, err)
                 continue
+            held += len(chunk)
             if max_bytes is not None:
                 chunk = chunk[: max_bytes - total]
             if chunk:
@@ -107,7 +114,11 @@ def read_corpus_bytes(path: str | Path | None = None, *, max_bytes: int | None =
     if not data:
         what = "file" if folder.is_file() else "folder (no non-empty text files)"
         raise ValueError(f"corpus {name!r} is empty: the {what} holds no bytes")
-    return data, f"{name}: {len(data):,} bytes from {nfiles} file{'s' if nfiles != 1 else ''}"
+    description = f"{name}: {len(data):,} bytes from {nfiles} file{'s' if nfiles != 1 else ''}"
+    if path is not None and held > len(data):  # (the default corpus is cut on purpose: 8 MiB of it is plenty)
+        description += (f" (WARNING: cut to the first {len(data):,} of its {held:,} bytes by --max-bytes "
+                        f"{max_bytes:,}; raise --max-bytes to read it all)")
+    return data, description
 
 
 class ByteCorpus:

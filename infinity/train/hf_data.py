@@ -14,6 +14,7 @@ Windows, shuffling and the split over ranks are :class:`ByteCorpus`'s.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -32,6 +33,18 @@ TOKENIZER_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_toke
 
 def has_tokenizer(model_dir) -> bool:
     return any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_tokenizer_files(model_dir) -> None:
+    """The JSON files of ``model_dir``'s tokenizer parse: a ``ValueError`` naming the broken file otherwise
+    (transformers would say only ``Expecting value: line 1 column 1``)."""
+    for name in TOKENIZER_SIDE_FILES:
+        path = Path(model_dir) / name
+        if name.endswith(".json") and path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"tokenizer file {path} is not JSON: {err}") from None
 
 
 class TokenCorpus(ByteCorpus):
@@ -64,7 +77,12 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
                           world_size=world_size, max_bytes=max_bytes)
 
     transformers = require_transformers("a model folder's tokenizer")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    check_tokenizer_files(model_dir)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # tokenizers and transformers raise many kinds; the folder is what the user can fix
+        raise ValueError(f"cannot load the tokenizer in {model_dir} "
+                         f"({', '.join(n for n in TOKENIZER_SIDE_FILES if (model_dir / n).is_file())}): {err}") from err
     data, description = read_corpus_bytes(path, max_bytes=max_bytes)
     ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     tokens = torch.tensor(ids, dtype=torch.int32)

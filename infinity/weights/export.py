@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint.consolidation import _consolidated_outputs
+from infinity.checkpoint.consolidation import _consolidated_outputs, progress_bar
 from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import SafetensorsWriter
@@ -104,6 +104,7 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     weight_map: dict[str, str] = {}
     largest = total = 0
+    bar = progress_bar(sum(t.nbytes for t in tensors))
     try:
         for name, group in zip(names, files):
             entries = [(t.name, t.dtype, tuple(t.shape)) for t in group]
@@ -115,6 +116,7 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
                     largest = max(largest, t.nbytes)
                     total += t.nbytes
                     weight_map[t.name] = name
+                    bar.update(t.nbytes)
                     del value
                 writer.close()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -128,6 +130,8 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        bar.close()
     logger.info("wrote %s: %d tensors in %d file(s), %.1f MiB", out_dir, len(tensors), len(files), total / 2**20)
     return {"path": str(out_dir), "tensors": len(tensors), "files": len(files), "nbytes": total,
             "largest_tensor_nbytes": largest}
@@ -200,6 +204,48 @@ def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dty
         gatherer.close()
 
 
+def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: str, shown: int = 3) -> None:
+    """Every tensor's name and shape against the model ``config`` (a ``config.json``) describes, before anything is
+    written: that model is built on the meta device (no memory) and its state dict compared. A tensor the model
+    does not take, a parameter or persistent buffer with no tensor (a tied one is covered by its twin), or a shape
+    that differs is a ``ValueError`` naming the first few and ``source``."""
+    try:  # (transformers is an optional extra: needed for --hf, checked for by the caller's path)
+        import transformers
+    except ImportError:
+        raise ValueError("--hf needs the transformers package: pip install 'zero-infinity[hf]'") from None
+    fields = {k: v for k, v in config.items() if k not in ("dtype", "torch_dtype")}
+    model_type = fields.pop("model_type", None)
+    if not model_type:
+        raise ValueError(f"{source}: config.json has no 'model_type'; is it a Hugging Face model's config?")
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **fields)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{source}: cannot build a causal LM from its config.json: {err}") from None
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    twins: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        twins.setdefault(id(param), []).append(name)
+    written = {t.name: tuple(t.shape) for t in tensors}
+    covered = set(written)
+    for names in twins.values():  # a tied parameter is written under one of its names
+        if covered.intersection(names):
+            covered.update(names)
+    unexpected = [f"{n} {list(shape)}" for n, shape in written.items() if n not in expected]
+    missing = [f"{n} {list(shape)}" for n, shape in expected.items() if n not in covered]
+    mismatched = [f"{n}: {list(shape)} here, {list(expected[n])} in the config's model"
+                  for n, shape in written.items() if n in expected and shape != expected[n]]
+    problems = [(what, items) for what, items in (("shapes differ", mismatched),
+                                                  ("tensors the config's model does not take", unexpected),
+                                                  ("the config's model has no tensor here for", missing)) if items]
+    if problems:
+        said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
+                         for what, items in problems)
+        raise ValueError(f"the checkpoint does not fit {source} ({model_type}): {said}; nothing was written. Give "
+                         f"--hf-config the model folder the run started from")
+
+
 def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None, verify: bool = True,
                    config_dir=None, max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
     """``infinity consolidate --hf``: a sharded checkpoint written in the Hugging Face layout.
@@ -235,6 +281,8 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
         strip = all(name.startswith(prefix) for o in outputs for name in o.names)
         tensors = [HFTensor(o.names[0][len(prefix):] if strip else o.names[0], tuple(o.shape), o.dtype, o.fill)
                    for o in outputs]
+        check_tensors_fit_config(tensors, config, source="--hf-config " + str(config_dir) if config_dir is not None
+                                 else f"the config recorded in {ckpt.path}")
         summary = write_hf_folder(out_dir, tensors, config=config, max_shard_nbytes=max_shard_nbytes)
     finally:
         ckpt.close()

@@ -10,7 +10,8 @@ shard, whatever the model's size.
 Before a byte is read, :meth:`PretrainedWeights.check_model` matches the
 files against the model: a parameter with no tensor (under any of its tied
 names), a tensor no parameter or persistent buffer takes, a shape or a dtype
-that cannot be cast are errors naming the tensor and the file.
+that cannot be cast are errors naming the tensor and the file. As each slice
+is read, a NaN or an infinity in it is an error naming the tensor.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from infinity.placement.layout import ParamSlot
 from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
+from infinity.placement.layout import ParamSlot
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,16 @@ class PretrainedWeights:
         valid = max(0, min(slot.numel - start, slot.shard_numel))
         if valid:
             self._readers[self._where[key]].read_into(key, shard[:valid], start)
+            self._check_finite(key, shard[:valid])
         return shard
+
+    def _check_finite(self, key: str, values: torch.Tensor) -> None:
+        """A NaN or an infinity in pretrained weights is named here, at load, not later as a loss that is NaN."""
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+            raise WeightsError(f"tensor {key!r} in {self.file_of(key)} holds {nan:,} NaN and {inf:,} infinite "
+                               f"value(s): these weights are damaged (a failed save or conversion?); training "
+                               f"from them would give a NaN loss")
 
     def load_buffers(self, model: torch.nn.Module) -> None:
         """Fill every persistent buffer from its tensor (a buffer left on the meta device gets real storage)."""
@@ -203,6 +213,7 @@ class PretrainedWeights:
                     continue
                 value = torch.empty(buf.shape, dtype=buf.dtype)
                 self._readers[self._where[key]].read_into(key, value)
+                self._check_finite(key, value)
                 if buf.is_meta:
                     module._buffers[local] = value
                 else:

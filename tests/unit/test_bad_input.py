@@ -111,9 +111,10 @@ def test_flags_that_went_wrong(no_work, capsys, argv, message):
     assert message in _fails(capsys, *argv)
 
 
-def test_nvme_path_with_a_config_that_names_no_offload(no_work, capsys, tmp_path):
-    err = _fails(capsys, "--config", _config(tmp_path, {}), "--nvme-path", str(tmp_path / "swap"))
-    assert "--nvme-path" in err and "nothing goes to NVMe" in err and "--config names no offload" in err
+def test_nvme_path_with_a_config_that_offloads_nothing(no_work, capsys, tmp_path):
+    none = {"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}}
+    err = _fails(capsys, "--config", _config(tmp_path, none), "--nvme-path", str(tmp_path / "swap"))
+    assert "--nvme-path" in err and "nothing goes to NVMe" in err and "as --config sets" in err
 
 
 def test_a_binary_corpus_file_is_refused(no_work, capsys, tmp_path):

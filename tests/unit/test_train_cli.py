@@ -248,11 +248,11 @@ def test_memory_too_small_is_refused_before_work(no_work, monkeypatch, capsys):
     assert "needs about" in err and "977 KiB is available" in err
 
 
-def test_a_config_file_without_offload_means_none_and_its_paths_are_kept(tmp_path):
+def test_a_config_file_without_offload_keeps_the_defaults_and_its_paths_are_kept(tmp_path):
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
-    plan = train.make_plan(_args("--config", str(plain)))
-    assert (plan.offload_param, plan.offload_optimizer) == ("none", "none") and not plan.nvme_is_temporary
+    plan = train.make_plan(_args("--config", str(plain)))  # (said on the start line: test_say_before.py)
+    assert (plan.offload_param, plan.offload_optimizer) == ("nvme", "nvme") and plan.nvme_is_temporary
     two = tmp_path / "two.json"
     two.write_text(json.dumps({"zero_optimization": {
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "a")},
