@@ -36,6 +36,7 @@ from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAU
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
 from infinity.commands.train_signals import Cleanup, GracefulStop
+from infinity.models.transformers_lm import causal_lm_loss
 from infinity.placement.estimate import format_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
@@ -279,7 +280,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         step_loss = 0.0
         for micro in range(plan.grad_accum):
             input_ids, targets = corpus.next_batch()
-            loss = engine(input_ids, targets)
+            loss = causal_lm_loss(engine, input_ids, targets)
             # Every rank learns of a non-finite loss on any rank before backward, so all stop together.
             micro_loss = _mean_over_ranks(float(loss.detach()), plan.world_size)
             if not math.isfinite(micro_loss):

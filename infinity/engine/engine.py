@@ -29,6 +29,7 @@ from infinity.placement.placement import Placement, compute_device, device_memor
 from infinity.params.prefetcher import Prefetcher
 from infinity.optim.step_cycle import StepCycle
 from infinity.engine.step_metrics import StepMeter
+from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
 from infinity.params.sharded_param import ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.storage import HostBufferPool
 from infinity.placement.tiers import Tiers
@@ -82,6 +83,7 @@ class Engine:
         else:
             self.tiling_plan = None
         self.module = model
+        self._transformers_forward = is_transformers_model(model)  # refuses the byte GPT's (ids, targets) call
         meta_data = replace_meta_parameters(model)
         named = list(model.named_parameters())
         if not named:
@@ -230,7 +232,10 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        """The model's own forward: its arguments (keyword or positional) and what it returns."""
         self._ensure_open()
+        if self._transformers_forward:
+            refuse_targets_as_mask(args)
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
