@@ -254,13 +254,15 @@ class Engine:
         self.meter.add_compute(time.perf_counter() - start)
         return output
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Back-propagate ``loss`` divided by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``: as it is,
+        for a loss already normalized over the whole accumulated batch, as DeepSpeed's engine takes it)."""
         self._ensure_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward() takes the scalar loss returned by the model's forward")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad() or eval?")
-        scale = 1.0 / self.config.gradient_accumulation_steps
+        scale = 1.0 / self.config.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()
