@@ -2,6 +2,7 @@
 
     infinity estimate --params 7B --world-size 8 --offload-param nvme --offload-optimizer nvme
     infinity estimate --preset 1.3b --micro-batch 4 --json
+    infinity estimate --params 7B --trainable-params 4M --offload-param nvme --offload-optimizer cpu   # LoRA
 
 Prints the requested setting broken down by kind of state, then every
 offload alternative (none/cpu/nvme for parameters x optimizer) for comparison.
@@ -66,7 +67,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", metavar="SIZE", default=None,
                    help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
                         "NVMe becomes a spill tier under it, as in the engine (default: no budget, nvme means nvme)")
+    add_trainable_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def add_trainable_argument(p: argparse.ArgumentParser) -> None:
+    """``--trainable-params N``: a frozen base (LoRA adapters on it, say) has no gradient, master or moments."""
+    p.add_argument("--trainable-params", type=_count, default=None, metavar="N",
+                   help="parameters that train, e.g. LoRA adapters on a frozen base: only they get a gradient, "
+                        "a master and moments (default: all)")
+
+
+def trainable_params(args: argparse.Namespace, num_params: int) -> int | None:
+    """``--trainable-params``, checked against the model's size."""
+    n = args.trainable_params
+    if n is not None and not 0 <= n <= num_params:
+        raise ValueError(f"--trainable-params {n:,} must be between 0 and the model's {num_params:,} parameters")
+    return n
 
 
 def _budget(text: str | None) -> int | None:
@@ -107,14 +124,16 @@ def run(args: argparse.Namespace) -> int:
         state_dtype=args.optimizer_state_dtype,
     )
     if args.preset is not None:
-        from infinity.models.gpt import get_preset
+        from infinity.models.gpt import count_params, get_preset
 
         cfg = get_preset(args.preset)
         if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
             raise ValueError(f"--seq-len must be in 1..{cfg.seq_len} for preset {args.preset!r}, got {args.seq_len}")
-        fn, common = estimate_gpt, dict(common, cfg=cfg, micro_batch=args.micro_batch, seq_len=args.seq_len)
+        fn, common = estimate_gpt, dict(common, cfg=cfg, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                                        trainable_params=trainable_params(args, count_params(cfg)))
     else:
-        fn, common = estimate, dict(common, num_params=args.params)
+        fn, common = estimate, dict(common, num_params=args.params,
+                                    trainable_params=trainable_params(args, args.params))
     chosen = fn(**common, offload_param=args.offload_param, offload_optimizer=args.offload_optimizer)
     alts = alternatives(fn, **common)
     if args.json:

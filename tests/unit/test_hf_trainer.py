@@ -224,3 +224,25 @@ def test_a_deepspeed_json_in_the_arguments_is_refused_naming_infinity_config(tmp
     args.deepspeed = "ds_config.json"  # what TrainingArguments(deepspeed=...) keeps where DeepSpeed is installed
     (reason,) = refusals(args, model_init=None, optimizers=(None, None), optimizer_cls_and_kwargs=None)
     assert reason.startswith("TrainingArguments(deepspeed=...)") and "infinity_config=" in reason
+
+
+def test_a_model_built_on_meta_streams_its_weights_from_its_folder(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    trainer = Trainer(model=model, args=training_args(tmp_path / "out", save_strategy="no"),
+                      eval_dataset=dataset(4, seed=2), data_collator=collate,
+                      infinity_config={"zero_optimization": {"stage": 3}})
+    state = trainer.engine.full_state_dict()
+    for name, value in tiny_llama().state_dict().items():
+        assert torch.equal(state[name], value), name
+    batch = collate(dataset(4, seed=2))
+    with torch.no_grad():
+        expected = tiny_llama()(**batch).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    trainer.engine.close()
+    with torch.device("meta"):
+        orphan = transformers.LlamaForCausalLM(tiny_llama().config)
+    with pytest.raises(ValueError, match="meta device and its name_or_path"):
+        Trainer(model=orphan, args=training_args(tmp_path / "out2"), data_collator=collate)
