@@ -224,9 +224,9 @@ class InfinityTrainerMixin:
         if boundary != engine.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 f"the Trainer's accumulation boundary (sync={boundary}) and the engine's (every "
-                f"{engine.config.gradient_accumulation_steps} micro-batches) disagree: an epoch's batches "
-                f"must be a multiple of gradient_accumulation_steps (use dataloader_drop_last or a dataset size "
-                f"that divides evenly)")
+                f"{engine.config.gradient_accumulation_steps} micro-batches) disagree: the number of batches in "
+                f"an epoch must be a multiple of gradient_accumulation_steps here (the stock Trainer ends an epoch "
+                f"with a shorter step; the engine does not yet)")
         if not boundary:
             engine.step()  # between boundaries: the gradients accumulate in the engine's slices
         return loss.detach()

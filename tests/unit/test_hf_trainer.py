@@ -166,6 +166,22 @@ def test_the_mixin_serves_a_subclass_and_evaluate_runs_before_train(tmp_path):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
     trainer.train()
     assert CountingTrainer.steps == 8 and trainer.state.global_step == 2
+    rows = dataset(3, seed=5)
+    predicted = trainer.predict(rows)
+    model = tiny_llama()
+    model.load_state_dict(trainer.engine.full_state_dict())
+    with torch.no_grad():
+        expected = model(**collate(rows))
+    torch.testing.assert_close(torch.as_tensor(predicted.predictions), expected.logits, rtol=1e-5, atol=1e-6)
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.loss.item(), rel=1e-6)
+    trainer.engine.close()
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_is_refused_naming_why(tmp_path):
+    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, save_strategy="no"), train_dataset=dataset(10),
+                      data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(RuntimeError, match="multiple of gradient_accumulation_steps"):
+        trainer.train()  # 5 micro-batches an epoch, 4 a step
     trainer.engine.close()
 
 
