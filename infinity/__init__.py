@@ -22,7 +22,8 @@ Public surface::
 
     engine = infinity.initialize(model, config)   # dict, path to JSON, or InfinityConfig
     engine = infinity.from_pretrained(hf_folder, config)   # a local Hugging Face causal LM, weights streamed in
-    loss = engine(batch); engine.backward(loss); engine.step()
+    out = engine(**batch)                          # the model's own forward: its arguments, its outputs
+    engine.backward(out.loss); engine.step()        # (our byte GPT: loss = engine(input_ids, targets))
 """
 
 __version__ = "0.1.0"

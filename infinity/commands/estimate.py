@@ -3,6 +3,7 @@
     infinity estimate --params 7B --world-size 8 --offload-param nvme --offload-optimizer nvme
     infinity estimate --preset 1.3b --micro-batch 4 --json
     infinity estimate --hf-model ./my-llama --config ds_config.json --cpu
+    infinity estimate --params 7B --trainable-params 4M --offload-param nvme --offload-optimizer cpu   # LoRA
 
 The settings are read as ``infinity train`` reads them: the ``--config`` file (DeepSpeed-style JSON) first, then the
 flags given, then the train command's defaults (both offloads on NVMe, gradient clipping 1.0, ...). The engine's
@@ -98,7 +99,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
                         "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
                         "the memory this machine has available; give bytes to plan for another machine)")
+    add_trainable_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def add_trainable_argument(p: argparse.ArgumentParser) -> None:
+    """``--trainable-params N``: a frozen base (LoRA adapters on it, say) has no gradient, master or moments."""
+    p.add_argument("--trainable-params", type=_count, default=None, metavar="N",
+                   help="parameters that train, e.g. LoRA adapters on a frozen base: only they get a gradient, "
+                        "a master and moments (default: all)")
+
+
+def trainable_params(args: argparse.Namespace, num_params: int) -> int | None:
+    """``--trainable-params``, checked against the model's size."""
+    n = args.trainable_params
+    if n is not None and not 0 <= n <= num_params:
+        raise ValueError(f"--trainable-params {n:,} must be between 0 and the model's {num_params:,} parameters")
+    return n
 
 
 ZERO_FLAGS = {"max_live_parameters": "max_live_parameters", "prefetch_bucket_size": "prefetch_bucket_size",
@@ -177,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     raw = read_config_file(args.config) if args.config else {}
     args.hidden_size = _hidden_size(args)
     model, gpt_cfg = _model(args)
+    total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
+    trainable = trainable_params(args, total)
     config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     micro_batch = config.micro_batch_size or 1
     seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
@@ -185,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         activations = 0 if gpt_cfg is None else gpt_activation_nbytes(gpt_cfg, micro_batch=micro_batch,
                                                                         seq_len=seq_len, precision=config.precision)
         result = estimate_for_config(config, **model, world_size=args.world_size, gpu=not args.cpu,
-                                     activation_nbytes=activations)
+                                     activation_nbytes=activations, trainable_params=trainable)
         if gpt_cfg is not None:
             result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len)
         return result

@@ -43,6 +43,7 @@ from infinity.config.units import parse_host_memory
 from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
+from infinity.models.transformers_lm import causal_lm_loss
 from infinity.placement.estimate import format_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
@@ -277,7 +278,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         step_loss = 0.0
         for micro in range(plan.grad_accum):
             input_ids, targets = corpus.next_batch()
-            loss = engine(input_ids, targets)
+            loss = causal_lm_loss(engine, input_ids, targets)
             # Every rank learns of a non-finite loss on any rank before backward, so all stop together.
             micro_loss = _mean_over_ranks(float(loss.detach()), plan.world_size)
             if not math.isfinite(micro_loss):

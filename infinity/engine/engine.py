@@ -19,6 +19,7 @@ from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
+from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
 from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
 from infinity.optim.speculation import StepCheck
 from infinity.optim.step_cycle import StepCycle
@@ -88,6 +89,7 @@ class Engine:
         else:
             self.tiling_plan = None
         self.module = model
+        self._transformers_forward = is_transformers_model(model)  # refuses the byte GPT's (ids, targets) call
         meta_data = replace_meta_parameters(model)
         named = list(model.named_parameters())
         if not named:
@@ -229,7 +231,10 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        """The model's own forward: its arguments (keyword or positional) and what it returns."""
         self._ensure_open()
+        if self._transformers_forward:
+            refuse_targets_as_mask(args)
         args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
@@ -248,13 +253,15 @@ class Engine:
         self.meter.add_compute(time.perf_counter() - start)
         return output
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Back-propagate ``loss`` divided by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``: as it is,
+        for a loss already normalized over the whole accumulated batch, as DeepSpeed's engine takes it)."""
         self._ensure_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("backward() takes the scalar loss returned by the model's forward")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad() or eval?")
-        scale = 1.0 / self.config.gradient_accumulation_steps
+        scale = 1.0 / self.config.gradient_accumulation_steps if scale_wrt_gas else 1.0
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.scale
         start = time.perf_counter()

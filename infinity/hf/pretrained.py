@@ -1,14 +1,14 @@
 """``infinity.from_pretrained``: a local Hugging Face causal LM, built without memory, its weights streamed in.
 
 The model is built on the meta device from the folder's ``config.json``
-(shapes only; tied weights are tied by the constructor), wrapped so that
-``forward(input_ids, targets)`` returns the mean loss, and handed to
-:func:`infinity.initialize` with ``weights=folder``: each rank ``pread``s its
+(shapes only; tied weights are tied by the constructor) and handed, as it is,
+to :func:`infinity.initialize` with ``weights=folder``: each rank ``pread``s its
 slice of every tensor straight into its shard's tier. The whole model is never
 in host memory.
 
     engine = infinity.from_pretrained("my-llama/", {"zero_optimization": {...}})
-    loss = engine(input_ids, targets); engine.backward(loss); engine.step()
+    out = engine(input_ids=ids, attention_mask=mask, labels=ids)   # the model's own forward and ModelOutput
+    engine.backward(out.loss); engine.step()
     engine.save_pretrained("my-llama-tuned/")    # loadable by AutoModelForCausalLM.from_pretrained
 """
 
@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from infinity.engine.engine import initialize
-from infinity.models.gpt import _HFCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +28,18 @@ logger = logging.getLogger(__name__)
 def require_transformers(what: str):
     """The ``transformers`` module, or an error saying how to get it."""
     try:
-        import transformers
+        import transformers  # optional extra
     except ImportError:
         raise ImportError(f"{what} needs the `transformers` package: pip install 'zero-infinity[hf]'") from None
     return transformers
 
 
 def build_meta_causal_lm(path) -> torch.nn.Module:
-    """The causal LM described by ``path/config.json``, on the meta device, wrapped as ``forward(ids, targets)``.
+    """The causal LM described by ``path/config.json``, on the meta device (its own class and forward).
 
     Buffers computed in ``__init__`` (e.g. rotary frequencies) are on the meta
     device too; the engine gives them values with the model's ``_init_weights``.
     """
-
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(errno.ENOENT, "no Hugging Face model folder here", str(path))
@@ -50,8 +48,7 @@ def build_meta_causal_lm(path) -> torch.nn.Module:
     transformers = require_transformers("from_pretrained")
     config = transformers.AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
-        inner = transformers.AutoModelForCausalLM.from_config(config)
-    return _HFCausalLM(inner)
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def from_pretrained(path, config=None, *, process_group=None):

@@ -19,13 +19,13 @@ other module's parameters.
 User models: ``load_model_file(path)`` accepts a Python file that defines
 ``build_model() -> torch.nn.Module`` (its forward must take
 ``(input_ids, targets)`` and return the mean loss), or a Hugging Face
-``transformers`` config JSON (needs ``transformers`` installed).
+``transformers`` config JSON (needs ``transformers`` installed; the model keeps
+its own forward, see :mod:`infinity.models.transformers_lm`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from infinity.models.transformers_lm import transformers_lm_from_config_file
 
 __all__ = [
     "GPTConfig",
@@ -269,8 +271,8 @@ def load_model_file(path: str | Path) -> nn.Module:
       (a scalar tensor); ``input_ids`` and ``targets`` are int64 ``(batch, seq)``
       byte ids (0..255).
     * ``*.json``: a Hugging Face ``transformers`` model config; the model is
-      ``AutoModelForCausalLM.from_config(config)`` wrapped so that
-      ``forward(input_ids, targets)`` returns the loss. Needs ``transformers``.
+      ``AutoModelForCausalLM.from_config(config)``, with its own forward
+      (``input_ids=..., labels=...``). Needs ``transformers``.
     """
     path = Path(path)
     if not path.is_file():
@@ -289,41 +291,5 @@ def load_model_file(path: str | Path) -> nn.Module:
             raise ValueError(f"build_model() in {str(path)!r} returned {type(model).__name__}, not a torch.nn.Module")
         return model
     if path.suffix == ".json":
-        return _HFCausalLM.from_config_file(path)
+        return transformers_lm_from_config_file(path)
     raise ValueError(f"model file {str(path)!r}: expected a .py file defining build_model() or a transformers config .json")
-
-
-class _HFCausalLM(nn.Module):
-    """A ``transformers`` causal LM with our ``forward(input_ids, targets) -> loss`` signature."""
-
-    weights_prefix = "inner."
-    """Our names are the Hugging Face names behind this prefix (read by ``PretrainedWeights`` and ``save_pretrained``)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    @classmethod
-    def from_config_file(cls, path: Path) -> "_HFCausalLM":
-        try:
-            text = path.read_text()
-            json.loads(text)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"model config {str(path)!r} is not valid JSON: {err}") from None
-        try:
-            import transformers
-        except ImportError:
-            raise ValueError(
-                f"model config {str(path)!r} is a Hugging Face config, but the `transformers` package is not "
-                "installed (pip install transformers)"
-            ) from None
-        config = transformers.AutoConfig.from_pretrained(str(path))
-        if getattr(config, "vocab_size", 256) < 256:
-            raise ValueError(f"model config {str(path)!r}: vocab_size={config.vocab_size} < 256 cannot hold byte ids")
-        return cls(transformers.AutoModelForCausalLM.from_config(config))
-
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.inner(input_ids=input_ids).logits
-        if targets is None:
-            return logits
-        return _mean_cross_entropy(logits, targets)

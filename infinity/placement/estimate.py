@@ -126,6 +126,7 @@ def estimate(
     overlap_step: bool = False,
     step_undo: bool = False,
     state_dtype: str = "fp32",
+    trainable_params: int | None = None,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -143,6 +144,9 @@ def estimate(
     fit (``optimizer_max_in_cpu`` elements at most), the step's first reads first (``overlap_step``: the last
     sub-groups). Without it, ``nvme`` means NVMe. ``state_dtype``: the optimizer states' form (fp32, bf16,
     int8; ``zero_optimization.offload_optimizer.state_dtype``).
+
+    ``trainable_params``: how many of the parameters train (e.g. LoRA adapters on a frozen base; default
+    all): only they have a gradient, a master and moments, and only they are staged for the optimizer.
 
     ``step_undo``: the step overlaps backward and may be undone (clipping or fp16): swapped optimizer states
     take a second extent on NVMe, and in-memory ones an undo copy where the budget leaves room for it.
@@ -192,6 +196,8 @@ def estimate(
     if largest_layer_params is not None:
         largest = int(largest_layer_params)
 
+    train_numel, sub_groups, largest_sub_group = _trainable_part(trainable_params, num_params, world_size,
+                                                                 flat_numel, sub_groups, largest_sub_group)
     cbytes = _COMPUTE_BYTES[precision]
     tiers: dict[str, dict[str, int]] = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     param_tier = TIER_OF_OFFLOAD[offload_param]
@@ -204,14 +210,14 @@ def estimate(
     else:
         tiers[param_tier]["compute_shard"] += flat_numel * cbytes
     master_bytes = 4 if state_dtype == "fp32" else 2
-    tiers[optim_tier]["master"] += flat_numel * master_bytes
-    tiers[optim_tier]["moments"] += state_nbytes(state_dtype, flat_numel) - flat_numel * master_bytes
+    tiers[optim_tier]["master"] += train_numel * master_bytes
+    tiers[optim_tier]["moments"] += state_nbytes(state_dtype, train_numel) - train_numel * master_bytes
     # gradients stay in compute precision when nothing accumulates in them (one micro-batch a step, no fp16
     # unscaling); else fp32
     lossless = gradient_accumulation_steps == 1 and precision != "fp16" and not (gpu and offload_optimizer == "none")
-    tiers[optim_memory]["gradients"] += flat_numel * (cbytes if lossless else 4)
+    tiers[optim_memory]["gradients"] += train_numel * (cbytes if lossless else 4)
     if gpu and offload_optimizer != "none" and gradient_accumulation_steps > 1:
-        tiers["device"]["gradients"] += flat_numel * 4  # the fp32 accumulator; one copy down per step
+        tiers["device"]["gradients"] += train_numel * 4  # the fp32 accumulator; one copy down per step
     swapped_in = offload_param == "nvme" and host_cached < flat_numel  # fetches start with an NVMe read
     crosses_up = swapped_in or (gpu and offload_param != "none")       # fetches start with a read or a copy
     prefetching = crosses_up and (prefetch_bucket_size > 0 or max_reuse_distance > 0)
@@ -272,6 +278,7 @@ def estimate(
             "gpu": gpu,
             "host_memory_budget": host_memory_budget,
             "state_dtype": state_dtype,
+            "trainable_params": num_params if trainable_params is None else int(trainable_params),
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
@@ -286,7 +293,7 @@ def estimate(
 
 def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
                         num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
-                        gpu: bool, activation_nbytes: int = 0) -> dict:
+                        gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None) -> dict:
     """:func:`estimate` for the engine's ``config``: every setting the engine reserves by is read from it, so the
     figures are what ``initialize`` will reserve (``infinity train`` and ``infinity estimate`` both come here).
 
@@ -321,7 +328,26 @@ def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] |
         overlap_step=zero.overlap_step_with_backward,
         step_undo=zero.overlap_step_with_backward and (config.gradient_clipping > 0 or config.precision == "fp16"),
         state_dtype=zero.offload_optimizer.state_dtype,
+        trainable_params=trainable_params,
     )
+
+
+def _trainable_part(trainable_params: int | None, num_params: int, world_size: int, flat_numel: int,
+                    sub_groups: list[int], largest_sub_group: int) -> tuple[int, list[int], int]:
+    """The rank's trainable elements and the optimizer's sub-groups over them: all of them by default; with
+    ``trainable_params`` (a frozen base) only as many as train, the sub-groups cut down to cover them."""
+    if trainable_params is None:
+        return flat_numel, sub_groups, largest_sub_group
+    if not 0 <= trainable_params <= num_params:
+        raise ValueError(f"trainable_params must be in 0..{num_params} (the model's parameters), got {trainable_params}")
+    train_numel = min(flat_numel, math.ceil(trainable_params / world_size))
+    cut, left = [], train_numel
+    for numel in sub_groups:
+        if left <= 0:
+            break
+        cut.append(min(numel, left))
+        left -= cut[-1]
+    return train_numel, cut, max(cut, default=0)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.models.transformers_lm import causal_lm_loss
 from infinity.train.data import ByteCorpus, read_corpus_bytes
 
 __all__ = ["HeldOut", "Validation", "carve_held_out", "sample_text"]
@@ -86,7 +87,7 @@ class Validation:
         try:
             with torch.no_grad():
                 for input_ids, targets in self.batches:
-                    total += float(_loss_of(engine(input_ids, targets)))
+                    total += float(_loss_of(causal_lm_loss(engine, input_ids, targets)))
         finally:
             engine.train(was_training)
         mean = total / len(self.batches)

@@ -37,7 +37,6 @@ from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import SafetensorsWriter
 from infinity.checkpoint.shard_source import ShardSource, require_step_boundary
 from infinity.checkpoint.state_dict import FullParamGatherer
-from infinity.models.gpt import _HFCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +44,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_SHARD_NBYTES = 5 * 10**9
+LEGACY_WRAPPER_PREFIX = "inner."
+"""Checkpoints of ``--hf-model`` runs from before the model was trained unwrapped name its tensors behind this."""
 
 
 @dataclasses.dataclass
@@ -253,7 +254,7 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
     ``config.json`` comes from ``config_dir`` (the model folder the run started
     from) or, when the run recorded it (``infinity train --hf-model`` does), from
     the checkpoint's ``client_state["hf_config"]``. Names lose the wrapper's
-    prefix (``inner.``) as ``engine.save_pretrained`` does.
+    prefix (``inner.``) that runs of earlier versions recorded.
     """
 
     out_dtype = save_dtype(dtype)
@@ -277,7 +278,7 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
         if verify:
             ckpt.verify()
         outputs = _consolidated_outputs(ckpt, out_dtype)
-        prefix = _HFCausalLM.weights_prefix
+        prefix = LEGACY_WRAPPER_PREFIX
         strip = all(name.startswith(prefix) for o in outputs for name in o.names)
         tensors = [HFTensor(o.names[0][len(prefix):] if strip else o.names[0], tuple(o.shape), o.dtype, o.fill)
                    for o in outputs]

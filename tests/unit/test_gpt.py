@@ -207,4 +207,4 @@ def test_hugging_face_config_needs_valid_json_and_transformers(tmp_path):
     else:
         model = load_model_file(good)
         ids = torch.randint(0, 256, (1, 8))
-        assert torch.isfinite(model(ids, ids))
+        assert torch.isfinite(model(input_ids=ids, labels=ids).loss)

@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity.models.gpt import _HFCausalLM  # noqa: E402
 from infinity.weights.pretrained import WeightsError  # noqa: E402
 from infinity.checkpoint.safetensors_io import CheckpointError  # noqa: E402
 
@@ -66,16 +65,15 @@ def config(tmp_path, *, offload="nvme"):
 def batches(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        ids = torch.randint(0, VOCAB, (2, 17), generator=g)
-        yield ids[:, :-1], ids[:, 1:]
+        yield torch.randint(0, VOCAB, (2, 17), generator=g)
 
 
 def plain_adamw(model, steps):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
     losses = []
-    for ids, targets in batches(steps):
-        loss = model(ids, targets)
+    for ids in batches(steps):
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -83,49 +81,45 @@ def plain_adamw(model, steps):
     return losses, model
 
 
-def hf_names(state: dict) -> dict:
-    return {k.removeprefix("inner."): v for k, v in state.items()}
-
-
 @pytest.mark.parametrize("distinct_device", [False, True], ids=["cpu", "distinct-device"])
 def test_round_trip_llama_on_nvme(llama_dir, tmp_path, monkeypatch, distinct_device):
     """With distinct_device, host and device memory are kept apart as on a GPU (the crossings run)."""
     from infinity.placement.placement import DISTINCT_DEVICE_ENV
     monkeypatch.setenv(DISTINCT_DEVICE_ENV, "1" if distinct_device else "0")
-    reference = _HFCausalLM(transformers.AutoModelForCausalLM.from_pretrained(llama_dir))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
     ref_losses, ref_model = plain_adamw(reference, 20)
 
     with infinity.from_pretrained(llama_dir, config(tmp_path)) as engine:
         assert engine.compute.tier == "nvme" and engine.optimizer.tier == "nvme"
         losses = []
-        for ids, targets in batches(20):
-            loss = engine(ids, targets)
+        for ids in batches(20):
+            loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
         out = tmp_path / "tuned"
         summary = engine.save_pretrained(out, max_shard_nbytes=30_000)
-        state = hf_names(engine.full_state_dict())
+        state = engine.full_state_dict()
 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert summary["files"] > 1
     index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(reference.inner.state_dict())
+    assert set(index["weight_map"]) == set(reference.state_dict())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(reloaded) is transformers.LlamaForCausalLM
     for name, value in reloaded.state_dict().items():
         assert torch.equal(value, state[name]), name
-        torch.testing.assert_close(value, ref_model.inner.state_dict()[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(value, ref_model.state_dict()[name], rtol=1e-5, atol=1e-6)
 
 
 def test_loaded_values_equal_transformers_loading(llama_dir, tmp_path):
     expected = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).state_dict()
     with infinity.from_pretrained(llama_dir, config(tmp_path, offload="cpu")) as engine:
-        state = hf_names(engine.full_state_dict())
-        ids, _ = next(batches(1))
+        state = engine.full_state_dict()
+        ids = next(batches(1))
         device = engine.device  # the reference computes where the engine does, so the kernels are the same
         with torch.no_grad():
-            logits = engine.module.inner(input_ids=ids.to(device)).logits
+            logits = engine(input_ids=ids).logits
     assert set(state) == set(expected)
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
@@ -137,15 +131,15 @@ def test_loaded_values_equal_transformers_loading(llama_dir, tmp_path):
 def test_tied_gpt2_stays_tied_and_saves_loadable(gpt2_dir, tmp_path):
     expected = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir)
     with infinity.from_pretrained(gpt2_dir, config(tmp_path, offload="cpu")) as engine:
-        inner = engine.module.inner
+        inner = engine.module
         assert inner.lm_head.weight is inner.transformer.wte.weight
         assert len(engine.params) == len(list(expected.parameters()))
-        for ids, targets in batches(3):
-            loss = engine(ids, targets)
+        for ids in batches(3):
+            loss = engine(ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
         engine.save_pretrained(tmp_path / "out", dtype="bf16")
-        state = hf_names(engine.full_state_dict())
+        state = engine.full_state_dict()
     files = load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")
     assert "lm_head.weight" not in files and all(v.dtype == torch.bfloat16 for v in files.values())
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)

@@ -1,0 +1,115 @@
+"""LoRA on an offloaded base: what the optimizer keeps for a frozen base (nothing), measured.
+
+A random Llama (hidden 512, 8 layers, vocabulary 8000: ~34M parameters) is trained for a few steps by
+``infinity.hf.Trainer`` twice, each in a fresh process, with compute shards and optimizer states on NVMe
+(``offload_optimizer.max_in_cpu`` 0, so every state the optimizer keeps is in a swap file):
+
+* ``lora``: ``peft`` LoRA r=8 on ``q_proj``/``v_proj``, the base frozen;
+* ``full``: every parameter trains.
+
+For each it reports the swap files' bytes by kind (compute shards; optimizer states: master + moments),
+the trainable elements, the host tier's peak (the engine's accounted host memory) and the process's RSS
+after training and at its peak (the model is built whole in host memory first, as a Trainer script does,
+so the peak holds it once).
+
+    .venv/bin/python benchmarks/bench_lora.py              # both, ~1 minute on 2 cores
+    .venv/bin/python benchmarks/bench_lora.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+
+MODES = ("lora", "full")
+
+
+def run_one(mode: str, folder: str, steps: int) -> dict:
+    import psutil
+    import torch
+    import transformers
+
+    from infinity.hf import Trainer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    if mode == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                           task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(0, 8000, (64,), generator=g).tolist()} for _ in range(8 * steps)]
+
+    def collate(rows):
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "labels": ids}
+
+    swap = os.path.join(folder, "swap")
+    os.makedirs(swap, exist_ok=True)
+    args = transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), per_device_train_batch_size=4,
+                                          max_steps=steps, learning_rate=1e-4, save_strategy="no", report_to=[],
+                                          use_cpu=True, disable_tqdm=True, logging_steps=1)
+    config = {"device": "cpu", "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}}
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, infinity_config=config)
+    trainer.train()
+    engine = trainer.engine
+    by_kind = {"compute_shards": 0, "optimizer_states": 0}
+    for store in engine.tiers._stores.values():  # noqa: SLF001 (a benchmark reads the swap store's extents)
+        for key in list(store._extents):  # noqa: SLF001
+            kind = "compute_shards" if key.startswith("param.") else "optimizer_states"
+            by_kind[kind] += store.nbytes(key)
+    host = engine.tiers.stats["host"]
+    keys = sorted({key.split(".")[0] for store in engine.tiers._stores.values() for key in store._extents})  # noqa: SLF001
+    out = {"mode": mode, "placement": engine.placement.describe(), "swap_keys": keys, "params": total, "trainable": trainable, "nvme_nbytes": by_kind,
+           "host_tier_peak_nbytes": host.peak_nbytes, "rss_after_nbytes": psutil.Process().memory_info().rss,
+           "peak_rss_nbytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    engine.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--path", default=None, help="folder for the swap files (default: a temporary folder)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.folder, args.steps)))
+        return 0
+    results = []
+    for mode in MODES:
+        with tempfile.TemporaryDirectory(dir=args.path) as folder:
+            done = subprocess.run([sys.executable, __file__, "--one", mode, "--folder", folder, "--steps",
+                                   str(args.steps)], capture_output=True, text=True, check=True)
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    mib = 2**20
+    print(f"{'':6} {'params':>11} {'trainable':>11} {'nvme shards':>12} {'nvme optim':>11} {'host peak':>10} "
+          f"{'RSS after':>10} {'RSS peak':>9}")
+    for r in results:
+        print(f"{r['mode']:6} {r['params']:>11,} {r['trainable']:>11,} "
+              f"{r['nvme_nbytes']['compute_shards'] / mib:>8.1f} MiB {r['nvme_nbytes']['optimizer_states'] / mib:>7.2f} MiB "
+              f"{r['host_tier_peak_nbytes'] / mib:>6.1f} MiB {r['rss_after_nbytes'] / mib:>6.0f} MiB "
+              f"{r['peak_rss_nbytes'] / mib:>5.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

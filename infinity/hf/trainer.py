@@ -1,0 +1,299 @@
+"""``infinity.hf.Trainer``: a Hugging Face ``transformers.Trainer`` whose model runs under the engine.
+
+A user's script changes one import::
+
+    from infinity.hf import Trainer          # was: from transformers import Trainer
+    trainer = Trainer(model=model, args=args, train_dataset=..., infinity_config="ds_config.json")
+
+and everything else (``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
+``train()``/``evaluate()``/``predict()``/``save_model()``, checkpoints and resuming) stays as it is. The
+engine is built once, at construction, around the model (weights streamed into shards from the model's
+own folder when it was built on the meta device). What the Trainer does is kept; only the model's
+crossings with the optimizer are ours:
+
+* the forward is the engine's (the model's own arguments and ``ModelOutput``), in training and in evaluation;
+* backward and the step are the engine's: the Trainer's accumulation, loss scaling for accumulation and
+  clipping (``max_grad_norm``) are honoured by the engine, and the logged ``grad_norm`` is the engine's;
+* the optimizer the Trainer steps is a stand-in (:class:`EngineOptimizer`) whose learning rate the
+  Trainer's own scheduler sets, and which hands it to the engine before each step;
+* ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
+  ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
+  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both.
+
+What the stock Trainer offers and the engine cannot honour is refused by name at construction
+(:func:`refusals`). :class:`InfinityTrainerMixin` gives the same to any subclass of ``transformers.Trainer``
+(TRL's trainers, a user's own): ``class MyTrainer(InfinityTrainerMixin, SFTTrainer)``.
+
+``transformers`` (and ``accelerate``) are optional extras: this module is imported only through
+``infinity.hf.Trainer``/``InfinityTrainerMixin``, which need them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import transformers  # optional extra: this module is reached only through infinity.hf's lazy names
+from torch import nn
+
+from infinity.engine.engine import Engine, initialize
+from infinity.hf.saving import save_adapters, save_full_model
+from infinity.hf.trainer_config import trainer_config
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file names
+TRAINING_ARGS_NAME = "training_args.bin"
+ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+"""``TrainingArguments.optim`` values the engine's AdamW stands for (its CPU kernel or the device's fused AdamW)."""
+
+
+def refusals(args, *, model_init, optimizers, optimizer_cls_and_kwargs) -> list[str]:
+    """What the user asked the Trainer for that the engine cannot honour, each named with why."""
+    out = []
+    if getattr(args, "deepspeed", None):
+        out.append("TrainingArguments(deepspeed=...): pass the same JSON as infinity_config= instead (the engine "
+                   "reads DeepSpeed's config; DeepSpeed itself is not used)")
+    if model_init is not None:
+        out.append("model_init: the engine is built once around the model; pass model=")
+    if optimizers is not None and any(o is not None for o in optimizers):
+        out.append("optimizers=: the engine's own AdamW steps the shards; set learning_rate, weight_decay, "
+                   "adam_beta1/2, adam_epsilon and lr_scheduler_type in TrainingArguments")
+    if optimizer_cls_and_kwargs is not None:
+        out.append("optimizer_cls_and_kwargs: the engine's own AdamW steps the shards")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in ADAM_OPTIMS:
+        out.append(f"optim={optim!r}: the engine steps with AdamW (optim one of {', '.join(ADAM_OPTIMS)})")
+    checks = [
+        ("fsdp", bool(args.fsdp), "the engine partitions the model itself"),
+        ("torch_compile", args.torch_compile, "the engine's fetch hooks run eagerly"),
+        ("activation_checkpointing (gradient_checkpointing)",
+         getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False),
+         "recomputing the forward inside backward is not supported by the engine's fetch hooks yet"),
+        ("auto_find_batch_size", args.auto_find_batch_size, "the engine is built once for one batch size"),
+        ("use_liger_kernel", getattr(args, "use_liger_kernel", False), "it patches the model's modules"),
+        ("fp16_full_eval", args.fp16_full_eval, "evaluation runs in the engine's compute precision"),
+        ("bf16_full_eval", args.bf16_full_eval, "evaluation runs in the engine's compute precision"),
+        ("n_gpu > 1 (DataParallel)", args.n_gpu > 1, "launch one process per GPU with torchrun"),
+    ]
+    out += [f"{name}: {why}" for name, on, why in checks if on]
+    return out
+
+
+def _weights_folder(model: nn.Module):
+    """The folder to stream weights from when ``model`` was built on the meta device (None if it is real)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return None
+    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not folder or not os.path.isdir(folder):
+        raise ValueError(f"the model's parameters are on the meta device and its name_or_path ({folder!r}) is not a "
+                         f"local model folder to stream weights from; build it with "
+                         f"AutoConfig.from_pretrained(folder) under torch.device('meta'), or pass a real model")
+    return folder
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None) if config is not None else None
+    return size if isinstance(size, int) else None
+
+
+class EngineModule(nn.Module):
+    """The module the Trainer calls: the engine's forward (the model's own), ``train``/``eval`` and nothing to
+    zero (the engine keeps the gradients in its own slices). The user's model stays ``trainer.model``."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
+        self.module = engine.module  # a submodule, so unwrapping and parameter counts reach the model
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "EngineModule":
+        self.training = mode
+        self.engine.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine's step consumed its gradient slices
+
+    def _get_name(self) -> str:
+        return self.module._get_name()  # the Trainer asks the model's class name (e.g. for label smoothing)
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """What the Trainer and its scheduler see as the optimizer: one parameter group whose ``lr`` the
+    scheduler sets; ``step()`` hands it to the engine and steps the engine (a boundary's update)."""
+
+    def __init__(self, engine: Engine, *, lr: float, weight_decay: float):
+        # One empty placeholder: torch's Optimizer (and so the Trainer's LambdaLR) needs a parameter group.
+        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": lr, "weight_decay": weight_decay})
+        self.engine = engine
+        self.grad_norm_out: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("the engine's optimizer step takes no closure")
+        self.engine.lr = self.param_groups[0]["lr"]
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if self.grad_norm_out is not None:  # the Trainer logs it after the step (see _clip_grad_norm)
+            self.grad_norm_out.fill_(float("nan") if norm is None else norm)
+            self.grad_norm_out = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class InfinityTrainerMixin:
+    """Put before ``transformers.Trainer`` (or a subclass) in the bases: its model runs under the engine.
+
+    ``infinity_config=`` (keyword): a DeepSpeed-style dict, a JSON path or an ``InfinityConfig``
+    (:mod:`infinity.hf.trainer_config`). ``trainer.engine`` is the engine.
+    """
+
+    def __init__(self, *args, infinity_config=None, **kwargs):
+        if args:
+            raise ValueError("pass the Trainer's arguments by keyword (model=..., args=...)")
+        targs = kwargs.get("args")
+        if targs is None:
+            raise ValueError("infinity.hf.Trainer needs args=TrainingArguments(...) (its output_dir, batch size, ...)")
+        refused = refusals(targs, model_init=kwargs.get("model_init"), optimizers=kwargs.get("optimizers"),
+                           optimizer_cls_and_kwargs=kwargs.get("optimizer_cls_and_kwargs"))
+        if refused:
+            raise ValueError("infinity.hf.Trainer cannot honour: " + "; ".join(refused))
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
+        weights = _weights_folder(model)
+        super().__init__(**kwargs)
+        config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
+                                hidden_size=_hidden_size(model))
+        self._warn_uniform_weight_decay(model, config.optimizer.weight_decay)
+        self.engine = initialize(model, config, weights=weights)
+        self._engine_module = EngineModule(self.engine)
+        self.model_wrapped = self._engine_module
+
+    def _warn_uniform_weight_decay(self, model: nn.Module, weight_decay: float) -> None:
+        if not weight_decay:
+            return
+        exempt = [n for n, p in model.named_parameters()
+                  if p.requires_grad and n not in set(self.get_decay_parameter_names(model))]
+        if exempt:
+            logger.warning("weight_decay=%g applies to every trainable parameter here (as DeepSpeed's optimizer "
+                           "does), also to the %d the stock Trainer exempts (biases and norms, e.g. %s)",
+                           weight_decay, len(exempt), exempt[0])
+
+    # -- the model and its optimizer -------------------------------------------------------
+    def _move_model_to_device(self, model, device):
+        pass  # the engine places every parameter's shard in its tier
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return self._engine_module
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = EngineOptimizer(self.engine, lr=self.args.learning_rate,
+                                             weight_decay=self.args.weight_decay)
+        return self.optimizer
+
+    def _engine_optimizer(self) -> EngineOptimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's AcceleratedOptimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The stock step's loss (its scaling for accumulation included), with the engine's backward and step."""
+        engine = self.engine
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        engine.lr = self._engine_optimizer().param_groups[0]["lr"]  # before the forward: a step may begin there
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.backward(loss, scale_wrt_gas=False)  # scaled for accumulation above, as the stock Trainer does
+        boundary = self.accelerator.gradient_state.sync_gradients
+        if boundary != engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                f"the Trainer's accumulation boundary (sync={boundary}) and the engine's (every "
+                f"{engine.config.gradient_accumulation_steps} micro-batches) disagree: the number of batches in "
+                f"an epoch must be a multiple of gradient_accumulation_steps here (the stock Trainer ends an epoch "
+                f"with a shorter step; the engine does not yet)")
+        if not boundary:
+            engine.step()  # between boundaries: the gradients accumulate in the engine's slices
+        return loss.detach()
+
+    def _clip_grad_norm(self, model):
+        """The engine clips at its step (``gradient_clipping`` = ``max_grad_norm``); the norm it took is written
+        into the returned tensor by the step, before the Trainer logs it."""
+        out = torch.full((), float("nan"))
+        self._engine_optimizer().grad_norm_out = out
+        return out
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self._clip_grad_norm(model) if grad_norm is None else grad_norm
+
+    # -- saving and resuming ------------------------------------------------------------------
+    def save_model(self, output_dir=None, _internal_call=False):
+        """The model in the Hugging Face layout (a peft model: its adapters), the tokenizer and the arguments.
+        Inside a checkpoint the weights are in our sharded checkpoint, so only the small files are written
+        (unless ``save_only_model``)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not _internal_call or self.args.save_only_model:
+            if _is_peft(self.model):
+                save_adapters(self.engine, self.model, output_dir, write=self.args.should_save)
+            else:
+                save_full_model(self.engine, output_dir)
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            config = getattr(self.model, "config", None)
+            if _internal_call and config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.engine.save_checkpoint(output_dir)  # collective: every rank writes its shards
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        self.engine.load_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return  # the optimizer states came back with the engine's checkpoint
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            # A scheduler's state does not hold the optimizer's lr (the stock Trainer restores it with the
+            # optimizer's state): the next step's lr is the one the scheduler last set.
+            for group, lr in zip(self._engine_optimizer().param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+
+    def _load_best_model(self):
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+        self.engine.load_checkpoint(best)
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return any(cls.__name__ == "PeftModel" and cls.__module__.startswith("peft") for cls in type(model).__mro__)
+
+
+class Trainer(InfinityTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with the same constructor plus ``infinity_config=``; see the module's docstring."""
+
+
+__all__ = ["Trainer", "InfinityTrainerMixin", "EngineModule", "EngineOptimizer", "refusals"]

@@ -1,0 +1,146 @@
+"""The engine's config for a Hugging Face ``Trainer`` run: the user's config, with the ``TrainingArguments`` in it.
+
+``infinity_config=`` is a DeepSpeed-style dict, a path to such a JSON file, or an
+:class:`~infinity.config.schema.InfinityConfig`. The Trainer's arguments decide the run's shape, as the
+stock DeepSpeed integration makes them:
+
+========================================  ==============================================================
+key                                       from ``TrainingArguments``
+========================================  ==============================================================
+``train_micro_batch_size_per_gpu``        ``per_device_train_batch_size``
+``gradient_accumulation_steps``           ``gradient_accumulation_steps``
+``train_batch_size``                      world size x micro batch x accumulation
+``gradient_clipping``                     ``max_grad_norm``
+``optimizer.params.lr``                   ``learning_rate``
+``optimizer.params.betas``                ``[adam_beta1, adam_beta2]``
+``optimizer.params.eps``                  ``adam_epsilon``
+``optimizer.params.weight_decay``         ``weight_decay``
+``bf16.enabled`` / ``fp16.enabled``       ``bf16`` / ``fp16``
+========================================  ==============================================================
+
+A key set to ``"auto"`` or left out takes the argument's value; a key set to another value must agree
+with the argument, else a ``ValueError`` lists every disagreement (as the stock integration does). The
+ZeRO sizes that DeepSpeed derives from the model's hidden size are filled as ``"auto"`` asks
+(:func:`~infinity.config.auto.fill_auto`). The learning rate of every step is the Trainer's own
+scheduler's (``lr_scheduler_type``, ``warmup_steps``...), so a DeepSpeed ``scheduler`` block is not
+used: it is dropped, and the log says so.
+
+An :class:`InfinityConfig` given as it is gets the same fields replaced by the arguments' values.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+from infinity.config.auto import AUTO, fill_auto
+from infinity.config.schema import InfinityConfig
+
+logger = logging.getLogger(__name__)
+
+
+def args_values(args, world_size: int) -> dict:
+    """The DeepSpeed keys (dotted) the Trainer's arguments decide, with their values."""
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": world_size * micro * accumulation,
+        "gradient_clipping": float(args.max_grad_norm or 0.0),
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "bf16.enabled": bool(args.bf16),
+        "fp16.enabled": bool(args.fp16),
+    }
+
+
+def trainer_config(infinity_config, args, *, world_size: int, hidden_size: int | None) -> InfinityConfig:
+    """The engine's config: ``infinity_config`` (dict, JSON path or InfinityConfig) with the arguments in it."""
+    values = args_values(args, world_size)
+    if isinstance(infinity_config, InfinityConfig):
+        return _replace_from_args(infinity_config, values)
+    raw = _read_raw(infinity_config)
+    disagree = []
+    for key, value in values.items():
+        found = _lookup(raw, key)
+        if found is not _MISSING and found != AUTO and not _same(found, value):
+            disagree.append(f"{key}={found!r} but TrainingArguments say {value!r}")
+    if disagree:
+        raise ValueError("infinity_config disagrees with the TrainingArguments (set these keys to \"auto\" or to "
+                         "the arguments' values): " + "; ".join(disagree))
+    raw = fill_auto(raw, {}, hidden_size=hidden_size)
+    for key, value in values.items():
+        if key.startswith("fp16.") and not values["fp16.enabled"] and "fp16" not in raw:
+            continue  # no fp16 block: nothing to turn off
+        _set(raw, key, value)
+    raw.setdefault("optimizer", {}).setdefault("type", "AdamW")
+    if "scheduler" in raw:
+        logger.info("infinity_config's scheduler block is not used: the Trainer's own scheduler "
+                    "(lr_scheduler_type=%s) sets every step's learning rate", args.lr_scheduler_type)
+        del raw["scheduler"]
+    return InfinityConfig.from_deepspeed(raw)
+
+
+_MISSING = object()
+
+
+def _read_raw(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise OSError(f"infinity_config file {os.fspath(config)!r} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"infinity_config file {os.fspath(config)!r} is not JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"infinity_config file {os.fspath(config)!r} must hold a JSON object")
+        return raw
+    raise ValueError(f"infinity_config must be a dict, a path to a JSON file or an InfinityConfig, "
+                     f"got {type(config).__name__}")
+
+
+def _lookup(raw: dict, dotted: str):
+    block = raw
+    for part in dotted.split("."):
+        if not isinstance(block, dict) or part not in block:
+            return _MISSING
+        block = block[part]
+    return block
+
+
+def _set(raw: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    block = raw
+    for part in parents:
+        block = block.setdefault(part, {})
+    block[last] = value
+
+
+def _same(found, value) -> bool:
+    if isinstance(value, list):
+        return isinstance(found, (list, tuple)) and len(found) == len(value) and all(map(_same, found, value))
+    if isinstance(value, bool) or isinstance(found, bool):
+        return bool(found) == value
+    try:
+        return float(found) == float(value)
+    except (TypeError, ValueError):
+        return False
+
+
+def _replace_from_args(config: InfinityConfig, values: dict) -> InfinityConfig:
+    precision = "bf16" if values["bf16.enabled"] else "fp16" if values["fp16.enabled"] else "fp32"
+    out = config.replace(micro_batch_size=values["train_micro_batch_size_per_gpu"],
+                         train_batch_size=values["train_batch_size"],
+                         gradient_accumulation_steps=values["gradient_accumulation_steps"],
+                         gradient_clipping=values["gradient_clipping"], precision=precision, scheduler=None)
+    return out.with_optimizer(lr=values["optimizer.params.lr"], betas=tuple(values["optimizer.params.betas"]),
+                              eps=values["optimizer.params.eps"], weight_decay=values["optimizer.params.weight_decay"])

@@ -1,0 +1,264 @@
+"""infinity.hf.Trainer against the stock transformers.Trainer: same script, same arguments, same run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from infinity.hf import InfinityTrainerMixin, Trainer  # noqa: E402
+from infinity.hf.trainer_config import trainer_config  # noqa: E402
+
+VOCAB = 96
+STEPS = 20
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def dataset(n=40, seed=1):
+    """Token rows of 4..12 tokens: batches of them are padded."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, VOCAB, (int(torch.randint(4, 13, (1,), generator=g)),),
+                                        generator=g).tolist()} for _ in range(n)]
+
+
+def collate(rows):
+    """Left padding: mask 0 and label -100 on the padding."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r["input_ids"]):] = torch.tensor(r["input_ids"])
+        mask[i, n - len(r["input_ids"]):] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def training_args(out, **overrides):
+    kwargs = dict(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=4, max_steps=STEPS,
+                  learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.0, max_grad_norm=1.0,
+                  logging_steps=1, save_strategy="steps", save_steps=10, save_total_limit=1, report_to=[],
+                  use_cpu=True, seed=0, disable_tqdm=True)
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def nvme_config(swap):
+    os.makedirs(swap, exist_ok=True)
+    return {"device": "cpu",  # compared with the stock Trainer on the CPU, also where there is a GPU
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(swap), "max_in_cpu": 0},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)},
+                                  "stage3_param_persistence_threshold": 0, "sub_group_size": 5000}}
+
+
+def logged(trainer, key="loss"):
+    return [h[key] for h in trainer.state.log_history if key in h and "eval_loss" not in h and "train_loss" not in h]
+
+
+class StopAt(transformers.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The stock Trainer and ours over the same script; ours with parameters and optimizer states on NVMe."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    data, held_out = dataset(), dataset(8, seed=2)
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp / "stock"), train_dataset=data,
+                                 eval_dataset=held_out, data_collator=collate)
+    stock.train()
+    stock_eval = stock.evaluate()
+    stock.save_model(tmp / "stock-model")
+
+    ours = Trainer(model=tiny_llama(), args=training_args(tmp / "ours"), train_dataset=data, eval_dataset=held_out,
+                   data_collator=collate, infinity_config=nvme_config(tmp / "swap"))
+    tiers = (ours.engine.compute.tier, ours.engine.optimizer.tier)
+    ours.train()
+    ours_eval = ours.evaluate()
+    ours.save_model(tmp / "ours-model")
+    yield {"tmp": tmp, "data": data, "stock": stock, "ours": ours, "tiers": tiers, "stock_eval": stock_eval,
+           "ours_eval": ours_eval}
+    ours.engine.close()
+
+
+def test_logged_losses_grad_norms_and_lr_equal_the_stock_trainers(runs):
+    stock, ours = runs["stock"], runs["ours"]
+    assert runs["tiers"] == ("nvme", "nvme")
+    assert len(logged(stock)) == STEPS == len(logged(ours))
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    # clipping at max_grad_norm=1.0 acted: the norms before it are above 1
+    assert max(logged(stock, "grad_norm")) > 1.0
+    torch.testing.assert_close(torch.tensor(logged(ours, "grad_norm")), torch.tensor(logged(stock, "grad_norm")),
+                               rtol=1e-5, atol=0)
+    assert logged(ours, "learning_rate") == logged(stock, "learning_rate")
+    assert runs["ours_eval"]["eval_loss"] == pytest.approx(runs["stock_eval"]["eval_loss"], rel=1e-6)
+
+
+def test_saved_model_reloads_in_transformers_with_the_stock_runs_weights(runs):
+    tmp = runs["tmp"]
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp / "ours-model")
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp / "stock-model")
+    assert type(ours) is transformers.LlamaForCausalLM
+    stock_state = stock.state_dict()
+    assert set(ours.state_dict()) == set(stock_state)
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, stock_state[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_checkpoints_hold_our_shards_and_the_trainers_state_and_rotate(runs):
+    out = runs["tmp"] / "ours"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-20"]  # limit 1
+    files = set(os.listdir(out / "checkpoint-20"))
+    assert {"latest", "global_step20", "trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= files
+    assert not any(f.endswith(".safetensors") for f in files)  # the weights are in the sharded checkpoint
+
+
+def test_resume_from_a_checkpoint_continues_the_run_bitwise(runs):
+    tmp = runs["tmp"]
+    first = Trainer(model=tiny_llama(), args=training_args(tmp / "resumed"), train_dataset=runs["data"],
+                    data_collator=collate, infinity_config=nvme_config(tmp / "swap-a"), callbacks=[StopAt(10)])
+    first.train()
+    first.engine.close()
+    assert (tmp / "resumed" / "checkpoint-10").is_dir()
+    again = Trainer(model=tiny_llama(), args=training_args(tmp / "resumed"), train_dataset=runs["data"],
+                    data_collator=collate, infinity_config=nvme_config(tmp / "swap-b"))
+    again.train(resume_from_checkpoint=True)
+    again.engine.close()
+    assert logged(first) == logged(runs["ours"])[:10]
+    assert len(logged(again)) == STEPS  # the history up to the checkpoint came back with it
+    assert logged(again) == logged(runs["ours"])  # steps 11-20 bitwise
+    assert logged(again, "grad_norm") == logged(runs["ours"], "grad_norm")
+
+
+class CountingTrainer(InfinityTrainerMixin, transformers.Trainer):
+    """A user's own subclass of the stock Trainer, given the engine by the mixin."""
+
+    steps = 0
+
+    def training_step(self, *args, **kwargs):
+        type(self).steps += 1
+        return super().training_step(*args, **kwargs)
+
+
+def test_the_mixin_serves_a_subclass_and_evaluate_runs_before_train(tmp_path):
+    trainer = CountingTrainer(model=tiny_llama(), args=training_args(tmp_path, max_steps=2, save_strategy="no"),
+                              train_dataset=dataset(16), eval_dataset=dataset(4, seed=2), data_collator=collate,
+                              infinity_config={"zero_optimization": {"stage": 3}})
+    reference = tiny_llama()
+    batch = collate(dataset(4, seed=2))
+    with torch.no_grad():
+        expected = reference(**batch).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    trainer.train()
+    assert CountingTrainer.steps == 8 and trainer.state.global_step == 2
+    rows = dataset(3, seed=5)
+    predicted = trainer.predict(rows)
+    model = tiny_llama()
+    model.load_state_dict(trainer.engine.full_state_dict())
+    with torch.no_grad():
+        expected = model(**collate(rows))
+    torch.testing.assert_close(torch.as_tensor(predicted.predictions), expected.logits, rtol=1e-5, atol=1e-6)
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.loss.item(), rel=1e-6)
+    trainer.engine.close()
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_is_refused_naming_why(tmp_path):
+    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, save_strategy="no"), train_dataset=dataset(10),
+                      data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(RuntimeError, match="multiple of gradient_accumulation_steps"):
+        trainer.train()  # 5 micro-batches an epoch, 4 a step
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"optim": "sgd"}, "optim='sgd'"),
+    ({"torch_compile": True}, "torch_compile"),
+    ({"activation_checkpointing": True}, "activation_checkpointing"),
+    ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(tmp_path, overrides, named):
+    with pytest.raises(ValueError, match=f"cannot honour: .*{named}"):
+        Trainer(model=tiny_llama(), args=training_args(tmp_path, **overrides), train_dataset=dataset(8),
+                data_collator=collate)
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="optimizers="):
+        Trainer(model=model, args=training_args(tmp_path), train_dataset=dataset(8), data_collator=collate,
+                optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+
+
+HF_DS_CONFIG = {  # the shape of the configs in Hugging Face's DeepSpeed docs
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_auto_values_are_filled_from_the_arguments_and_disagreements_named(tmp_path, tmp_path_factory):
+    args = training_args(tmp_path, learning_rate=2e-4, adam_beta2=0.95, weight_decay=0.1, bf16=True,
+                         gradient_accumulation_steps=2, max_grad_norm=0.5)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_DS_CONFIG))
+    cfg = trainer_config(str(path), args, world_size=1, hidden_size=32)
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps, cfg.train_batch_size) == (2, 2, 4)
+    assert cfg.gradient_clipping == 0.5 and cfg.precision == "bf16" and cfg.scheduler is None
+    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay) == (2e-4, (0.9, 0.95), 0.1)
+    assert cfg.zero.prefetch_bucket_size == int(0.9 * 32 * 32) and cfg.zero.param_persistence_threshold == 320
+    absent = trainer_config({"zero_optimization": {"stage": 3}}, args, world_size=1, hidden_size=32)
+    assert absent.optimizer.lr == 2e-4 and absent.gradient_accumulation_steps == 2 and absent.precision == "bf16"
+    wrong = dict(HF_DS_CONFIG, gradient_accumulation_steps=8, optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=8 but .* 2; optimizer\.params\.lr=0\.001"):
+        trainer_config(wrong, args, world_size=1, hidden_size=32)
+
+
+def test_a_deepspeed_json_in_the_arguments_is_refused_naming_infinity_config(tmp_path):
+    """Without DeepSpeed installed transformers itself refuses TrainingArguments(deepspeed=...); with it, the
+    arguments would set up DeepSpeed's engine beside ours, so the JSON is asked for as infinity_config=."""
+    from infinity.hf.trainer import refusals
+
+    args = training_args(tmp_path)
+    args.deepspeed = "ds_config.json"  # what TrainingArguments(deepspeed=...) keeps where DeepSpeed is installed
+    (reason,) = refusals(args, model_init=None, optimizers=(None, None), optimizer_cls_and_kwargs=None)
+    assert reason.startswith("TrainingArguments(deepspeed=...)") and "infinity_config=" in reason
+
+
+def test_a_model_built_on_meta_streams_its_weights_from_its_folder(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "llama")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    trainer = Trainer(model=model, args=training_args(tmp_path / "out", save_strategy="no"),
+                      eval_dataset=dataset(4, seed=2), data_collator=collate,
+                      infinity_config={"zero_optimization": {"stage": 3}})
+    state = trainer.engine.full_state_dict()
+    for name, value in tiny_llama().state_dict().items():
+        assert torch.equal(state[name], value), name
+    batch = collate(dataset(4, seed=2))
+    with torch.no_grad():
+        expected = tiny_llama()(**batch).loss.item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+    trainer.engine.close()
+    with torch.device("meta"):
+        orphan = transformers.LlamaForCausalLM(tiny_llama().config)
+    with pytest.raises(ValueError, match="meta device and its name_or_path"):
+        Trainer(model=orphan, args=training_args(tmp_path / "out2"), data_collator=collate)
