@@ -38,6 +38,7 @@ from .swap_dir import (  # noqa: F401  (re-exported: callers import these from t
     create_swap_file,
     direct_io_problem,
     lock_for_life,
+    remove_live_swap_dirs,
     remove_dead_stores,
     remove_swap_dir,
 )
@@ -108,7 +109,6 @@ class SwapStore:
             raise
         self._fd = fd_box[0]
         self._fd_box = fd_box
-        lock_for_life(self._fd)
         remove_dead_stores(parent, keep=self.directory)
         self._lock = threading.Lock()
         self._extents: dict[str, _Extent] = {}
