@@ -35,8 +35,7 @@ from infinity.commands.train_monitor import peak_rss_bytes, print_summary
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
-from infinity.commands.train_outputs import (check_output_room, check_outputs_writable, hold_save_dir_for_run,
-                                             release_run_save_dir)
+from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_signals import Cleanup, GracefulStop
 from infinity.placement.estimate import format_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
@@ -122,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         lock = hold_save_dir_for_run(args, plan.rank)  # this run owns --save-dir until it ends
         if lock is not None:
-            cleanup.callbacks.insert(0, lambda: release_run_save_dir(args))  # (callbacks run last-in first)
+            cleanup.locks.append(lock)  # released last, also by a second signal's exit
             if lock.waited:  # the run it waited for may have saved there: --resume and --overwrite see that now
                 plan = make_plan(args)
         corpus, validation = _corpora(args, plan)

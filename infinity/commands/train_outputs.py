@@ -20,12 +20,11 @@ import sys
 import uuid
 from pathlib import Path
 
-from infinity.checkpoint.save_dir_lock import SaveDirInUse, hold_save_dir, release_save_dir
+from infinity.checkpoint.save_dir_lock import SaveDirInUse, hold_save_dir
 from infinity.placement.estimate import format_bytes
 from infinity.weights.export import model_files
 
-__all__ = ["check_model_folder", "check_output_room", "check_outputs_writable", "hold_save_dir_for_run",
-           "release_run_save_dir"]
+__all__ = ["check_model_folder", "check_output_room", "check_outputs_writable", "hold_save_dir_for_run"]
 
 SAVE_DTYPE_NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -160,8 +159,3 @@ def hold_save_dir_for_run(args: argparse.Namespace, rank: int):
         raise OSError(f"--save-dir {args.save_dir!r} is in use by another live run ({err.holder}): two runs saving "
                       f"into one folder replace each other's checkpoints. Give --wait-for-lock to start when it "
                       f"ends, or choose another --save-dir") from None
-
-
-def release_run_save_dir(args: argparse.Namespace) -> None:
-    if args.save_dir:
-        release_save_dir(args.save_dir)

@@ -309,7 +309,7 @@ def test_a_second_signal_removes_the_swap_store_and_says_which(tmp_path, where):
     tmp.mkdir()
     argv = ["--model", str(model), "--steps", "100000", "--seq-len", "16"]
     if where == "nvme-path":
-        argv += ["--nvme-path", str(nvme)]
+        argv += ["--nvme-path", str(nvme), "--save-dir", str(tmp_path / "ck")]
     proc = subprocess.Popen([sys.executable, "-m", "infinity.cli", "train", "--micro-batch", "1", "--max-bytes",
                              "100000", *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
@@ -325,6 +325,7 @@ def test_a_second_signal_removes_the_swap_store_and_says_which(tmp_path, where):
         proc.kill()
     assert proc.returncode in (130, 143), err
     assert sorted(nvme.iterdir()) == [] and sorted(tmp.iterdir()) == []  # nothing left behind
+    assert not (tmp_path / "ck" / LOCK_FILE).exists()  # and the save folder is free for the next run
     said = err.split("stopping now, without a checkpoint; ")[1]
     assert all(str(p) in said for p in made), said  # and it says what it removed
 
