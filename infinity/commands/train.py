@@ -37,6 +37,7 @@ from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAU
                                           make_plan, with_swap_folder)
 from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_signals import Cleanup, GracefulStop
+from infinity.models.gpt import count_params, get_preset
 from infinity.placement.estimate import format_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
@@ -128,8 +129,6 @@ def run(args: argparse.Namespace) -> int:
         if (args.save_dir or args.resume) and not engine_has_checkpoints():
             raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
         if plan.preset is not None:  # a preset's size is known without building it
-            from infinity.models.gpt import count_params, get_preset
-
             plan.estimate = estimate_for(plan, get_preset(plan.preset))
             check_nvme_room(plan)
             check_output_room(args, plan, count_params(get_preset(plan.preset)), warn=_warn)
