@@ -1,6 +1,11 @@
 """A swap store's private directory: made under a parent, its swap file opened for direct I/O (probed) or,
 where asked, buffered I/O; removed when the store closes; and the leftovers of dead runs removed, never a
 live run's (a store holds its file locked for its life, and the kernel drops the lock however it ends).
+
+A directory is a dead run's the moment nothing holds its swap file's lock: a store locks its file right after
+opening it and then checks that the file is still there (a cleaner holds the lock while it removes a directory,
+so a store caught between its open and its lock sees its directory gone and makes another). Only a directory
+without a swap file yet is judged by its age (``STALE_AFTER_S``): it may be a store being made right now.
 """
 
 from __future__ import annotations
@@ -28,8 +33,17 @@ _RAMFS_MAGIC = 0x858458F6
 _SWAP_FILE = "swap.0"
 _DIR_PREFIX = "infinity-swap-"
 STALE_AFTER_S = 60.0
-"""A sibling swap directory is a dead run's only if its file is unlocked and it is older than this (a live
-store locks its file the instant it creates it)."""
+"""A sibling swap directory without a swap file is a dead run's only when older than this (it may be a store
+being made); one with a swap file is judged by its lock alone."""
+_MAKE_TRIES = 3
+"""Attempts at making a private directory when a cleaner removes it between the file's open and its lock."""
+_live_dirs: set[str] = set()
+"""This process' store directories not yet removed: what an exit that skips finalizers (``os._exit`` after a
+second signal) removes with :func:`remove_live_swap_dirs`."""
+
+
+class _Reclaimed(OSError):
+    """The new directory was taken for a dead run's and removed between the file's open and its lock."""
 
 
 class DirectIOUnsupported(OSError):
@@ -83,6 +97,16 @@ def create_swap_file(parent: Path, *, buffered_fallback: bool) -> SwapFile:
     if problem is not None and not buffered_fallback:
         raise _no_direct_io(problem, parent, "put the swap on a disk, or pass buffered_fallback=True to use "
                                              "buffered I/O there")
+    for attempt in range(_MAKE_TRIES):
+        try:
+            return _make_private(parent, problem, buffered_fallback=buffered_fallback)
+        except _Reclaimed:
+            logger.debug("swap store: a cleaner removed the new directory under %s; making another", parent)
+    raise OSError(errno.EAGAIN, f"cannot make a private swap directory: another process removed it {_MAKE_TRIES} "
+                                f"times in a row", str(parent))
+
+
+def _make_private(parent: Path, problem: str | None, *, buffered_fallback: bool) -> SwapFile:
     try:
         private = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)
     except OSError as exc:
@@ -100,16 +124,38 @@ def create_swap_file(parent: Path, *, buffered_fallback: bool) -> SwapFile:
                 f"swap directory {parent} does not take direct I/O ({problem}); using buffered I/O "
                 "(page cache) because buffered_fallback=True",
                 RuntimeWarning,
-                stacklevel=3,  # the code that made the SwapStore
+                stacklevel=4,  # the code that made the SwapStore
             )
             if fd_box:
                 os.close(fd_box.pop())
             fd_box.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            _lock_new_file(fd_box[0], path)
             os.fchmod(fd_box[0], 0o600)
+    except _Reclaimed:
+        if fd_box:
+            os.close(fd_box.pop())
+        shutil.rmtree(private, ignore_errors=True)  # (gone already, or being removed by the cleaner)
+        raise
     except BaseException:
         remove_swap_dir(fd_box, path, private)
         raise
+    _live_dirs.add(private)
     return SwapFile(Path(private), path, fd_box, direct=problem is None)
+
+
+def _lock_new_file(fd: int, path: str) -> None:
+    """Lock the swap file just opened as ``fd`` for this process' life; :class:`_Reclaimed` when a cleaner got
+    to it first (it holds the lock, or has removed the file meanwhile)."""
+    try:
+        lock_for_life(fd)
+    except BlockingIOError:
+        raise _Reclaimed(errno.EAGAIN, "locked by a cleaner", path) from None
+    try:
+        st, own = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        raise _Reclaimed(errno.ENOENT, "removed by a cleaner", path) from None
+    if (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
+        raise _Reclaimed(errno.ESTALE, "replaced", path)
 
 
 def _open_direct(path: str, fd_box: list) -> str | None:
@@ -121,6 +167,7 @@ def _open_direct(path: str, fd_box: list) -> str | None:
             return "the filesystem refuses O_DIRECT"
         raise
     fd_box.append(fd)
+    _lock_new_file(fd, path)  # first: from here on a cleaner sees a live store
     os.fchmod(fd, 0o600)
     probe = aligned_empty(ALIGNMENT, torch.uint8)
     probe.zero_()
@@ -146,6 +193,7 @@ def lock_for_life(fd: int) -> None:
 
 def remove_swap_dir(fd_box: list, file_path: str, dir_path: str) -> None:
     """Close the swap file (if open) and remove it and its directory."""
+    _live_dirs.discard(dir_path)
     if fd_box:
         os.close(fd_box.pop())
     for remove in (lambda: os.unlink(file_path), lambda: os.rmdir(dir_path)):
@@ -160,8 +208,8 @@ def remove_swap_dir(fd_box: list, file_path: str, dir_path: str) -> None:
 
 def remove_dead_stores(parent: str | os.PathLike, *, keep: Path | None = None) -> int:
     """Remove the swap directories under ``parent`` left by runs that died (killed, crashed): those whose
-    swap file no process holds locked and that are older than ``STALE_AFTER_S``. Directories of live runs,
-    of other users, or too young are left alone. Returns how many were removed."""
+    swap file no process holds locked, at once; those without a swap file once older than ``STALE_AFTER_S``.
+    Directories of live runs or of other users are left alone. Returns how many were removed."""
     removed, freed = 0, 0
     now = time.time()
     try:
@@ -172,27 +220,46 @@ def remove_dead_stores(parent: str | os.PathLike, *, keep: Path | None = None) -
         if not entry.name.startswith(_DIR_PREFIX) or (keep is not None and Path(entry.path) == keep):
             continue
         try:
-            if not entry.is_dir(follow_symlinks=False) or now - entry.stat().st_mtime < STALE_AFTER_S:
+            if not entry.is_dir(follow_symlinks=False):
                 continue
             swap_file = os.path.join(entry.path, _SWAP_FILE)
-            nbytes = os.stat(swap_file).st_size if os.path.exists(swap_file) else 0
-            if os.path.exists(swap_file):
+            try:
                 fd = os.open(swap_file, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # no file yet: a store being made, or one that died making it
+                if now - entry.stat().st_mtime < STALE_AFTER_S:
+                    continue
+                shutil.rmtree(entry.path)
+            else:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its owner lives
                 except BlockingIOError:
+                    os.close(fd)
                     continue
+                try:  # the lock is held while removing: a store that opened this file just now sees it go
+                    nbytes = os.fstat(fd).st_size
+                    shutil.rmtree(entry.path)
                 finally:
                     os.close(fd)
-            shutil.rmtree(entry.path)
+                freed += nbytes
         except OSError as exc:  # another user's, or removed meanwhile by another run
             logger.debug("swap store: leaving %s: %s", entry.path, exc)
             continue
         removed += 1
-        freed += nbytes
     if removed:
         logger.warning("swap store: removed %d swap director%s (%.1f MB) left under %s by runs that died",
                        removed, "y" if removed == 1 else "ies", freed / 1e6, parent)
+    return removed
+
+
+def remove_live_swap_dirs() -> list[str]:
+    """Remove this process' store directories now, with their files (their stores unusable from here on); the
+    directories removed. For an exit that skips finalizers (``os._exit``); a normal end closes its stores."""
+    removed = []
+    for directory in sorted(_live_dirs):
+        _live_dirs.discard(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+        if not os.path.exists(directory):
+            removed.append(directory)
     return removed
 
 

@@ -30,17 +30,9 @@ from .aio import READ, WRITE, AsyncIO, IOHandle
 from .buffers import ALIGNMENT, aligned_empty, round_up
 from .extents import ExtentAllocator
 from .stats import TierStats
-from .swap_dir import (  # noqa: F401  (re-exported: callers import these from this module)
-    _DIR_PREFIX,
-    _SWAP_FILE,
-    STALE_AFTER_S,
-    DirectIOUnsupported,
-    create_swap_file,
-    direct_io_problem,
-    lock_for_life,
-    remove_dead_stores,
-    remove_swap_dir,
-)
+from .swap_dir import (_DIR_PREFIX, _SWAP_FILE,  # noqa: F401  (re-exported: callers import these from this module)
+                       STALE_AFTER_S, DirectIOUnsupported, create_swap_file, direct_io_problem, lock_for_life,
+                       remove_dead_stores, remove_live_swap_dirs, remove_swap_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +100,6 @@ class SwapStore:
             raise
         self._fd = fd_box[0]
         self._fd_box = fd_box
-        lock_for_life(self._fd)
         remove_dead_stores(parent, keep=self.directory)
         self._lock = threading.Lock()
         self._extents: dict[str, _Extent] = {}

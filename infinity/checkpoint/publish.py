@@ -7,7 +7,9 @@ finally replaces ``latest`` (temporary file, fsync, rename). A crash at any
 moment leaves ``latest`` naming a complete checkpoint. Every error is agreed on
 by all ranks, so a rank that fails never leaves the others waiting in a
 collective. What interrupted saves left (temporary folders of dead processes,
-backups) is removed after the next successful one.
+backups) is removed after the next successful one. Rank 0's first save into a
+folder takes it for the process (:mod:`.save_dir_lock`): a second live run
+saving there is refused, naming the first.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import psutil
 import torch
 
 from infinity.checkpoint.files import META_FILE, shard_file, write_meta
+from infinity.checkpoint.save_dir_lock import hold_save_dir
 from infinity.runtime.comm import Collectives
 
 logger = logging.getLogger(__name__)
@@ -137,6 +140,7 @@ def publish_collectively(comm: Collectives, save_dir: Path, tag: str, *, make_me
         try:
             meta_body = make_meta()
             save_dir.mkdir(parents=True, exist_ok=True)
+            hold_save_dir(save_dir)  # one live run saves here (SaveDirInUse, an OSError, naming another)
             nonce = int.from_bytes(os.urandom(6), "little")
             (save_dir / _tmp_dir_name(os.getpid(), nonce, tag)).mkdir()
             token[0], token[1] = os.getpid(), nonce

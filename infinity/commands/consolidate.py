@@ -17,6 +17,7 @@ import argparse
 import time
 
 from infinity.checkpoint.consolidation import consolidate
+from infinity.commands.train_outputs import check_model_folder
 from infinity.weights.export import consolidate_hf
 
 
@@ -31,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model.safetensors.index.json and config.json")
     p.add_argument("--hf-config", metavar="DIR",
                    help="with --hf: the model folder whose config.json to use (default: the one the run recorded)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --hf: replace the model in an OUT folder that holds one (refused without it; the "
+                        "folder's other files stay)")
     p.add_argument("--tag", default=None, help="which checkpoint of a save folder (default: its `latest`)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip checking the shard files' sha256 (they are read twice otherwise)")
@@ -39,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.hf:
+        check_model_folder("OUT", args.out, overwrite=args.overwrite)  # before reading a byte of the checkpoint
         s = consolidate_hf(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify,
                            config_dir=args.hf_config)
         print(f"wrote {s['path']} (Hugging Face layout): {s['tensors']} tensors in {s['files']} file(s), "
@@ -47,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.hf_config:
         raise ValueError("--hf-config needs --hf")
+    if args.overwrite:
+        raise ValueError("--overwrite needs --hf (a single OUT file is always replaced atomically)")
     summary = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)
     print(f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['nbytes'] / 2**20:,.1f} MiB {args.dtype} "
           f"(largest {summary['largest_tensor_nbytes'] / 2**20:,.1f} MiB) from {summary['checkpoint']} "

@@ -33,6 +33,7 @@ from infinity.commands.train_checks import default_swap_location  # noqa: F401 (
 from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for
 from infinity.commands.train_monitor import peak_rss_bytes, print_summary
+from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
@@ -102,6 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
     train_checkpoints.add_arguments(out)
+    out.add_argument("--wait-for-lock", action="store_true",
+                     help="when another live run holds --save-dir, wait for it to end instead of refusing to start")
     out.add_argument("--save-pretrained", metavar="OUT",
                      help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer)")
     out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -122,15 +125,22 @@ def _host_memory(text: str):
 
 def run(args: argparse.Namespace) -> int:
     plan = make_plan(args)
-    corpus, validation = _corpora(args, plan)
-    if (args.save_dir or args.resume) and not engine_has_checkpoints():
-        raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
-    if plan.preset is not None:  # a preset's size is known without building it
-        plan.estimate = estimate_for(plan, get_preset(plan.preset))
-        check_nvme_room(plan)
-        check_memory(plan)
+    check_outputs_writable(args, plan)
     cleanup = Cleanup()
     try:
+        lock = hold_save_dir_for_run(args, plan.rank)  # this run owns --save-dir until it ends
+        if lock is not None:
+            cleanup.locks.append(lock)  # released last, also by a second signal's exit
+            if lock.waited:  # the run it waited for may have saved there: --resume and --overwrite see that now
+                plan = make_plan(args)
+        corpus, validation = _corpora(args, plan)
+        if (args.save_dir or args.resume) and not engine_has_checkpoints():
+            raise ValueError("--save-dir/--resume: this build of the engine cannot save or load checkpoints yet")
+        if plan.preset is not None:  # a preset's size is known without building it
+            plan.estimate = estimate_for(plan, get_preset(plan.preset))
+            check_nvme_room(plan)
+            check_output_room(args, plan, count_params(get_preset(plan.preset)), warn=_warn)
+            check_memory(plan)
         with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
             if plan.nvme_is_temporary:
                 plan.nvme_path = cleanup.temporary_folder(plan.swap.parent)
@@ -138,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
             return _train(args, plan, corpus, validation, cleanup, stop)
     finally:
         cleanup.run()
+
+
+def _warn(text: str) -> None:
+    print(f"infinity train: {text}", file=sys.stderr, flush=True)
 
 
 def _corpora(args: argparse.Namespace, plan: Plan):
@@ -214,6 +228,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     if plan.estimate is None:  # a user's model: its size is known once built
         plan.estimate = estimate_for(plan, model)
         check_nvme_room(plan)
+        check_output_room(args, plan, num_params, warn=_warn if is_main else None)
         check_memory(plan)
 
     what = (f"preset {plan.preset}" if plan.preset else

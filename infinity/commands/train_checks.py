@@ -9,14 +9,17 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from infinity.commands.train_signals import FOLDER_LOCK
 from infinity.config.tier_names import OffloadDevice
 from infinity.placement.estimate import format_bytes
+from infinity.storage.lock_file import remove_if_unheld
 from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 
 __all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
@@ -97,17 +100,20 @@ TEMPORARY_PREFIX = "infinity-train-"
 
 def remove_dead_swap_folders(parent: str) -> int:
     """Remove the swap stores under ``parent`` that dead runs left (the store's lock rule: no process holds them),
-    and this command's private folders (``infinity-train-<pid>-*``) of dead processes. How many went."""
-
+    and this command's private folders (``infinity-train-<pid>-*``) whose lock no process holds: a dead run's
+    folder goes the moment it died. A folder without its lock file (being made, or an older run's) goes only once
+    its pid is dead and it is older than ``STALE_AFTER_S``. How many went."""
     removed = remove_dead_stores(parent)
-    import time
-
     for folder in Path(parent).glob(f"{TEMPORARY_PREFIX}*"):
         pid = folder.name[len(TEMPORARY_PREFIX):].split("-", 1)[0]
         try:
-            if not pid.isdigit() or psutil.pid_exists(int(pid)) or not folder.is_dir() or folder.is_symlink():
+            if not folder.is_dir() or folder.is_symlink():
                 continue
-            if time.time() - folder.stat().st_mtime < STALE_AFTER_S:
+            lock = folder / FOLDER_LOCK
+            if lock.exists():
+                removed += remove_if_unheld(lock, folder)
+                continue
+            if not pid.isdigit() or psutil.pid_exists(int(pid)) or time.time() - folder.stat().st_mtime < STALE_AFTER_S:
                 continue
             removed += remove_dead_stores(folder)
             folder.rmdir()  # only once empty: a live run's folder holds its locked store

@@ -1,9 +1,11 @@
 """How ``infinity train`` ends when it is told to stop: SIGTERM (what schedulers send before a kill) and SIGINT
 (Ctrl-C) ask the run to stop at the next step boundary, where it saves a checkpoint when --save-dir is set,
 removes its swap folder and exits 143 or 130 (128 + the signal). A run that does not reach a step boundary within
-``STOP_TIMEOUT_S``, or a second signal, removes the swap folder and exits at once with the same code.
+``STOP_TIMEOUT_S``, or a second signal, removes its swap files (its temporary swap folder, and its stores in a
+user's --nvme-path), lets go of its --save-dir, says which folders it removed, and exits at once with the same code.
 
-Also here: :class:`Cleanup`, what a run undoes however it ends (its temporary swap folder, the process group).
+Also here: :class:`Cleanup`, what a run undoes however it ends (its temporary swap folder, the process group,
+the save folder's lock).
 """
 
 from __future__ import annotations
@@ -16,30 +18,49 @@ import signal
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
-__all__ = ["Cleanup", "GracefulStop", "STOP_TIMEOUT_S"]
+from infinity.storage.lock_file import LockFile, LockHeld
+from infinity.storage.swap_dir import remove_live_swap_dirs
+
+__all__ = ["Cleanup", "FOLDER_LOCK", "GracefulStop", "STOP_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = float(os.environ.get("INFINITY_STOP_TIMEOUT_S", 120))
 """Seconds between the signal and a forced exit: to finish the step and write the checkpoint."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FOLDER_LOCK = ".infinity-lock"
+"""The lock file a run holds in its temporary swap folder for its life: a later run removes the folder as soon as
+nothing holds it (train_checks.remove_dead_swap_folders)."""
+_MAKE_TRIES = 3
 
 
 class Cleanup:
-    """The temporary swap folder and the process group, undone however the run ends."""
+    """The temporary swap folder, the process group and the save folder's lock, undone however the run ends."""
 
     def __init__(self):
         self.folders: list[str] = []
         self.callbacks: list = []
+        self.locks: list[LockFile] = []
+        """Locks released last, also by :meth:`emergency` (the save folder's, the temporary folders')."""
         atexit.register(self.run)
 
     def temporary_folder(self, parent: str | None = None) -> str:
-        """A private folder (0700) in ``parent`` (default the temporary directory); the pid in its name tells a
-        later run whether its owner is dead (train_checks.remove_dead_swap_folders)."""
-        folder = tempfile.mkdtemp(prefix=f"infinity-train-{os.getpid()}-", dir=parent)
-        self.folders.append(folder)
-        return folder
+        """A private folder (0700) in ``parent`` (default the temporary directory), locked for the run's life; the pid
+        in its name and the lock tell a later run whether its owner is dead (train_checks.remove_dead_swap_folders)."""
+        for attempt in range(_MAKE_TRIES):
+            folder = tempfile.mkdtemp(prefix=f"infinity-train-{os.getpid()}-", dir=parent)
+            try:
+                lock = LockFile.acquire(Path(folder) / FOLDER_LOCK)
+            except (LockHeld, FileNotFoundError):  # a cleaner took it for a dead run's between mkdtemp and the lock
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            self.folders.append(folder)
+            self.locks.append(lock)
+            return folder
+        raise OSError(f"cannot make a private swap folder in {parent or tempfile.gettempdir()}: another process "
+                      f"removed it {_MAKE_TRIES} times in a row")
 
     def run(self) -> None:
         while self.callbacks:
@@ -48,10 +69,29 @@ class Cleanup:
             except Exception as err:  # cleanup must go on; say what failed
                 logger.warning("cleanup failed: %s", err)
         self.remove_folders()
+        self.release_locks()
 
-    def remove_folders(self) -> None:
+    def remove_folders(self) -> list[str]:
+        """Remove the temporary folders; those removed."""
+        removed = []
         while self.folders:
-            shutil.rmtree(self.folders.pop(), ignore_errors=True)
+            folder = self.folders.pop()
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.path.exists(folder):
+                removed.append(folder)
+        return removed
+
+    def release_locks(self) -> None:
+        while self.locks:
+            self.locks.pop().release()
+
+    def emergency(self) -> list[str]:
+        """For an exit that runs no finalizer (``os._exit``): remove this process' swap stores wherever they are
+        (in a user's --nvme-path too) and its temporary folders, release its locks; the folders removed."""
+        stores = remove_live_swap_dirs()
+        folders = self.remove_folders()
+        self.release_locks()
+        return folders + [d for d in stores if not any(d.startswith(f + os.sep) for f in folders)]
 
 
 class GracefulStop:
@@ -102,9 +142,11 @@ class GracefulStop:
         self._timer.start()
 
     def _force(self, why: str) -> None:
-        print(f"infinity train: {why} after {self.name}: stopping now, without a checkpoint; the swap folder is "
-              f"removed", file=sys.stderr, flush=True)
-        self.cleanup.remove_folders()
+        removed = self.cleanup.emergency()
+        said = (f"removed the swap folder{'s' if len(removed) > 1 else ''} {', '.join(removed)}" if removed else
+                "no swap folder to remove")
+        print(f"infinity train: {why} after {self.name}: stopping now, without a checkpoint; {said}",
+              file=sys.stderr, flush=True)
         os._exit(self.exit_code)
 
     def requested(self, world_size: int) -> bool:

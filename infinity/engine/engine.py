@@ -11,6 +11,7 @@ import time
 import torch
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint.save_dir_lock import release_save_dir
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
@@ -106,6 +107,7 @@ class Engine:
         self.copies = Copies(self.placement)
         self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
         self._closed = False
+        self._save_dirs: set[str] = set()
         try:
             self._build(model, named, meta_data)
         except BaseException:
@@ -422,7 +424,9 @@ class Engine:
         """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
         self._ensure_open()
         self._cancel_unused_overlap()
-        return save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
+        tag = save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
+        self._save_dirs.add(str(save_dir))  # rank 0 holds it now (one live run saves there), until close()
+        return tag
 
     def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
         """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
@@ -473,6 +477,8 @@ class Engine:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it
                 errors.append(err)
+        for save_dir in self._save_dirs:
+            release_save_dir(save_dir)  # another run may save there from now on
         if errors:
             raise errors[0]
 

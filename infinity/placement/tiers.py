@@ -76,6 +76,7 @@ class Tiers:
                                    overlap_events=aio.overlap_events)
                 logger.info("nvme I/O backend: %s", self._io.backend)
             shared_stats = next(iter(self._stores.values())).stats if self._stores else None
+            _make_swap_folder(nvme_path)
             self._stores[key] = SwapStore(nvme_path, io=self._io, stats=shared_stats,
                                           buffered_fallback=self._aio.buffered_fallback)
         return self._stores[key]
@@ -111,3 +112,18 @@ def _background_pinner(placement: Placement) -> BackgroundPinner | None:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _make_swap_folder(nvme_path: str) -> None:
+    """A configured ``nvme_path`` that does not exist is made (mode 0700, with its parents), as ``infinity train``
+    and DeepSpeed do; one that cannot be is named with the config key."""
+    if os.path.isdir(nvme_path):
+        return
+    if os.path.lexists(nvme_path):
+        raise NotADirectoryError(f"zero_optimization nvme_path {nvme_path!r} is not a folder")
+    try:
+        os.makedirs(nvme_path, mode=0o700, exist_ok=True)
+    except OSError as err:
+        raise type(err)(err.errno, f"zero_optimization nvme_path {nvme_path!r} does not exist and cannot be made: "
+                                   f"{err.strerror}", nvme_path) from None
+    logger.info("made the swap folder %s (mode 0700)", nvme_path)

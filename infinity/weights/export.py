@@ -11,8 +11,11 @@ header is written first and the tensors streamed after it (the writer of
 parameters are written once, under their first name, as ``transformers`` does.
 
 The files are written into a temporary sibling folder and moved into
-``out_dir`` only when all are complete (the index last), so an interrupted
-save never leaves an index naming a file that is not whole.
+``out_dir`` only when all are complete, so an interrupted save never leaves an
+index naming a file that is not whole. Over an existing folder, the new one
+takes the old one's other files (a tokenizer, a README: hard links, not
+copies) and replaces it whole: no shard of the old model is left beside the
+new ones, and nothing is removed before the new files are complete.
 
 :func:`save_pretrained` (``engine.save_pretrained``) gathers each parameter
 from the ranks' shards; ``infinity consolidate --hf`` does the same from a
@@ -22,10 +25,12 @@ checkpoint (:func:`write_hf_folder` with the outputs of consolidation).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +51,24 @@ _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.f
 DEFAULT_MAX_SHARD_NBYTES = 5 * 10**9
 LEGACY_WRAPPER_PREFIX = "inner."
 """Checkpoints of ``--hf-model`` runs from before the model was trained unwrapped name its tensors behind this."""
+
+MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json",
+                       "config.json", "generation_config.json", "*.pt", "*.pth", "*.gguf", "tf_model.h5",
+                       "flax_model.msgpack")
+"""The files that make a folder a model's (its weights, their index, its configs): replaced whole by a save."""
+_OLD_INFIX = ".old-"
+
+
+def is_model_file(name: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in MODEL_FILE_PATTERNS)
+
+
+def model_files(folder) -> list[str]:
+    """The names of the model files (``MODEL_FILE_PATTERNS``) in ``folder``, sorted; [] when it is not a folder."""
+    try:
+        return sorted(e.name for e in os.scandir(folder) if e.is_file() and is_model_file(e.name))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 @dataclasses.dataclass
@@ -99,6 +122,8 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"save_pretrained: {out_dir} exists and is not a folder")
+    if out_dir.is_symlink():
+        out_dir = Path(os.path.realpath(out_dir))  # replace the folder it names, beside it
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
@@ -139,18 +164,63 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
-    """Move the complete folder into place: a rename when ``out_dir`` is new, else file by file, the index last."""
+    """Move the complete folder ``tmp`` into place. A new ``out_dir``: one rename. An existing one: ``tmp`` takes
+    its files that are not a model's (hard links), then the two are swapped by two renames and the old one removed;
+    a crash between the renames leaves both folders whole. Where ``out_dir`` cannot be renamed (a mount point), the
+    new files are moved in one by one, the index last, and only then the old model files they do not replace."""
     if not out_dir.exists():
         os.rename(tmp, out_dir)
         fsync_dir(out_dir.parent)
         return
-    old_index = out_dir / INDEX_FILE
-    old_index.unlink(missing_ok=True)  # never an index naming files that are being replaced
-    (out_dir / "model.safetensors").unlink(missing_ok=True)  # a single-file save would shadow the index
+    new_names = {e.name for e in tmp.iterdir()}
+    carried = []
+    for entry in out_dir.iterdir():
+        if entry.name not in new_names and not is_model_file(entry.name):
+            _link_tree(entry, tmp / entry.name)
+            carried.append(tmp / entry.name)
+    os.chmod(tmp, stat.S_IMODE(out_dir.stat().st_mode))
+    fsync_dir(tmp)
+    old = out_dir.parent / f".{out_dir.name}{_OLD_INFIX}{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(out_dir, old)
+    except OSError as err:
+        logger.debug("cannot rename %s (%s): replacing its files in place", out_dir, err)
+        for entry in carried:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        _publish_in_place(tmp, out_dir, new_names)
+        return
+    os.rename(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish_in_place(tmp: Path, out_dir: Path, new_names: set[str]) -> None:
+    (out_dir / INDEX_FILE).unlink(missing_ok=True)  # never an index naming files that are being replaced
     for entry in sorted(tmp.iterdir(), key=lambda p: p.name == INDEX_FILE):
         os.replace(entry, out_dir / entry.name)
     fsync_dir(out_dir)
     tmp.rmdir()
+    for name in model_files(out_dir):  # the old model's files the new ones did not replace: stale shards
+        if name not in new_names:
+            (out_dir / name).unlink(missing_ok=True)
+    fsync_dir(out_dir)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src`` at ``dst`` too, by hard links (a copy where a link cannot be made); a folder with its tree."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def hf_config_of(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:

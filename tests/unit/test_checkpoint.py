@@ -25,6 +25,7 @@ from infinity import checkpoint
 from infinity.checkpoint import consolidation
 from infinity.checkpoint import safetensors_io
 from infinity.checkpoint import CheckpointError
+from infinity.checkpoint.save_dir_lock import LOCK_FILE
 from helpers import TiedMLP, TinyGPT, engine_config, engine_train, gpt_batches, mlp_batches
 
 pytestmark = pytest.mark.timeout(120)
@@ -231,7 +232,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         with pytest.raises(OSError, match=r"No space left on device.*shard-00000-of-00001.safetensors"):
             engine.save_checkpoint(save_dir, tag="bad")
         monkeypatch.setattr(safetensors_io, "_write_chunk", real)
-        assert sorted(p.name for p in save_dir.iterdir()) == ["good", "latest"]  # no partial folder left
+        # no partial folder left (beside the lock file this run holds the folder by)
+        assert sorted(p.name for p in save_dir.iterdir()) == [LOCK_FILE, "good", "latest"]
         engine.load_checkpoint(save_dir)
         _assert_state_equal(engine.full_state_dict(), saved)
     finally:
@@ -258,7 +260,7 @@ def test_saving_the_tag_latest_names_replaces_it_safely(tmp_path, monkeypatch):
         _train(engine, gpt_batches(1, batch=2), 1)
         engine.save_checkpoint(save_dir, tag="t")
         assert seen[0].startswith(".old-") and seen[-1] == "t"
-        assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "t"]
+        assert sorted(p.name for p in save_dir.iterdir()) == [LOCK_FILE, "latest", "t"]
         assert checkpoint.read_meta(save_dir / "t")["global_step"] == 1
     finally:
         engine.close()
