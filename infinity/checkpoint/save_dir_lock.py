@@ -10,6 +10,7 @@ ends, so a killed run never blocks the next one; the file is removed when the lo
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from pathlib import Path
@@ -66,6 +67,13 @@ def hold_save_dir(save_dir, *, wait: bool = False, on_wait: Callable[[str], None
     _held[key] = lock
     logger.info("save folder %s taken for this run (%s)", save_dir, LOCK_FILE)
     return lock
+
+
+@atexit.register
+def _release_all() -> None:
+    """At a normal exit, the lock files of folders still held go too (the kernel drops the locks anyway)."""
+    for key in list(_held):
+        release_save_dir(key)
 
 
 def release_save_dir(save_dir) -> None:

@@ -37,9 +37,10 @@ def test_backward_of_a_loss_without_grad():
         engine.close()
 
 
-def test_nvme_path_that_does_not_exist_is_named(tmp_path):
-    missing = tmp_path / "nope" / "deeper"
-    config = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(missing)}}}
+def test_nvme_path_that_cannot_be_made_is_named(tmp_path):
+    """A missing nvme_path is made (test_lose_nothing.py); one under a file cannot be, and is named."""
+    (tmp_path / "nope").write_text("a file, not a folder")
+    config = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nope" / "deeper")}}}
     with pytest.raises(OSError, match="nope"):
         infinity.initialize(torch.nn.Linear(3, 1), config)
 
