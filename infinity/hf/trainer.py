@@ -210,6 +210,10 @@ class InfinityTrainerMixin:
         model.train()
         inputs = self._prepare_inputs(inputs)
         engine.lr = self._engine_optimizer().param_groups[0]["lr"]  # before the forward: a step may begin there
+        # The Trainer says before each micro-batch whether it ends the step; an epoch's last accumulation may be
+        # short, and its last micro-batch ends the step all the same (told before the forward, for the same reason).
+        boundary = self.accelerator.gradient_state.sync_gradients
+        engine.set_gradient_accumulation_boundary(boundary)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
@@ -220,13 +224,10 @@ class InfinityTrainerMixin:
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         engine.backward(loss, scale_wrt_gas=False)  # scaled for accumulation above, as the stock Trainer does
-        boundary = self.accelerator.gradient_state.sync_gradients
         if boundary != engine.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 f"the Trainer's accumulation boundary (sync={boundary}) and the engine's (every "
-                f"{engine.config.gradient_accumulation_steps} micro-batches) disagree: the number of batches in "
-                f"an epoch must be a multiple of gradient_accumulation_steps here (the stock Trainer ends an epoch "
-                f"with a shorter step; the engine does not yet)")
+                f"{engine.config.gradient_accumulation_steps} micro-batches) disagree")
         if not boundary:
             engine.step()  # between boundaries: the gradients accumulate in the engine's slices
         return loss.detach()

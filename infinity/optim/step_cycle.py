@@ -74,6 +74,7 @@ class StepCycle:
         self._phase_before_backward = StepPhase.IDLE  # where a backward that raises goes back to
         self.micro_step = 0
         self.global_step = 0
+        self.boundary_forced = False  # the coming micro-batch ends the step early (force_boundary)
         self.overlap: OverlappedStep | None = None
         self.last_step_rejected = False  # the last step clipped or overflowed
         self.global_grad_norm: float | None = None
@@ -89,7 +90,7 @@ class StepCycle:
     @property
     def next_is_boundary(self) -> bool:
         """The next backward is the step's last micro-batch's."""
-        return (self.micro_step + 1) % self._accumulation_steps == 0
+        return self.boundary_forced or (self.micro_step + 1) % self._accumulation_steps == 0
 
     @property
     def at_boundary(self) -> bool:
@@ -133,8 +134,21 @@ class StepCycle:
         self._enter(StepPhase.BOUNDARY_BACKWARD if boundary else StepPhase.MICRO_BATCH)
         self._reducer.begin_backward(fresh=fresh, boundary=boundary, final_sink=self.overlap if boundary else None)
 
+    def force_boundary(self) -> None:
+        """The coming micro-batch is the step's last, whatever the count says (an epoch that ends inside an
+        accumulation): set before its forward, since a boundary's step may begin there."""
+        if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
+            raise RuntimeError(f"an accumulation boundary cannot be forced in step phase {self.phase.value!r}: "
+                               f"call engine.step() first")
+        self.boundary_forced = True
+
     def end_backward(self) -> None:
         self.micro_step += 1
+        if self.boundary_forced:
+            # The step ends here: the count moves on to the next step's start, so micro-batches keep counting
+            # whole steps (checkpoints, and the next step's boundary).
+            self.micro_step += -self.micro_step % self._accumulation_steps
+            self.boundary_forced = False
         self._reducer.end_backward()
 
     def abort_backward(self, error: BaseException) -> None:

@@ -177,12 +177,22 @@ def test_the_mixin_serves_a_subclass_and_evaluate_runs_before_train(tmp_path):
     trainer.engine.close()
 
 
-def test_an_epoch_that_ends_inside_an_accumulation_is_refused_naming_why(tmp_path):
-    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path, save_strategy="no"), train_dataset=dataset(10),
-                      data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
-    with pytest.raises(RuntimeError, match="multiple of gradient_accumulation_steps"):
-        trainer.train()  # 5 micro-batches an epoch, 4 a step
-    trainer.engine.close()
+def test_an_epoch_that_ends_inside_an_accumulation_ends_with_a_short_step_as_the_stock_trainers(tmp_path):
+    """10 rows, 2 a micro-batch, 4 micro-batches a step: each epoch is a step of 4 micro-batches and one of 1,
+    whose loss the Trainer scales by its own count; parameters and states on NVMe, against the stock Trainer."""
+    args = dict(max_steps=-1, num_train_epochs=3, save_strategy="no")
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", **args),
+                                 train_dataset=dataset(10), data_collator=collate)
+    stock.train()
+    ours = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ours", **args), train_dataset=dataset(10),
+                   data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    ours.train()
+    assert len(logged(stock)) == 6 == len(logged(ours))  # two steps an epoch, three epochs
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(logged(ours, "grad_norm")), torch.tensor(logged(stock, "grad_norm")),
+                               rtol=1e-5, atol=0)
+    assert ours.engine.global_step == 6 and ours.engine.is_gradient_accumulation_boundary()
+    ours.engine.close()
 
 
 @pytest.mark.parametrize("overrides, named", [
