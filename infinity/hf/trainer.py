@@ -30,6 +30,7 @@ What the stock Trainer offers and the engine cannot honour is refused by name at
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -45,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file names
 TRAINING_ARGS_NAME = "training_args.bin"
+MIN_TRANSFORMERS_MAJOR = 5
+"""The training loop whose hooks the Trainer takes over (checked against 5.24)."""
 ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values the engine's AdamW stands for (its CPU kernel or the device's fused AdamW)."""
 
@@ -149,6 +152,23 @@ class EngineOptimizer(torch.optim.Optimizer):
         pass
 
 
+def _by_keyword(init, args: tuple, kwargs: dict) -> dict:
+    """The Trainer's constructor arguments, positional ones (``Trainer(model, args, ...)``) named as the next
+    class in the bases takes them."""
+    if not args:
+        return kwargs
+    signature = inspect.signature(init)
+    named = {}
+    for name, value in signature.bind_partial(*args, **kwargs).arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ValueError(f"infinity.hf.Trainer: {len(value)} positional argument(s) more than the Trainer takes")
+        else:
+            named[name] = value
+    return named
+
+
 class InfinityTrainerMixin:
     """Put before ``transformers.Trainer`` (or a subclass) in the bases: its model runs under the engine.
 
@@ -157,8 +177,11 @@ class InfinityTrainerMixin:
     """
 
     def __init__(self, *args, infinity_config=None, **kwargs):
-        if args:
-            raise ValueError("pass the Trainer's arguments by keyword (model=..., args=...)")
+        if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS_MAJOR:
+            raise ValueError(f"infinity.hf.Trainer needs transformers >= {MIN_TRANSFORMERS_MAJOR} (it takes over "
+                             f"hooks of that training loop), found {transformers.__version__}: "
+                             f"pip install -U 'transformers>={MIN_TRANSFORMERS_MAJOR}'")
+        kwargs = _by_keyword(super().__init__, args, kwargs)
         targs = kwargs.get("args")
         if targs is None:
             raise ValueError("infinity.hf.Trainer needs args=TrainingArguments(...) (its output_dir, batch size, ...)")

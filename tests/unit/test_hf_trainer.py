@@ -272,3 +272,12 @@ def test_a_model_built_on_meta_streams_its_weights_from_its_folder(tmp_path):
         orphan = transformers.LlamaForCausalLM(tiny_llama().config)
     with pytest.raises(ValueError, match="meta device and its name_or_path"):
         Trainer(model=orphan, args=training_args(tmp_path / "out2"), data_collator=collate)
+
+
+def test_positional_arguments_are_taken_as_the_stock_trainer_takes_them(tmp_path):
+    args = training_args(tmp_path, save_strategy="no", max_steps=1)
+    trainer = Trainer(tiny_llama(), args, collate, dataset(8), infinity_config={"zero_optimization": {"stage": 3}})
+    assert trainer.args is args and trainer.train_dataset is not None and trainer.data_collator is collate
+    trainer.train()
+    assert trainer.engine.global_step == 1
+    trainer.engine.close()
