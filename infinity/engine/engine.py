@@ -30,7 +30,7 @@ from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_o
 from infinity.params.prefetcher import Prefetcher
 from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam, needs_copy_up, needs_swap_in
 from infinity.placement.copies import Copies
-from infinity.placement.host_budget import HostMemoryPlan, resolve_host_budget
+from infinity.placement.host_budget import HostMemoryPlan
 from infinity.placement.layout import ShardLayout
 from infinity.placement.placement import (Placement, compute_device, device_memory_is_distinct,
                                           grad_accumulator_fits_device)
@@ -96,7 +96,7 @@ class Engine:
         if not named:
             raise ValueError(f"model {type(model).__name__} has no parameters to train or partition")
         zero = config.zero
-        self.host_budget = HostMemoryPlan(config, resolve_host_budget(zero.host_memory_budget), self.dtype)
+        self.host_budget = HostMemoryPlan(zero, self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
         self.placement = Placement.decide(
@@ -105,7 +105,7 @@ class Engine:
         logger.info("%s", self.placement.describe())
         self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
         self.copies = Copies(self.placement)
-        self.tiers = Tiers(config, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
+        self.tiers = Tiers(config.aio, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
         self._closed = False
         self._save_dirs: set[str] = set()
         try:
@@ -166,10 +166,8 @@ class Engine:
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
         self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
-        self.cycle = StepCycle(accumulation_steps=config.gradient_accumulation_steps, reducer=self.reducer,
-                               optimizer=self.optimizer, comm=self.comm, loss_scaler=self.loss_scaler,
-                               gradient_clipping=config.gradient_clipping, params=self.params,
-                               finish_behind_forward=zero.overlap_step_with_forward)
+        self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
+                               loss_scaler=self.loss_scaler, params=self.params)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged)
         self._apply_lr_schedule()
 
@@ -185,10 +183,8 @@ class Engine:
                            for slot in self.layout.slots)
         if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
             return None
-        return Prefetcher(itemsize=torch.empty((), dtype=self.dtype).element_size(),
-                          bucket_numel=zero.prefetch_bucket_size, max_live_numel=zero.max_live_parameters,
-                          max_reuse_distance=zero.max_reuse_distance, device_stats=self.tiers.stats["device"],
-                          reserve_nbytes=reserve_nbytes)
+        return Prefetcher(zero, itemsize=torch.empty((), dtype=self.dtype).element_size(),
+                          device_stats=self.tiers.stats["device"], reserve_nbytes=reserve_nbytes)
 
     def _make_read_pool(self) -> HostBufferPool | None:
         """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""

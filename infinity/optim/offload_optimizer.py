@@ -5,9 +5,12 @@ states — which also writes the new compute shards in the same pass. The
 gradient slices belong to the :class:`~infinity.grads.reducer.GradReducer`;
 the optimizer waits for a sub-group's slices to land before updating it.
 
-New compute shards are written in place when they rest in the memory the
-optimizer runs in; otherwise they go through a scratch buffer and cross, or are
-written to NVMe (:class:`~infinity.params.delivery.ComputeDelivery`).
+The new compute shards are handed to one owner, :class:`~infinity.params.delivery.ComputeDelivery`
+(:attr:`OffloadOptimizer.delivery`): it says where the kernel writes them, takes
+them to their tier (in place, across by copy, or to NVMe), and serves the next
+forward from the staging sets they are still in. The optimizer tells it what it
+does to those sets: about to overwrite one, an update committed or undone,
+states replaced by a checkpoint.
 
 With the states on NVMe, the sub-groups that fit the host-memory budget rest in
 host memory instead (those the step reads first, first; the states in memory
@@ -23,7 +26,7 @@ same updates from its worker, through the verbs of the section so named.
 A bf16 master (``state_dtype`` bf16 or int8) with bf16 compute holds the
 compute shards' very bits. With both on NVMe, a swapped sub-group's update then
 writes the master alone, and its compute shards are read from the master's
-swap file from then on (:meth:`ComputeShards.rest_in_master`): 2 bytes an
+swap file from then on (:meth:`ComputeDelivery.written_from`): 2 bytes an
 element less written each step (``offload_param.compute_from_master``).
 
 The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
@@ -89,7 +92,7 @@ class OffloadOptimizer:
         kept in host memory are then those backward finishes first); ``staging_sets`` host buffer sets pipeline
         the states on NVMe, ``reserve_nbytes`` of the host budget is left to others, and ``step_undo`` keeps
         what undoes a speculative update."""
-        layout, placement, tiers, compute = parts.layout, parts.placement, parts.tiers, parts.compute
+        layout, placement, tiers = parts.layout, parts.placement, parts.tiers
         offload = zero.offload_optimizer
         state_dtype = offload.state_dtype
         self.layout = layout
@@ -99,7 +102,6 @@ class OffloadOptimizer:
         self.lr = config.lr
         self.step_count = 0
         self._tiers = tiers
-        self._compute = compute
         self._grads = parts.grads
         self._copies = parts.copies
         self._timeline = parts.timeline
@@ -111,7 +113,8 @@ class OffloadOptimizer:
                 f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
         self._rank = parts.rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
-        self._delivery = ComputeDelivery(layout, placement, tiers, compute, parts.copies)
+        self.delivery = ComputeDelivery(layout, placement, tiers, parts.compute, parts.copies)
+        """The new compute shards' one owner: where the kernel writes them, their way home, the staging sets'."""
         # the states in memory (host memory for NVMe's sub-groups kept within the budget)
         self._memory = MemoryStates(tiers, parts.copies, tier="device" if self.tier == "device" else "host",
                                     state_dtype=self.state_dtype, on_device=self._on_device)
@@ -132,7 +135,8 @@ class OffloadOptimizer:
             self.swapped = SwappedStates(self._store, tiers, self.state_dtype,
                                          largest_numel=layout.largest_sub_group_numel,
                                          set_count=max(2, staging_sets) if pipelined else 1,
-                                         compute_dtype=compute.dtype, compute_pinned=self._delivery.scratch_pinned)
+                                         compute_dtype=parts.compute.dtype,
+                                         compute_pinned=self.delivery.scratch_pinned)
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
             self._keep_in_host(0 if room is None else room - reserve_nbytes, zero.overlap_step_with_backward,
                                offload.max_in_cpu)
@@ -142,8 +146,8 @@ class OffloadOptimizer:
                                       self.swapped.key if self.swapped is not None else None)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
-        self._shares_master = self._groups_sharing_master(zero.offload_param.compute_from_master)
-        """Swapped sub-groups whose master is read as their compute shards (their update writes no copy)."""
+        if zero.offload_param.compute_from_master:
+            self._read_compute_from_masters()
         if step_undo:
             self._make_room_to_undo()
 
@@ -170,26 +174,19 @@ class OffloadOptimizer:
                     "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
                     sum(g.numel for g in self.layout.sub_groups))
 
-    def _groups_sharing_master(self, enabled: bool) -> frozenset[int]:
+    def _read_compute_from_masters(self) -> None:
         """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
         shards on NVMe (those resting in host memory are copied from the master after each update). The kernel
         writes them as ``master.to(bf16)``, the master's very bits, so a copy of their own would only cost its
-        write."""
-        if not enabled or self._store is None:
-            return frozenset()
+        write. The delivery holds which they are (:attr:`ComputeDelivery.master_groups`)."""
+        if self._store is None:
+            return
         master_dtype = self._state_layout(1)[0].dtype
-        groups = frozenset(g.index for g in self.swapped_groups if self._compute.can_rest_in_master(g, master_dtype))
+        groups = self.delivery.read_from_masters(self.swapped_groups, master_dtype, self.swapped.read_master_part)
         if groups:
-            self._compute.read_masters_with(self.swapped.read_master_part)
             logger.info("compute shards of %d of %d sub-groups are read from their %s master on NVMe after its first "
                         "update (offload_param.compute_from_master): 2 B an element less written a step",
                         len(groups), len(self.layout.sub_groups), self.state_dtype)
-        return groups
-
-    @property
-    def staged_shards(self):
-        """Compute shards still in the staging sets (:mod:`infinity.params.staging`)."""
-        return self._compute.staged
 
     def _state_layout(self, numel: int):
         return kernels.state_layout(self.state_dtype, numel)
@@ -229,7 +226,7 @@ class OffloadOptimizer:
             if not self.in_memory(group):
                 staging = self.swapped.sets[0]
                 staging.wait_writes()
-                self._compute.staged.release(staging)  # overwritten next
+                self.delivery.will_overwrite(staging)  # overwritten next
                 master = staging.states["master"][:group.numel]
                 master.zero_()
                 for slot in group.slots:
@@ -267,8 +264,7 @@ class OffloadOptimizer:
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
             grads = self._scaled_grads(grads, grad_coef)
-        shares_master = group.index in self._shares_master
-        out = None if shares_master else self._delivery.out(group, scratch)
+        out = self.delivery.out(group, scratch)  # None when the master is the compute shards
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
@@ -280,14 +276,11 @@ class OffloadOptimizer:
                                           state_dtype=self.state_dtype, seed=self._seed(group),
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
-        if shares_master:
-            self._compute.write_resident_from_master(group, states["master"])
-            return []
-        return self._delivery.deliver(group, out)
+        return self.delivery.updated(group, out, states["master"])
 
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
-        self._delivery.finish_copies()
+        self.delivery.finish_copies()
 
     def _update_pipelined(self, groups: list[SubGroup], in_memory: list[SubGroup], at: UpdateAt) -> None:
         """Sub-group i+1 of the swapped ``groups`` is read while i is updated; a buffer set is reused once its
@@ -355,7 +348,7 @@ class OffloadOptimizer:
         for group in groups:
             if self.in_memory(group):
                 self.undo.restore(group)
-        self._compute.staged.discard_held(g.index for g in groups)
+        self.delivery.undone(g.index for g in groups)
         if groups:
             self.rollbacks += 1
             logger.info("overlapped step %d: %d speculative sub-group updates undone (%s); rollbacks so far: %d",
@@ -366,7 +359,7 @@ class OffloadOptimizer:
         swapped = [g.index for g in groups if not self.in_memory(g)]
         if self.swapped is not None:
             self.swapped.publish_other_side(swapped)
-        self._compute.staged.publish(swapped)  # masters still staged are the compute shards' newest now
+        self.delivery.committed(swapped)  # masters still staged are the compute shards' newest now
 
     def _make_room_to_undo(self) -> None:
         """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
@@ -380,24 +373,17 @@ class OffloadOptimizer:
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
         round-to-nearest cast, so this is the value they had)."""
-        shares_master = group.index in self._shares_master
-        if shares_master and not self._compute.resident_slots(group):
+        if not self.delivery.needs_restoring(group):
             return  # they are read from the master, which the undone update did not overwrite (other side)
         if self.in_memory(group):
             master, staging = self._memory.views(group)["master"], None
         else:
             staging = self.swapped.sets[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
-            self._compute.staged.release(staging)
+            self.delivery.will_overwrite(staging)
             master = staging.states["master"][:group.numel]
             self.swapped.read_master(group, master).wait()
-        if shares_master:  # the rest are read from the master on NVMe, as above
-            self._compute.write_resident_from_master(group, master)
-            return
-        out = self._delivery.out(group, staging.compute if staging is not None else None)
-        out.copy_(master)
-        for handle in self._delivery.deliver(group, out):
-            handle.wait()
+        self.delivery.restore(group, master, staging.compute if staging is not None else None)
 
     def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
         """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
@@ -425,16 +411,10 @@ class OffloadOptimizer:
         ahead of the queue (the next forward reads it), and its shards are read from it from now on. Written to
         the other side, the master the shards are read from is the one on the current side until the step
         commits: the shards' old values, as long as the update may still be undone."""
-        shares_master = group.index in self._shares_master
-        self.swapped.write(group, staging, other_side=other_side, urgent_master=shares_master)
-        if shares_master:
-            self._compute.rest_in_master(group)
-            # the next forward copies the shards from the staged master while the set is not reused
-            self._compute.keep_staged(group, staging.states["master"][:group.numel], staging, speculative=other_side)
-        elif self._delivery.writes_from_scratch:
-            # their files were written from the set's compute buffer (the speculative values too: an undo
-            # writes them again, which forgets these)
-            self._compute.keep_staged(group, staging.compute[:group.numel], staging)
+        # the master's write is queued first: the shards' next reads from it are ordered after it
+        self.swapped.write(group, staging, other_side=other_side, urgent_master=self.delivery.in_master(group))
+        self.delivery.written_from(group, staging, master=staging.states["master"][:group.numel],
+                                   compute=staging.compute[:group.numel], speculative=other_side)
 
     def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
@@ -443,7 +423,7 @@ class OffloadOptimizer:
 
     def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
         """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
-        self._compute.staged.release(staging)  # the shards it held are read from NVMe from now on
+        self.delivery.will_overwrite(staging)  # the shards it held are read from NVMe from now on
         return self.swapped.read(group, staging, step=step, urgent=urgent)
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
@@ -459,7 +439,7 @@ class OffloadOptimizer:
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group with fp32 ``values`` (loading a checkpoint)."""
         self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
-        self._compute.staged.forget(group.index)  # a staged master or set is no longer the newest
+        self.delivery.replaced(group)  # a staged master or set is no longer the newest
         self._resting.write(name, group, values)
 
     def state_dict(self) -> dict:
@@ -481,7 +461,7 @@ class OffloadOptimizer:
         if self.swapped is not None:
             self.swapped.close()
         self._memory.close()
-        self._delivery.close()
+        self.delivery.close()
         if self._grad_scratch is not None:
             self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
             self._grad_scratch = None

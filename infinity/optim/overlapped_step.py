@@ -78,8 +78,8 @@ class OverlappedStep:
         self._free_sets: list["StagingSet"] = list(optimizer.staging_sets)    # worker only
         # A free set may still hold the newest compute shards of a sub-group the forward has not read yet
         # (infinity.params.staging): reads ahead leave it alone until they are read, or backward begins.
-        self._staged = optimizer.staged_shards
-        self._staged.on_read = self._staged_read
+        self._delivery = optimizer.delivery
+        self._delivery.tell_when_read(self._staged_read)
         self._in_backward = False  # sub-groups are arriving: every free set serves them
         self.sq_norms: dict[int, float] = {}   # sub-group index -> its squared gradient norm (worker only)
         self.speculated: list[SubGroup] = []   # updated before the norm was known (worker only)
@@ -230,8 +230,7 @@ class OverlappedStep:
             self._guarded(lambda: self._arrive(group))
         # States read ahead for deferred sub-groups stay staged for update_remaining (release_read_ahead
         # lets them land when the step is skipped).
-        if self._staged.on_read == self._staged_read:
-            self._staged.on_read = None
+        self._delivery.stop_telling(self._staged_read)
 
     def _staged_read(self, owner) -> None:
         """A staging set's last unread compute shard was read (any thread): reads ahead may use it now."""
@@ -317,7 +316,7 @@ class OverlappedStep:
 
     def _take_set(self, *, leave_unread: bool = False) -> "StagingSet | None":
         """The first free set that holds no unread compute shards; else, unless ``leave_unread``, the first."""
-        at = next((i for i, s in enumerate(self._free_sets) if not self._staged.holds_unread(s)), None)
+        at = next((i for i, s in enumerate(self._free_sets) if not self._delivery.holds_unread(s)), None)
         if at is None:
             if leave_unread:
                 return None

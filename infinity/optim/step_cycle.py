@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from infinity.config.schema import InfinityConfig
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.norm import global_grad_norm
 from infinity.grads.reducer import GradReducer
@@ -59,17 +60,20 @@ class StepCycle:
     """The step's phase, its micro-batch and step counters, and the overlapped step (from the forward of the
     step's last micro-batch until ``step()`` settles it); the verbs move them together."""
 
-    def __init__(self, *, accumulation_steps: int, reducer: GradReducer, optimizer: OffloadOptimizer,
-                 comm: Collectives, loss_scaler: LossScaler | None, gradient_clipping: float,
-                 params: list[ShardedParam], finish_behind_forward: bool = True):
-        self._accumulation_steps = accumulation_steps
+    def __init__(self, config: InfinityConfig, *, reducer: GradReducer, optimizer: OffloadOptimizer,
+                 comm: Collectives, loss_scaler: LossScaler | None, params: list[ShardedParam]):
+        """``config`` gives the micro-batches a step (``gradient_accumulation_steps``), the clipping threshold
+        (``gradient_clipping``) and whether a settled step's remaining updates run behind the next forward
+        (``zero_optimization.overlap_step_with_forward``)."""
+        self._accumulation_steps = config.gradient_accumulation_steps
         self._reducer = reducer
         self._optimizer = optimizer
         self._comm = comm
         self._loss_scaler = loss_scaler
-        self._gradient_clipping = gradient_clipping
+        self._gradient_clipping = config.gradient_clipping
         self._params = params
-        self._finish_behind_forward = finish_behind_forward  # a settled step's remaining updates: StepTail
+        # a settled step's remaining updates run behind the next forward (StepTail)
+        self._finish_behind_forward = config.zero.overlap_step_with_forward
         self.phase = StepPhase.IDLE
         self._phase_before_backward = StepPhase.IDLE  # where a backward that raises goes back to
         self.micro_step = 0

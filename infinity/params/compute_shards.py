@@ -11,13 +11,14 @@ through :class:`~infinity.placement.copies.Copies`.
 
 A shard on NVMe may have no file of its own: when the optimizer's master is
 the compute shard itself (a bf16 master with bf16 compute, both on NVMe), the
-optimizer's update writes only the master and hands the sub-group's shards
-over (:meth:`ComputeShards.rest_in_master`); from then on they are read from
-the master's swap file, until something writes them again.
+optimizer's update writes only the master and its delivery hands the
+sub-group's shards over (:meth:`ComputeShards.rest_in_master`); from then on
+they are read from the master's swap file, until something writes them again.
 
 On NVMe, a sub-group's newest shards may still be in a host buffer of the
 optimizer's after its update; :attr:`ComputeShards.staged` serves reads from
-there (:mod:`infinity.params.staging`).
+there (:mod:`infinity.params.staging`), steered by the delivery
+(:class:`~infinity.params.delivery.ComputeDelivery`) on the optimizer's word.
 
 On NVMe, the shards of persistent parameters (at most
 ``param_persistence_threshold`` elements: biases, norms) rest in host memory
@@ -190,7 +191,7 @@ class ComputeShards:
 
     def rest_in_master(self, group: SubGroup) -> None:
         """``group``'s master now holds its compute shards' values (an update that wrote no copy of them):
-        read them from it from now on. The optimizer calls this before the shards are next fetched."""
+        read them from it from now on. The delivery calls this before the shards are next fetched."""
         if self._read_master is None:
             raise RuntimeError("compute shards handed to a master nobody said how to read (read_masters_with)")
         element_size = torch.empty((), dtype=self.dtype).element_size()

@@ -1,4 +1,7 @@
-"""New compute shards, from the optimizer's kernel to their tier.
+"""New compute shards, from the optimizer's kernel to their tier: the one owner
+of their way home. The optimizer hands each sub-group's new shards here and says
+what it does to its buffers; this object steers the copies, the NVMe writes and
+the staging sets' readable shards (:mod:`infinity.params.staging`) from that.
 
 The kernel writes a sub-group's new low-precision compute shards in the same
 pass as the update. Where they go first, and how they get home:
@@ -8,12 +11,30 @@ pass as the update. Where they go first, and how they get home:
 * else into a scratch buffer (the staging set's, or one of this object's in
   host or device memory), which crosses through :class:`~infinity.placement.copies.Copies`
   to the other memory, or is written to NVMe (coming down to host scratch
-  first when the optimizer runs on the device).
+  first when the optimizer runs on the device);
+* nowhere, when the sub-group's bf16 master on NVMe is its compute shards
+  (``offload_param.compute_from_master``): the shards on NVMe are read from the
+  master from then on, those in host memory are copied from it.
 
 A scratch buffer is overwritten only once the copy reading it has landed.
+
+While a swapped sub-group's states are written out of a staging set, the set
+still holds its new shards (its compute buffer, or the master itself); the next
+forward copies them from there instead of reading NVMe, until the optimizer says
+the set is about to be overwritten (:meth:`ComputeDelivery.will_overwrite`). A
+speculative update's shards are readable only once the step commits
+(:meth:`~ComputeDelivery.committed`, :meth:`~ComputeDelivery.undone`).
+
+The optimizer's verbs, in the order of a sub-group's update: :meth:`~ComputeDelivery.out`
+(where the kernel writes), :meth:`~ComputeDelivery.updated` (the shards are
+written: take them home), :meth:`~ComputeDelivery.written_from` (the states go
+to NVMe out of a staging set), :meth:`~ComputeDelivery.finish_copies` (end of
+a step).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -40,12 +61,38 @@ class ComputeDelivery:
         """New compute shards that cross between memories are staged in host buffers pinned like the gradients."""
         self.writes_from_scratch = compute.tier == "nvme" and not self.in_place and not self._on_device
         """The new shards of a staged sub-group go to NVMe from the scratch passed to :meth:`out` (the set's)."""
+        self.master_groups: frozenset[int] = frozenset()
+        """Swapped sub-groups whose master on NVMe is their compute shards (their update writes no copy)."""
         self._host_scratch: torch.Tensor | None = None
         self._device_scratch: torch.Tensor | None = None
         self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
 
-    def out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor:
-        """Where the kernel writes the sub-group's new compute shards (``scratch``: a staging set's buffer)."""
+    # -- sub-groups whose master is their compute shards ----------------------------
+    def read_from_masters(self, groups: list[SubGroup], master_dtype: torch.dtype,
+                          read_master: Callable[[SubGroup, int, torch.Tensor], IOHandle]) -> frozenset[int]:
+        """Of the swapped sub-groups ``groups`` (their master of ``master_dtype`` on NVMe), those whose compute
+        shards can be read from the master from their first update on; ``read_master(group, at, out)`` reads
+        ``out``'s bytes from byte ``at`` of a master, ordered after its writes in flight. Returns their indices."""
+        self.master_groups = frozenset(g.index for g in groups if self._compute.can_rest_in_master(g, master_dtype))
+        if self.master_groups:
+            self._compute.read_masters_with(read_master)
+        return self.master_groups
+
+    def in_master(self, group: SubGroup) -> bool:
+        """Whether ``group``'s master is its compute shards (see :meth:`read_from_masters`)."""
+        return group.index in self.master_groups
+
+    def needs_restoring(self, group: SubGroup) -> bool:
+        """After an undone update: whether some of ``group``'s compute shards hold its values. Not when every one
+        is read from the master, which the undone update did not overwrite (it wrote the other side)."""
+        return not self.in_master(group) or bool(self._compute.resident_slots(group))
+
+    # -- a sub-group's update --------------------------------------------------------
+    def out(self, group: SubGroup, scratch: "torch.Tensor | None") -> torch.Tensor | None:
+        """Where the kernel writes the sub-group's new compute shards (``scratch``: a staging set's buffer); None
+        when its master is its compute shards (the kernel writes no copy)."""
+        if self.in_master(group):
+            return None
         if self.in_place:
             return self._compute.sub_group_view(group)
         numel = self._layout.largest_sub_group_numel
@@ -58,7 +105,41 @@ class ComputeDelivery:
         self._wait_scratch_free(out)
         return out[:group.numel]
 
-    def deliver(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
+    def updated(self, group: SubGroup, out: "torch.Tensor | None", master: torch.Tensor) -> list[IOHandle]:
+        """The kernel wrote ``group``'s new compute shards into ``out`` (from :meth:`out`), or its new ``master``
+        (the whole sub-group's, in host memory) is them: take them to their tier. Returns the NVMe writes in
+        flight."""
+        if self.in_master(group):
+            self._compute.write_resident_from_master(group, master)  # those on NVMe are read from the master
+            return []
+        return self._deliver(group, out)
+
+    def restore(self, group: SubGroup, master: torch.Tensor, scratch: "torch.Tensor | None") -> None:
+        """After an undone update: ``group``'s compute shards again from its ``master`` (the kernel writes them as
+        its round-to-nearest cast, so this is the value they had); ``scratch``: a staging set's buffer. Blocks
+        until they are home."""
+        out = self.out(group, scratch)
+        if out is not None:
+            out.copy_(master)
+        for handle in self.updated(group, out, master):
+            handle.wait()
+
+    def written_from(self, group: SubGroup, owner: object, *, master: torch.Tensor, compute: torch.Tensor,
+                     speculative: bool) -> None:
+        """``group``'s updated states are being written to NVMe out of ``owner``'s buffers (a staging set:
+        ``master`` and ``compute``, the sub-group's flat ranges of its master and compute buffer), the master
+        first when it is the compute shards. ``speculative``: to the other side of the keys, which stands only
+        once the step commits; until then the shards read are their old values."""
+        if self.in_master(group):
+            self._compute.rest_in_master(group)  # its shards are read from the master from now on
+            # the next forward copies the shards from the staged master while the set is not reused
+            self._compute.keep_staged(group, master, owner, speculative=speculative)
+        elif self.writes_from_scratch:
+            # their files were written from the set's compute buffer (the speculative values too: an undo
+            # writes them again, which forgets these)
+            self._compute.keep_staged(group, compute, owner)
+
+    def _deliver(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
         """Take the new compute shards from ``out`` to their tier; returns the NVMe writes in flight."""
         if self.in_place:
             return []
@@ -78,6 +159,41 @@ class ComputeDelivery:
                 writes.append(handle)
         return writes
 
+    # -- the staging sets' shards, on the optimizer's word ------------------------------
+    def will_overwrite(self, owner: object) -> None:
+        """``owner``'s buffers (a staging set) are about to be overwritten: the shards they held are read from
+        NVMe from now on."""
+        self._compute.staged.release(owner)
+
+    def committed(self, group_indices) -> None:
+        """The speculative updates of these sub-groups stand: the masters still staged are their compute shards'
+        newest values now."""
+        self._compute.staged.publish(group_indices)
+
+    def undone(self, group_indices) -> None:
+        """These sub-groups' speculative updates were undone: their staged values are never read."""
+        self._compute.staged.discard_held(group_indices)
+
+    def replaced(self, group: SubGroup) -> None:
+        """``group``'s states were replaced from outside the step (a checkpoint loaded): a staged master or set
+        holds no newest shards of it any more."""
+        self._compute.staged.forget(group.index)
+
+    def holds_unread(self, owner: object) -> bool:
+        """Whether ``owner``'s buffers hold new compute shards the forward has not read yet."""
+        return self._compute.staged.holds_unread(owner)
+
+    def tell_when_read(self, on_read: Callable[[object], None]) -> None:
+        """``on_read(owner)`` is called (on any thread) once the last unread shard in ``owner``'s buffers has been
+        read."""
+        self._compute.staged.on_read = on_read
+
+    def stop_telling(self, on_read: Callable[[object], None]) -> None:
+        """No more calls of ``on_read``, unless someone else's has replaced it since."""
+        if self._compute.staged.on_read == on_read:
+            self._compute.staged.on_read = None
+
+    # -- the end of a step ------------------------------------------------------------
     def finish_copies(self) -> None:
         """End of a step: the next forward's gathers wait for the new compute shards' copies up, and host reads
         (the next step's copies up, checkpoints) for their copies down."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from infinity.config.sections import ZeroConfig
 from infinity.params.sharded_param import ParamState, ShardedParam
 from infinity.storage import TierStats
 
@@ -25,12 +26,14 @@ logger = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, *, itemsize: int, bucket_numel: int, max_live_numel: int,
-                 max_reuse_distance: int, device_stats: TierStats, reserve_nbytes: int = 0):
+    def __init__(self, zero: ZeroConfig, *, itemsize: int, device_stats: TierStats, reserve_nbytes: int = 0):
+        """``zero`` gives how far ahead to fetch (``prefetch_bucket_size``), the live-parameter budget
+        (``max_live_parameters``) and how close a next use keeps a parameter gathered (``max_reuse_distance``),
+        all in elements."""
         self._itemsize = itemsize             # bytes of a full tensor's element
-        self._bucket_numel = bucket_numel
-        self._max_live_numel = max_live_numel
-        self._max_reuse_distance = max_reuse_distance
+        self._bucket_numel = zero.prefetch_bucket_size
+        self._max_live_numel = zero.max_live_parameters
+        self._max_reuse_distance = zero.max_reuse_distance
         self._device = device_stats
         self._reserve_nbytes = reserve_nbytes  # kept free in the memory budget for fetches on demand
         self.plan: list[ShardedParam] = []    # the last complete pass's requests

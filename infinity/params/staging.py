@@ -10,7 +10,8 @@ the forward begins. Until a set is reused, its bytes are the newest shards,
 the same bits as the file, and a fetch copies them from memory: no NVMe read,
 and no wait on the disk at the forward's start.
 
-The optimizer says what a set holds (:meth:`StagedShards.keep`) and, before it
+The optimizer's word, through the new shards' owner (:class:`~infinity.params.delivery.ComputeDelivery`),
+says what a set holds (:meth:`StagedShards.keep`) and, before the optimizer
 overwrites a set, that it is no longer readable (:meth:`StagedShards.release`).
 A speculative update's master (the other side of its keys, see
 :mod:`infinity.optim.overlapped_step`) is held back until the step commits

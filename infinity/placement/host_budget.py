@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.config.sections import ZeroConfig
 from infinity.kernels import state_bytes_per_element, state_nbytes as nbytes
 from infinity.placement.layout import packed_offsets
 from infinity.placement.placement import RING_SLICES, GradRoute
@@ -123,17 +124,18 @@ class HostMemoryPlan:
     later, and the compute shards kept in host memory. Optimizer sub-groups take what is left (the optimizer
     measures it once its staging is allocated)."""
 
-    def __init__(self, config, budget_nbytes: int, compute_dtype: torch.dtype):
-        self.config = config
-        self.budget_nbytes = budget_nbytes
+    def __init__(self, zero: ZeroConfig, compute_dtype: torch.dtype):
+        """``zero``: the config's ``zero_optimization`` section, whose ``host_memory_budget`` is resolved here."""
+        self.zero = zero
+        self.budget_nbytes = resolve_host_budget(zero.host_memory_budget)
         self.itemsize = torch.empty((), dtype=compute_dtype).element_size()
-        self.state_dtype = config.zero.offload_optimizer.state_dtype
+        self.state_dtype = zero.offload_optimizer.state_dtype
         self.layout = self.placement = None
         self.staging_sets = self._configured_staging_sets()
 
     def sub_group_size(self, named_params: list, world_size: int) -> int:
         """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
-        zero = self.config.zero
+        zero = self.zero
         if zero.offload_optimizer.device != "nvme":
             return zero.sub_group_size
         largest_shard = max((math.ceil(p.numel() / world_size) for _, p in named_params), default=0)
@@ -168,7 +170,7 @@ class HostMemoryPlan:
         if placement.compute_shard.tier in charged:
             shards = layout.total_numel * itemsize
         elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
-            persistent = layout.persistent_slots(self.config.zero.param_persistence_threshold)
+            persistent = layout.persistent_slots(self.zero.param_persistence_threshold)
             shards = packed_offsets([s.shard_numel for s in layout.slots if s.index in persistent])[1] * itemsize
         else:
             shards = 0
@@ -198,7 +200,7 @@ class HostMemoryPlan:
         """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory
         first (each byte kept saves 3 bytes of I/O a step, against 2 for optimizer states), after what the
         gradients, the optimizer and the reserve will need."""
-        configured = self.config.zero.offload_param.max_in_cpu
+        configured = self.zero.offload_param.max_in_cpu
         if self.placement.compute_shard.tier != "nvme" or room_nbytes is None:
             return configured
         parts = dict(self.minimum_working_set(self.staging_sets).parts)
@@ -210,7 +212,7 @@ class HostMemoryPlan:
         return min(configured, fits)
 
     def _configured_staging_sets(self) -> int:
-        optimizer = self.config.zero.offload_optimizer
+        optimizer = self.zero.offload_optimizer
         return max(2, optimizer.buffer_count) if optimizer.pipeline_read or optimizer.pipeline_write else 1
 
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from infinity.config.schema import InfinityConfig
+from infinity.config.sections import AioConfig
 from infinity.config.tier_names import Tier
 from infinity.placement.placement import Placement
 from infinity.runtime.trace import TracedStore
@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
-    def __init__(self, config: InfinityConfig, placement: Placement, timeline=None, *,
+    def __init__(self, aio: AioConfig, placement: Placement, timeline=None, *,
                  host_budget_nbytes: int | None = None, pinner: Pinner | None = None):
+        """``aio``: how the swap stores' asynchronous I/O runs (the config's ``aio`` section)."""
         self.placement = placement
         self.device = placement.device
         self._timeline = timeline
@@ -38,7 +39,7 @@ class Tiers:
                       Tier.HOST: TierStats("host", within=self.host_memory)}
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
-        self._aio = config.aio
+        self._aio = aio
         # Pinned host buffers are registered behind initialize and the first steps (~0.3 s a GB otherwise spent
         # in initialize); until a buffer's turn, its copies are synchronous, which is slower but just as correct.
         self.pinner = pinner if pinner is not None else _background_pinner(placement)

@@ -84,7 +84,7 @@ def _shards_from_the_master(rank, world_size, nvme):
         engine = infinity.initialize(copy.deepcopy(model), config)
         try:
             out[from_master] = (_train(engine, batches, rank, world_size), engine.full_state_dict(),
-                                len(engine.optimizer._shares_master))
+                                len(engine.optimizer.delivery.master_groups))
         finally:
             engine.close()
     return out

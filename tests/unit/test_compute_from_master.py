@@ -166,7 +166,7 @@ def test_the_key_is_checked_and_fp32_states_keep_the_copies(gpt, tmp_path):
                                  _config(tmp_path / "fp32", "fp32", from_master=True, overlap=True, clip=0.0))
     try:  # an fp32 master is not the bf16 shards: each keeps its file
         train_batches(engine, batches[:2])
-        assert not engine.optimizer._shares_master
+        assert not engine.optimizer.delivery.master_groups
         assert len([k for k in engine.compute._store.keys() if k.startswith("param.")]) == len(engine.layout.slots)
     finally:
         engine.close()

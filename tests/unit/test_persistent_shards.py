@@ -110,7 +110,7 @@ def test_restoring_the_compute_shards_copies_the_persistent_ones_from_the_master
         train_batches(engine, batches[:2])
         engine.optimizer.flush()
         persistent = engine.layout.persistent_slots(THRESHOLD)
-        mixed = [group for group in engine.layout.sub_groups if group.index in engine.optimizer._shares_master
+        mixed = [group for group in engine.layout.sub_groups if group.index in engine.optimizer.delivery.master_groups
                  and any(slot.index in persistent for slot in group.slots)]
         assert mixed  # sub-groups of persistent shards alone write them as any resident shards
         for group in mixed:

@@ -23,7 +23,7 @@ def tiers(tmp_path):
     config = InfinityConfig.from_deepspeed({"zero_optimization": {
         "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
         "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})
-    tiers = Tiers(config, Placement.decide(config, torch.device("cpu"), distinct=False))
+    tiers = Tiers(config.aio, Placement.decide(config, torch.device("cpu"), distinct=False))
     yield tiers
     tiers.close()
 
