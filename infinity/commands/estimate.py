@@ -28,7 +28,8 @@ from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.config.units import parse_host_memory
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import get_preset
-from infinity.placement.estimate import estimate_for_config, format_table, gpt_activation_nbytes, parse_count
+from infinity.placement.estimate import estimate_for_config, gpt_activation_nbytes
+from infinity.placement.report import format_table, parse_count
 
 MAX_PARAMS = 10**15
 """A quadrillion parameters: above that a count is a typo, not a model."""

@@ -45,7 +45,7 @@ from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
 from infinity.models.transformers_lm import causal_lm_loss
-from infinity.placement.estimate import format_bytes
+from infinity.placement.report import format_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out

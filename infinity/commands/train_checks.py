@@ -18,7 +18,7 @@ import psutil
 
 from infinity.commands.train_signals import FOLDER_LOCK
 from infinity.config.tier_names import OffloadDevice
-from infinity.placement.estimate import format_bytes
+from infinity.placement.report import format_bytes
 from infinity.storage.lock_file import remove_if_unheld
 from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infinity.placement.estimate import format_bytes
-from infinity.train.evaluation import DEFAULT_VAL_FRACTION, Validation, sample_text
 from infinity.config.lr_schedule import DEFAULT_DECAY_FRACTION, SCHEDULES
-from infinity.train.metrics_log import MetricsLog, TensorBoardConfig, tensorboard_available, tensorboard_from_deepspeed
 from infinity.config.tier_names import TIERS
+from infinity.placement.report import format_bytes
+from infinity.train.evaluation import DEFAULT_VAL_FRACTION, Validation, sample_text
+from infinity.train.metrics_log import MetricsLog, TensorBoardConfig, tensorboard_available, tensorboard_from_deepspeed
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from infinity.checkpoint.save_dir_lock import SaveDirInUse, hold_save_dir
-from infinity.placement.estimate import format_bytes
+from infinity.placement.report import format_bytes
 from infinity.weights.export import model_files
 
 __all__ = ["check_model_folder", "check_output_room", "check_outputs_writable", "hold_save_dir_for_run"]

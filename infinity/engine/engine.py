@@ -15,6 +15,7 @@ from infinity.checkpoint.save_dir_lock import release_save_dir
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
+from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter
@@ -25,10 +26,10 @@ from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
 from infinity.optim.speculation import StepCheck
 from infinity.optim.step_cycle import StepCycle
 from infinity.params.compute_shards import ComputeShards
+from infinity.params.fetch_parts import prefetcher_for, read_pool_for
 from infinity.params.gathered_blocks import full_blocks_for
 from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
-from infinity.params.prefetcher import Prefetcher
-from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam, needs_copy_up, needs_swap_in
+from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam
 from infinity.placement.copies import Copies
 from infinity.placement.host_budget import HostMemoryPlan
 from infinity.placement.layout import ShardLayout
@@ -39,7 +40,6 @@ from infinity.runtime.allocator import keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
 from infinity.runtime.hardware import slow_precision_warning
 from infinity.runtime.trace import Timeline
-from infinity.storage import HostBufferPool
 from infinity.tiling import tile_model
 from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
 from infinity.weights.pretrained import open_for_model
@@ -120,7 +120,8 @@ class Engine:
     # -- construction ------------------------------------------------------
     def _build(self, model: torch.nn.Module, named: list, meta_data: dict[int, torch.Tensor]) -> None:
         config, zero, layout, placement = self.config, self.config.zero, self.layout, self.placement
-        self._read_pool = self._make_read_pool()
+        self._read_pool = read_pool_for(self.placement, self.config.zero.offload_param, self.layout, self.dtype,
+                                        self.tiers)
         budget = self.host_budget
         reserve = budget.reserve_nbytes(self._read_pool.budget_nbytes if self._read_pool is not None else 0)
         persistent = layout.persistent_slots(zero.param_persistence_threshold)
@@ -142,7 +143,8 @@ class Engine:
                                           step_undo=self.overlap_step and self._step_may_be_undone())
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
-        self.prefetcher = self._make_prefetcher(reserve)
+        self.prefetcher = prefetcher_for(self.config.zero, self.compute, self.copies, self.layout, self.dtype,
+                                         self.tiers.stats["device"], reserve)
         self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
@@ -159,7 +161,7 @@ class Engine:
             self._weights.load_buffers(model)
             self._weights.close()
         self._initializer.materialize_buffers()
-        self._cast_buffers(model)
+        cast_buffers(model, self.device, self.dtype)
         self._in_pass = False
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
@@ -174,45 +176,6 @@ class Engine:
     def _step_may_be_undone(self) -> bool:
         """Clipping or fp16 loss scaling can reject a step's speculative updates."""
         return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
-
-    def _make_prefetcher(self, reserve_nbytes: int) -> Prefetcher | None:
-        """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
-        for prefetching or reuse; else every parameter is fetched on demand."""
-        zero, compute = self.config.zero, self.compute
-        starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, self.copies, slot)
-                           for slot in self.layout.slots)
-        if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
-            return None
-        return Prefetcher(zero, itemsize=torch.empty((), dtype=self.dtype).element_size(),
-                          device_stats=self.tiers.stats["device"], reserve_nbytes=reserve_nbytes)
-
-    def _make_read_pool(self) -> HostBufferPool | None:
-        """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
-        if self.placement.compute_shard.tier != "nvme" or not self.placement.distinct:
-            return None
-        p = self.config.zero.offload_param
-        elsize = torch.empty((), dtype=self.dtype).element_size()
-        largest = self.layout.largest_shard_numel
-        buffer_size = p.buffer_size
-        if buffer_size < largest:
-            logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
-                           buffer_size, largest, largest)
-            buffer_size = largest
-        return HostBufferPool(p.buffer_count * buffer_size * elsize, pin=self.placement.compute_shard.pinned,
-                              stats=self.tiers.stats["host"], pinner=self.tiers.pinner)
-
-    def _cast_buffers(self, model: torch.nn.Module) -> None:
-        for module in model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is None:
-                    continue
-                if buf.is_meta:
-                    raise ValueError(f"buffer {name!r} of {type(module).__name__} is on the meta device; "
-                                     f"give it a value in reset_parameters() or build it on a real device")
-                converted = buf.to(self.device)
-                if converted.is_floating_point():
-                    converted = converted.to(self.dtype)
-                module._buffers[name] = converted
 
     def _check_batch_size(self) -> None:
         c = self.config
@@ -233,7 +196,7 @@ class Engine:
         self._ensure_open()
         if self._transformers_forward:
             refuse_targets_as_mask(args)
-        args, kwargs = _cast_floating((args, kwargs), self.dtype, self.device)
+        args, kwargs = cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
         self._begin_pass()
         if torch.is_grad_enabled() and self.cycle.next_is_boundary:
@@ -503,15 +466,3 @@ class Engine:
             self.close()
         except Exception:  # interpreter shutdown: the stores clean up after themselves
             pass
-
-
-def _cast_floating(tree, dtype: torch.dtype, device: torch.device):
-    from torch.utils._pytree import tree_map
-
-    def cast(x):
-        if isinstance(x, torch.Tensor):
-            x = x.to(device, non_blocking=True)
-            if x.is_floating_point() and x.dtype != dtype:
-                x = x.to(dtype)
-        return x
-    return tree_map(cast, tree)

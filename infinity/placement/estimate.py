@@ -53,7 +53,6 @@ is then CPU memory too). All numbers are bytes per rank.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict
 from itertools import product
@@ -75,9 +74,6 @@ __all__ = [
     "alternatives",
     "gpt_activation_nbytes",
     "gpt_like_largest_layer",
-    "parse_count",
-    "format_bytes",
-    "format_table",
 ]
 
 _COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -479,81 +475,3 @@ def alternatives(estimate_fn, **kwargs) -> list[dict]:
     for op, oo in product(OFFLOAD_CHOICES, OFFLOAD_CHOICES):
         out.append(estimate_fn(**{**kwargs, "offload_param": op, "offload_optimizer": oo}))
     return out
-
-
-# --------------------------------------------------------------------------- formatting
-
-_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-
-
-def parse_count(text: str | int | float) -> int:
-    """``"7B"``, ``"350M"``, ``"1.3e9"``, ``"125k"``, ``7000`` -> an int (>= 0)."""
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
-        if not m:
-            raise ValueError(f"cannot read a parameter count from {text!r} (try 7B, 350M, 1.3e9)")
-        value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
-    if value < 0:
-        raise ValueError(f"a count must be >= 0, got {text!r}")
-    return int(round(value))
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in binary units: ``0 B``, ``512 B``, ``1.50 KiB``, ``12.3 GiB``."""
-    if n == 0:
-        return "0"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.3g} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def format_table(chosen: dict, alts: Sequence[dict]) -> str:
-    """The chosen setting's breakdown by kind, then one line per offload alternative."""
-    s = chosen["setting"]
-    head = (
-        f"{s['num_params']:,} parameters, world size {s['world_size']}, {s['precision']}; "
-        f"shard {chosen['shard_numel']:,} elements per rank"
-    )
-    if "micro_batch" in s:
-        head += f"; micro-batch {s['micro_batch']} x {s['seq_len']} tokens"
-    breakdown = [
-        [kind.replace("_", " ")] + [format_bytes(chosen["tiers"][t][kind]) for t in TIERS]
-        for kind in KINDS
-        if any(chosen["tiers"][t][kind] for t in TIERS)
-    ]
-    breakdown.append(["total"] + [format_bytes(chosen["totals"][t]) for t in TIERS])
-    alt_rows = []
-    for a in alts:
-        sa = a["setting"]
-        mark = "*" if (sa["offload_param"], sa["offload_optimizer"]) == (s["offload_param"], s["offload_optimizer"]) else " "
-        alt_rows.append(
-            [f"{mark} {sa['offload_param']:>4} / {sa['offload_optimizer']:<4}"]
-            + [format_bytes(a["totals"][t]) for t in TIERS]
-        )
-    return "\n".join(
-        [
-            head,
-            "",
-            f"offload_param={s['offload_param']}, offload_optimizer={s['offload_optimizer']} (bytes per rank):",
-            _table(["kind", *TIERS], breakdown),
-            f"a checkpoint: {format_bytes(chosen['checkpoint_nbytes'])} per rank ({s['state_dtype']} states saved "
-            f"at {checkpoint_bytes_per_element(s['state_dtype'])} B an element, plus the compute shard)",
-            "",
-            "alternatives (offload_param / offload_optimizer; * = requested):",
-            _table(["setting", *TIERS], alt_rows),
-        ]
-    )

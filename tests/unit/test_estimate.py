@@ -7,16 +7,9 @@ import pytest
 import torch
 
 from infinity.cli import main
-from infinity.placement.estimate import (
-    OFFLOAD_CHOICES,
-    TIERS,
-    _largest_sub_group,
-    estimate,
-    estimate_gpt,
-    format_bytes,
-    parse_count,
-)
 from infinity.models.gpt import PRESETS, param_numels
+from infinity.placement.estimate import OFFLOAD_CHOICES, TIERS, _largest_sub_group, estimate, estimate_gpt
+from infinity.placement.report import format_bytes, parse_count
 
 
 def test_a_small_case_by_hand():

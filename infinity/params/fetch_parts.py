@@ -1,0 +1,48 @@
+"""The parts every parameter's fetch may use beside its shard: a prefetcher, and host buffers for NVMe reads.
+Each is made only where it can serve (the engine gives the rest of :class:`~infinity.params.sharded_param.FetchPath`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from infinity.config.sections import OffloadParamConfig, ZeroConfig
+from infinity.params.compute_shards import ComputeShards
+from infinity.params.prefetcher import Prefetcher
+from infinity.params.sharded_param import needs_copy_up, needs_swap_in
+from infinity.placement.copies import Copies
+from infinity.placement.layout import ShardLayout
+from infinity.placement.placement import Placement
+from infinity.placement.tiers import Tiers
+from infinity.storage import HostBufferPool
+from infinity.storage.stats import TierStats
+
+logger = logging.getLogger(__name__)
+
+
+def prefetcher_for(zero: ZeroConfig, compute: ComputeShards, copies: Copies, layout: ShardLayout, dtype: torch.dtype,
+                   device_stats: TierStats, reserve_nbytes: int) -> Prefetcher | None:
+    """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
+    for prefetching or reuse; else every parameter is fetched on demand."""
+    starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, copies, slot) for slot in layout.slots)
+    if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
+        return None
+    return Prefetcher(zero, itemsize=torch.empty((), dtype=dtype).element_size(), device_stats=device_stats,
+                      reserve_nbytes=reserve_nbytes)
+
+
+def read_pool_for(placement: Placement, offload_param: OffloadParamConfig, layout: ShardLayout, dtype: torch.dtype,
+                  tiers: Tiers) -> HostBufferPool | None:
+    """Host buffers for NVMe reads of shards bound for device memory (with one memory they land in place)."""
+    if placement.compute_shard.tier != "nvme" or not placement.distinct:
+        return None
+    elsize = torch.empty((), dtype=dtype).element_size()
+    largest = layout.largest_shard_numel
+    buffer_size = offload_param.buffer_size
+    if buffer_size < largest:
+        logger.warning("offload_param.buffer_size=%d is smaller than the largest shard (%d elements); using %d",
+                       buffer_size, largest, largest)
+        buffer_size = largest
+    return HostBufferPool(offload_param.buffer_count * buffer_size * elsize, pin=placement.compute_shard.pinned,
+                          stats=tiers.stats["host"], pinner=tiers.pinner)
