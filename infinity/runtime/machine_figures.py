@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -225,7 +226,8 @@ def block_flops(width: int, tokens: int, seq: int) -> float:
     return float(tokens * (6 * 12 * width * width + 12 * seq * width))
 
 
-def _block_seconds(width: int, batch: int, seq: int, precision: str, device: torch.device, budget_s: float) -> float:
+def _block_run(width: int, batch: int, seq: int, precision: str, device: torch.device):
+    """One forward and backward of a fresh block of ``width`` on ``batch x seq`` tokens, as a callable."""
     block = _block(width, _DTYPES[precision], device)
     x = torch.randn(batch, seq, width, device=device, dtype=_DTYPES[precision], requires_grad=True)
 
@@ -233,18 +235,36 @@ def _block_seconds(width: int, batch: int, seq: int, precision: str, device: tor
         block(x).sum().backward()
         _synchronize(device)
 
-    return 1.0 / _best_rate(run, 1.0, budget_s=budget_s, min_reps=4)
+    return run
 
 
-def measure_blocks(device: torch.device, precision: str, *, budget_s: float = 0.4) -> tuple[dict, float, int]:
-    """({width: TFLOP/s beyond the overhead}, the overhead in seconds, tokens) of a block's forward and backward."""
+def _block_seconds(width: int, batch: int, seq: int, precision: str, device: torch.device, budget_s: float) -> float:
+    return 1.0 / _best_rate(_block_run(width, batch, seq, precision, device), 1.0, budget_s=budget_s, min_reps=4)
+
+
+def measure_blocks(device: torch.device, precision: str, *, rounds: int = 6) -> tuple[dict, float, int]:
+    """({width: TFLOP/s beyond the overhead}, the overhead in seconds, tokens) of a block's forward and backward.
+
+    The widths are timed in turns, ``rounds`` times, and each keeps its best: a burst of other work on the
+    machine then spoils one turn of one width, not a width's every measurement."""
     batch, seq = (8, 1024) if device.type == "cuda" else (4, 256)
     widths = (64, 256, 1024, 4096) if device.type == "cuda" else (64, 256, 1024)
-    overhead = _block_seconds(64, 1, 16, precision, device, budget_s)
+    runs = {("overhead", 64): _block_run(64, 1, 16, precision, device)}
+    runs.update({("block", w): _block_run(w, batch, seq, precision, device) for w in widths})
+    best = dict.fromkeys(runs, math.inf)
+    for run in runs.values():
+        run()  # warm-up: first calls pick kernels and allocate
+    for _ in range(rounds):
+        for key, run in runs.items():
+            for _ in range(5 if key[0] == "overhead" else 1):  # the overhead is a millisecond: more tries
+                t0 = time.perf_counter()
+                run()
+                best[key] = min(best[key], time.perf_counter() - t0)
+    overhead = best[("overhead", 64)]
     rates = {}
     for width in widths:
-        seconds = _block_seconds(width, batch, seq, precision, device, budget_s)
-        rates[str(width)] = round(block_flops(width, batch * seq, seq) / max(seconds - overhead, seconds * 0.05) / 1e12, 4)
+        seconds = best[("block", width)]
+        rates[str(width)] = round(block_flops(width, batch * seq, seq) / max(seconds - overhead, seconds / 2) / 1e12, 4)
     return rates, overhead, batch * seq
 
 
