@@ -271,31 +271,22 @@ def predict_step(figures, traffic: StepTraffic, *, timed_alone: bool = False) ->
         path = step_end + p["device_adam"] + fill + drain
         critical = {"compute_phase": compute_phase, "host_step": host_step}
 
-    bounds = dict(resources, nvme_read=max(resources["nvme_read"], disk_s * _share(resources, "nvme_read")),
-                  nvme_write=max(resources["nvme_write"], disk_s * _share(resources, "nvme_write")))
     predicted = max(path, disk_s, *resources.values())
-    bound_by = _binding(figures, resources, bounds, critical, predicted, disk_s)
+    bound_by = _binding(figures, resources, critical, predicted, disk_s)
     logger.debug("step-time model: %.3f s, bound by %s; resources %s; critical %s", predicted, bound_by,
                  resources, critical)
     return StepPrediction(predicted_s=predicted, bound_by=bound_by,
                           resources={k: round(v, 6) for k, v in resources.items()})
 
 
-def _share(resources: dict, name: str) -> float:
-    disk = resources["nvme_read"] + resources["nvme_write"]
-    return resources[name] / disk if disk else 0.0
-
-
-def _binding(figures, resources: dict, bounds: dict, critical: dict, predicted: float, disk_s: float) -> str:
+def _binding(figures, resources: dict, critical: dict, predicted: float, disk_s: float) -> str:
     """The resource whose work the predicted step is made of: the disk's busier direction when the disk's time is
-    the step; else the resource busiest on the critical path."""
+    the step; else the busiest resource (on a CPU device, the busiest of the work its cores do)."""
     if disk_s > 0 and math.isclose(predicted, disk_s, rel_tol=1e-9) and disk_s >= max(
             critical.get("cores", 0.0), critical.get("compute_phase", 0.0)):
         return "nvme_read" if resources["nvme_read"] >= resources["nvme_write"] else "nvme_write"
-    if figures.device == "cpu":
-        # the cores do compute, the CPU Adam and the copies: the larger share names them
-        return max(("gpu", "cpu_adam", "h2d", "d2h"), key=lambda r: resources[r])
-    return max(resources, key=lambda r: bounds[r])
+    candidates = ("gpu", "cpu_adam", "h2d", "d2h") if figures.device == "cpu" else RESOURCES
+    return max(candidates, key=lambda r: resources[r])
 
 
 # --------------------------------------------------------------------------- traffic from an estimate
@@ -355,10 +346,10 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     host_optimizer = offload_optimizer != "none"
     grad_d2h = shards_h2d = shards_d2h = 0.0
     if crossings and host_optimizer:
+        # with accumulation, the fp32 device accumulator goes down once a step; else (one micro-batch, or the
+        # host ring) every micro-batch's slices go down in compute precision
         fp32_accumulator = accum > 1 and tiers["device"]["gradients"] > 0
-        grad_d2h = shard * (4 if fp32_accumulator else cbytes) if fp32_accumulator else shard * cbytes * accum
-        if accum > 1 and not fp32_accumulator:
-            grad_d2h = shard * cbytes * accum  # the host ring: every micro-batch's slice goes down
+        grad_d2h = shard * 4 if fp32_accumulator else shard * cbytes * accum
         if offload_param == "none":
             shards_h2d = shard * cbytes  # the new compute shards go up to where they rest
     elif crossings and offload_param != "none":
