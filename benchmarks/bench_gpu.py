@@ -19,8 +19,11 @@ one step moves to and from NVMe (from ``step_metrics()``) over the bandwidth
 
 Every row also has the step-time model's prediction of our step
 (``predicted_s``, ``bound_by``, each resource's busy seconds in
-``step_resources``, ``measured_over_predicted``), from the machine's cached
-figures (``infinity bench --machine``; measured here when there are none).
+``step_resources``, ``measured_over_predicted``), its prediction of plain
+PyTorch's step (``reference_predicted_s``) and ``ratio_over_predicted_ratio``:
+the measured ratio over the predicted one, which a shared machine's load
+leaves alone. The figures are the machine's cached ones (``infinity bench
+--machine``; measured here when there are none).
 
 Without CUDA (and without --allow-cpu) it says so and exits 0. The last line
 printed is one JSON object.
@@ -197,8 +200,14 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args) -> dict:
                        host_memory_budget=resolve_host_budget(None) if tier == "spill" else None, overlap_step=True)
     prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
                                        shape=gpt_shape(cfg))
+    # plain PyTorch: the same model with nothing offloaded and nothing crossing (a load gauge: on a shared
+    # machine both run slower alike, so ours / plain over the predicted ratio is what the model must explain)
+    plain = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16",
+                         gradient_accumulation_steps=accum, gpu=False)
+    reference = predict_from_estimate(machine_figures(), plain, micro_batch=args.micro_batch, seq_len=seq,
+                                      shape=gpt_shape(cfg))
     return {"predicted_s": prediction.predicted_s, "bound_by": prediction.bound_by,
-            "step_resources": prediction.resources}
+            "step_resources": prediction.resources, "reference_predicted_s": reference.predicted_s}
 
 
 def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
@@ -234,6 +243,7 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
            "ratio": statistics.median(ratios), "loss": loss, "copies": metrics.get("copies", {}),
            "placement": placement, **setup, **predicted(cfg, tier, accum, args)}
     row["measured_over_predicted"] = row["step_s"] / row["predicted_s"]
+    row["ratio_over_predicted_ratio"] = row["ratio"] / (row["predicted_s"] / row["reference_predicted_s"])
     if tier in ("nvme", "spill") and disk:
         moved = statistics.median(nvme_bytes)
         io_floor_s = moved / disk["bytes_per_s"]
@@ -285,7 +295,7 @@ def main(argv=None) -> int:
         print(f"machine: {machine(device)}; micro-batch {args.micro_batch} x seq {args.seq}, bf16, "
               f"{args.rounds} rounds after {args.warmup} warm-up")
         print(f"{'model':>6} {'tier':>5} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7} {'predicted s':>11} "
-              f"{'/pred':>6} {'bound by':>10}  host<->device MB/step")
+              f"{'/pred':>6} {'ratio/pred':>10} {'bound by':>10}  host<->device MB/step")
         for name in names:
             for tier, accum in cases:
                 row = run_case(MODELS[name], name, tier, accum, args, device, nvme_path, disk)
@@ -297,6 +307,7 @@ def main(argv=None) -> int:
                     extra += f" (then {row['pinned_nbytes'] / 1e9:.1f} GB pinned in {row['pinning_s']:.1f} s behind it)"
                 print(f"{name:>6} {tier:>5} {accum:>3} {row['reference_step_s']:9.3f} {row['step_s']:9.3f} "
                       f"{row['ratio']:6.2f}x {row['predicted_s']:11.3f} {row['measured_over_predicted']:5.2f}x "
+                      f"{row['ratio_over_predicted_ratio']:9.2f}x "
                       f"{row['bound_by']:>10}  {moved:10.1f}{extra}", flush=True)
     summary = {"machine": machine(device), "disk": disk, "rows": rows}
     for name in names:  # issue 12: nvme configured with a budget that holds the states, against cpu
