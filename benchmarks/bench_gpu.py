@@ -17,6 +17,14 @@ one step moves to and from NVMe (from ``step_metrics()``) over the bandwidth
     python benchmarks/bench_gpu.py --allow-cpu --models thin --seq 16 --micro-batch 1 --cases none:1,none:4 \
         --rounds 20                                             # the engine's host-side work a step
 
+Every row also has the step-time model's prediction of our step
+(``predicted_s``, ``bound_by``, each resource's busy seconds in
+``step_resources``, ``measured_over_predicted``), its prediction of plain
+PyTorch's step (``reference_predicted_s``) and ``ratio_over_predicted_ratio``:
+the measured ratio over the predicted one, which a shared machine's load
+leaves alone. The figures are the machine's cached ones (``infinity bench
+--machine``; measured here when there are none).
+
 Without CUDA (and without --allow-cpu) it says so and exits 0. The last line
 printed is one JSON object.
 """
@@ -39,6 +47,10 @@ import torch  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
+from infinity.placement.estimate import estimate_gpt  # noqa: E402
+from infinity.placement.host_budget import resolve_host_budget  # noqa: E402
+from infinity.placement.step_time import gpt_shape, predict_from_estimate  # noqa: E402
+from infinity.runtime.machine_figures import machine_figures  # noqa: E402
 
 MODELS = {
     # GPT-2 small and GPT-3 XL shapes with GPT-2's vocabulary (padded to 50304), tied head
@@ -175,6 +187,29 @@ def timed(device, fn, *a) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
+def predicted(cfg: GPTConfig, tier: str, accum: int, args) -> dict:
+    """The step-time model's step for ``engine_config(tier, accum)`` on this machine (crossings always: a GPU, or
+    the distinct-device mode)."""
+    offload = "nvme" if tier == "spill" else tier
+    seq = min(args.seq, cfg.seq_len)
+    est = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16", offload_param=offload,
+                       offload_optimizer=offload, gradient_accumulation_steps=accum, gpu=True,
+                       param_persistence_threshold=100_000,
+                       max_in_cpu=0 if tier == "nvme" else 1_000_000_000,
+                       optimizer_max_in_cpu=0 if tier == "nvme" else None,
+                       host_memory_budget=resolve_host_budget(None) if tier == "spill" else None, overlap_step=True)
+    prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
+                                       shape=gpt_shape(cfg))
+    # plain PyTorch: the same model with nothing offloaded and nothing crossing (a load gauge: on a shared
+    # machine both run slower alike, so ours / plain over the predicted ratio is what the model must explain)
+    plain = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16",
+                         gradient_accumulation_steps=accum, gpu=False)
+    reference = predict_from_estimate(machine_figures(), plain, micro_batch=args.micro_batch, seq_len=seq,
+                                      shape=gpt_shape(cfg))
+    return {"predicted_s": prediction.predicted_s, "bound_by": prediction.bound_by,
+            "step_resources": prediction.resources, "reference_predicted_s": reference.predicted_s}
+
+
 def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
     reference = Reference(cfg, device)
     ours = Ours(cfg, tier, accum, nvme_path)
@@ -206,7 +241,9 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
     row = {"model": name, "params": count_params(cfg), "tier": tier, "accumulation": accum,
            "reference_step_s": statistics.median(ref_times), "step_s": statistics.median(our_times),
            "ratio": statistics.median(ratios), "loss": loss, "copies": metrics.get("copies", {}),
-           "placement": placement, **setup}
+           "placement": placement, **setup, **predicted(cfg, tier, accum, args)}
+    row["measured_over_predicted"] = row["step_s"] / row["predicted_s"]
+    row["ratio_over_predicted_ratio"] = row["ratio"] / (row["predicted_s"] / row["reference_predicted_s"])
     if tier in ("nvme", "spill") and disk:
         moved = statistics.median(nvme_bytes)
         io_floor_s = moved / disk["bytes_per_s"]
@@ -257,7 +294,8 @@ def main(argv=None) -> int:
         disk = measure_disk(nvme_path) if any(t == "nvme" for t, _ in cases) else None
         print(f"machine: {machine(device)}; micro-batch {args.micro_batch} x seq {args.seq}, bf16, "
               f"{args.rounds} rounds after {args.warmup} warm-up")
-        print(f"{'model':>6} {'tier':>5} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7}  host<->device MB/step")
+        print(f"{'model':>6} {'tier':>5} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7} {'predicted s':>11} "
+              f"{'/pred':>6} {'ratio/pred':>10} {'bound by':>10}  host<->device MB/step")
         for name in names:
             for tier, accum in cases:
                 row = run_case(MODELS[name], name, tier, accum, args, device, nvme_path, disk)
@@ -268,7 +306,9 @@ def main(argv=None) -> int:
                 if row.get("pinned_nbytes"):
                     extra += f" (then {row['pinned_nbytes'] / 1e9:.1f} GB pinned in {row['pinning_s']:.1f} s behind it)"
                 print(f"{name:>6} {tier:>5} {accum:>3} {row['reference_step_s']:9.3f} {row['step_s']:9.3f} "
-                      f"{row['ratio']:6.2f}x  {moved:10.1f}{extra}", flush=True)
+                      f"{row['ratio']:6.2f}x {row['predicted_s']:11.3f} {row['measured_over_predicted']:5.2f}x "
+                      f"{row['ratio_over_predicted_ratio']:9.2f}x "
+                      f"{row['bound_by']:>10}  {moved:10.1f}{extra}", flush=True)
     summary = {"machine": machine(device), "disk": disk, "rows": rows}
     for name in names:  # issue 12: nvme configured with a budget that holds the states, against cpu
         by_tier = {r["tier"]: r for r in rows if r["model"] == name and r["accumulation"] == 1}

@@ -15,7 +15,12 @@ steps. Within a block a step's write-behind and the next one's first reads
 overlap as in training; the block's first reads and last writes do not, which
 a long run would hide.
 The last line is JSON with at least step_s, step_no_overlap_s,
-compute_floor_s and io_floor_s.
+compute_floor_s, io_floor_s and predicted_step_s: the step-time model's
+prediction of the overlapped step (``infinity.placement.step_time``), from the
+machine's cached figures (``infinity bench --machine``; measured here when
+there are none) with the disk's bandwidth measured in this run, for a block of
+``--block`` steps timed with its fill and drain; ``measured_over_predicted`` is
+the median of the per-round ratios.
 
 With ``--gradient-clipping C`` the overlapped and sequential engines clip (the
 overlapped step speculates and is settled once the norm is known), and a fourth
@@ -30,6 +35,7 @@ clipped overlapped steps ended (committed, redone, skipped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -41,9 +47,12 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
-import infinity
-from infinity.models.gpt import GPT, GPTConfig, count_params
-from infinity.storage.bench import check_free_space, measure_nvme
+import infinity  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
+from infinity.placement.estimate import estimate_gpt  # noqa: E402
+from infinity.placement.step_time import gpt_shape, predict_step, traffic_from_estimate  # noqa: E402
+from infinity.runtime.machine_figures import machine_figures  # noqa: E402
+from infinity.storage.bench import check_free_space, measure_nvme  # noqa: E402
 
 
 AIO = {"block_size": 1 << 20, "queue_depth": 32}
@@ -82,6 +91,22 @@ def build(cfg: GPTConfig, config: dict):
     with torch.device("meta"):
         model = GPT(cfg)
     return infinity.initialize(model, config)
+
+
+def predicted(cfg: GPTConfig, batch: int, sub_group_size: int, block: int, *, read_GBps: float, write_GBps: float,
+              overlap: bool = True, offloaded: bool = True) -> dict:
+    """The step-time model's step for an engine of this run (``engine_config``'s settings): a steady step, plus
+    the fill and drain a block of ``block`` steps pays once."""
+    figures = dataclasses.replace(machine_figures(), nvme_read_GBps=read_GBps, nvme_write_GBps=write_GBps)
+    offload = "nvme" if offloaded else "none"
+    est = estimate_gpt(cfg, micro_batch=batch, precision=PRECISION["name"], offload_param=offload,
+                       offload_optimizer=offload, max_in_cpu=0, optimizer_max_in_cpu=0, sub_group_size=sub_group_size,
+                       gpu=False, prefetch_bucket_size=200_000_000 if overlap else 0,
+                       max_reuse_distance=1_000_000_000 if overlap else 0, overlap_step=overlap)
+    traffic = traffic_from_estimate(est, shape=gpt_shape(cfg), overlap_step_with_backward=overlap, crossings=False)
+    steady = predict_step(figures, traffic)
+    alone = predict_step(figures, traffic, timed_alone=True)
+    return dict(steady.as_dict(), predicted_s=steady.predicted_s + (alone.predicted_s - steady.predicted_s) / block)
 
 
 def one_block(engine, batch, steps: int) -> tuple[float, list[dict]]:
@@ -191,6 +216,9 @@ def main() -> None:
             engine.close()
         compute_times = times["floor"]
 
+    model = predicted(cfg, args.batch, args.sub_group_size, args.block, read_GBps=read_GBps, write_GBps=write_GBps)
+    floor_model = predicted(cfg, args.batch, args.sub_group_size, args.block, read_GBps=read_GBps,
+                            write_GBps=write_GBps, offloaded=False)
     nvme_tier = metrics_on["tiers"]["nvme"]
     io_floor = nvme_tier["bytes_read"] / (read_GBps * 1e9) + nvme_tier["bytes_written"] / (write_GBps * 1e9)
     result = {
@@ -205,6 +233,15 @@ def main() -> None:
         "write_GBps": write_GBps,
         "timeline": metrics_on["timeline"],
     }
+    result.update(predicted_step_s=model["predicted_s"], step_bound_by=model["bound_by"],
+                  step_resources=model["resources"], predicted_floor_s=floor_model["predicted_s"],
+                  measured_over_predicted=statistics.median(t / model["predicted_s"] for t in times["on"]),
+                  floor_measured_over_predicted=statistics.median(t / floor_model["predicted_s"]
+                                                                  for t in times["floor"]))
+    # The floor engine ran beside the overlapped one in every round: on a shared machine both slow down alike, so
+    # the measured on / floor over the predicted on / floor is the part of the model the load leaves alone.
+    result["over_floor_measured_over_predicted"] = statistics.median(
+        (on / floor) / (model["predicted_s"] / floor_model["predicted_s"]) for on, floor in zip(times["on"], times["floor"]))
     # Ratios per round (the three engines ran back to back), then their median: the machine's noise
     # moves a round's three steps together, so a ratio is steadier than a ratio of medians.
     result["step_over_floor"] = statistics.median(
@@ -231,6 +268,10 @@ def main() -> None:
     if "no tail" in times:
         print(f"step, clipped, updates before step() returns: {result['step_without_tail_s']:.2f} s  (behind the "
               f"forward is {result['tail_speedup']:.3f} x faster, median of per-round ratios; blocks of {args.block})")
+    print(f"step-time model  : {result['predicted_step_s']:.2f} s predicted, bound by {result['step_bound_by']}; "
+          f"measured / predicted {result['measured_over_predicted']:.2f} (median of per-round ratios); floor "
+          f"predicted {result['predicted_floor_s']:.2f} s, measured / predicted {result['floor_measured_over_predicted']:.2f}; "
+          f"(on / floor) measured / predicted {result['over_floor_measured_over_predicted']:.2f}")
     print(f"compute floor    : {result['compute_floor_s']:.2f} s")
     print(f"I/O floor        : {result['io_floor_s']:.2f} s  ({nvme_tier['bytes_read'] / 1e9:.2f} GB read, "
           f"{nvme_tier['bytes_written'] / 1e9:.2f} GB written per step)")

@@ -9,6 +9,12 @@ form; ``--json`` then prints one JSON object with ``write_GBps`` and
 
     infinity bench --path /mnt/nvme --size 1GiB --block-size 1MiB --queue-depth 32 --json
     infinity bench --path /mnt/nvme --block-size 256KiB,1MiB,4MiB --queue-depth 8,32,64 --backend all --plot bw.png
+
+``--machine`` measures instead, in a few seconds, the figures the step-time model needs (the device's
+throughput, host⇄device copies, the CPU Adam, the disk at ``--path``) and caches them for ``infinity estimate``
+and ``infinity train``:
+
+    infinity bench --machine [--path /mnt/nvme] [--json]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import shutil
 import sys
 import tempfile
 
+from infinity.commands.bench_machine import run_machine
 from infinity.commands.train_checks import check_writable
 from infinity.storage import libaio_unavailable_reason
 from infinity.storage.aio import AsyncIO
@@ -50,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thread-count", type=int, default=1,
                         help="I/O threads (libaio contexts), the aio block's intra_op_parallelism (default 1)")
     parser.add_argument("--repeat", type=int, default=1, help="passes per point; the median is reported (default 1)")
+    parser.add_argument("--machine", action="store_true",
+                        help="measure the machine's figures for the step-time model (a few seconds) and cache them")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw bandwidth against block size and queue depth")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -123,6 +132,8 @@ def _bench_dir(path: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.machine:
+        return run_machine(args)
     nbytes = parse_size(args.size)
     if nbytes <= 0 or nbytes % 4096:
         raise ValueError(f"--size must be a positive multiple of 4096 bytes, got {args.size!r}")

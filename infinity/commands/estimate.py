@@ -11,6 +11,8 @@ config is built by the same code as train's, and the figures come from the same 
 here are the bytes ``infinity train`` reserves for the same settings, the extents kept to undo a speculative step
 included. Prints the setting broken down by kind of state, then every offload alternative (none/cpu/nvme for
 parameters x optimizer) for comparison.
+Then the step-time model's predicted step on this machine and the resource that binds it (from the
+figures `infinity bench --machine` cached; ``--json`` has them under ``step_time``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import get_preset
 from infinity.placement.estimate import estimate_for_config, gpt_activation_nbytes
 from infinity.placement.report import format_table, parse_count
+from infinity.placement.step_time import format_prediction, predict_from_estimate
+from infinity.runtime.machine_figures import cache_path, load_cached
 
 MAX_PARAMS = 10**15
 """A quadrillion parameters: above that a count is a typo, not a model."""
@@ -214,8 +218,10 @@ def run(args: argparse.Namespace) -> int:
     alts = [figures(_engine_config(args, raw, (op, oo))[0]) for op in OFFLOAD_DEVICES for oo in OFFLOAD_DEVICES]
     note = kept_offload_note(argparse.Namespace(config=args.config, offload_param=args.offload_param,
                                             offload_optimizer=args.offload_optimizer), raw)
+    step_time, step_note = predicted_step(chosen, micro_batch=micro_batch, seq_len=seq_len)
     if args.json:
-        print(json.dumps({"estimate": chosen, "alternatives": alts}))
+        print(json.dumps({"estimate": chosen, "alternatives": alts, "step_time": step_time,
+                          **({"step_time_note": step_note} if step_note else {})}))
         return 0
     if args.preset is not None:
         print(f"preset {args.preset}: {chosen['setting']['model']}")
@@ -227,4 +233,24 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note)
     print(format_table(chosen, alts))
+    print()
+    print(step_note)
     return 0
+
+
+def predicted_step(est: dict, *, micro_batch: int, seq_len: int | None) -> tuple[dict | None, str]:
+    """The step-time model's prediction for the estimate on this machine (``{"predicted_s", "bound_by",
+    "resources"}``, or None without cached figures) and a line saying it, or how to get it."""
+    figures = load_cached()
+    if figures is None:
+        return None, (f"predicted step: no figures of this machine at {cache_path()}; "
+                      f"`infinity bench --machine` measures them (a few seconds)")
+    s = est["setting"]
+    where = f"{figures.machine}" + ("" if s["gpu"] == (figures.device == "cuda") else
+                                     f" (its {figures.device.upper()} as the device)")
+    try:
+        prediction = predict_from_estimate(figures, est, micro_batch=micro_batch, seq_len=seq_len)
+    except ValueError as err:  # a path the figures lack (no disk measured, say)
+        return None, f"predicted step: {err}"
+    tokens = f"micro-batch {micro_batch} x {seq_len or s.get('seq_len') or 1024} tokens"
+    return prediction.as_dict(), f"{format_prediction(prediction)}; {tokens}, on {where}"

@@ -38,6 +38,7 @@ from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAU
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
 from infinity.commands.train_signals import Cleanup, GracefulStop
+from infinity.commands.train_step_time import measured_over_predicted, predicted_step
 from infinity.config.lr_schedule import lr_at
 from infinity.config.tier_names import OFFLOAD_DEVICES, TIERS
 from infinity.config.units import parse_host_memory
@@ -254,6 +255,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     accounted, activations = plan.estimate["accounted"], plan.estimate["tiers"]["device"]["activations"]
     say("  estimate per rank: " + ", ".join(f"{t} {format_bytes(accounted[t])}" for t in TIERS)
         + (f"; plus activations {format_bytes(activations)}" if activations else ""))
+    prediction, prediction_line = predicted_step(plan, model)
+    say(f"  {prediction_line}")
 
     _init_distributed(plan, cleanup)
     engine = initialize(model, plan.config, weights=plan.hf_model)
@@ -283,7 +286,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
                dynamic_ncols=True, leave=False)
     if is_main:  # samples print above the progress bar
         monitor.say = lambda text: bar.write(text, file=sys.stdout)
-    train_s = 0.0
+    train_s, step_seconds = 0.0, []
     for step in range(start_step, plan.steps):
         t0 = time.perf_counter()
         if plan.monitor.lr_schedule != "deepspeed":  # (else the engine sets it from the config's scheduler block)
@@ -311,6 +314,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
             return stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
         dt = time.perf_counter() - t0
         train_s += dt
+        step_seconds.append(dt)
         losses.append(step_loss)
         progress = monitor.after_step(engine, step + 1, step_loss, dt)
         bar.set_postfix_str(progress, refresh=False)
@@ -359,8 +363,12 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "lr_schedule": plan.monitor.lr_schedule,
         "metrics_file": str(monitor.log.path) if monitor.log else None,
     }
+    step_time, step_time_line = measured_over_predicted(prediction, step_seconds)
+    summary.update(step_time)
     if is_main:
         print_summary(summary)
+        if step_time_line:
+            print(f"  {step_time_line}")
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0

@@ -1,0 +1,254 @@
+"""The step-time model's arithmetic on hand-made figures (which resource binds when, what overlaps), the machine's
+figures and their cache, and the commands that show them (``bench --machine --json``, ``estimate --json``).
+Every expected value is worked out by hand here; no timing is asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from infinity import kernels
+from infinity.cli import main
+from infinity.placement.estimate import estimate
+from infinity.placement.step_time import (RESOURCES, StepTraffic, compute_seconds, predict_step, step_flops,
+                                          traffic_from_estimate)
+from infinity.runtime import machine_figures as mf
+from infinity.runtime.machine_figures import MachineFigures, cache_path, load_cached, save
+
+# One block of width 1000 on 1000 tokens of a 1000-token sequence: 6 FLOPs per matmul weight per token
+# (12 · 1000² weights) plus the attention's 12 · 1000 · 1000 per token: 84e6 a token, 8.4e10 in all.
+FLOPS = 1000 * (6 * 12 * 1000**2 + 12 * 1000 * 1000)
+# A block throughput that makes that 3 s exactly.
+RATE_TFLOPS = FLOPS / 3.0 / 1e12
+
+
+def figures(**changes) -> MachineFigures:
+    base = MachineFigures(
+        host="test", machine="hand-made", device="cuda", matmul_tflops={"bf16": 200.0, "fp32": 50.0},
+        block_tflops={"bf16": {"1000": RATE_TFLOPS}}, block_overhead_s={"bf16": 0.0}, block_tokens=1000,
+        h2d_GBps=10.0, d2h_GBps=10.0, copy_path="cuda pinned", device_memory_GBps=1000.0,
+        cpu_adam_elements_per_s={"fp32": 1e9, "bf16": 2e9, "int8": 4e9}, cpu_threads=16,
+        nvme_read_GBps=2.0, nvme_write_GBps=1.0, nvme_path="/nvme", measured_s=1.0, measured_at=0.0,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def traffic(**changes) -> StepTraffic:
+    """3 s of compute; 0.2 s of gradients down, 1 s of CPU Adam, 0.2 s of new shards up; 10 sub-groups."""
+    base = StepTraffic(layers=1, width=1000, seq_len=1000, tokens=1000, precision="bf16",
+                       grad_d2h_nbytes=2e9, cpu_adam_elements=1e9, shards_h2d_nbytes=2e9, sub_groups=10)
+    return dataclasses.replace(base, **changes)
+
+
+def test_flops_and_compute_seconds_by_hand():
+    assert step_flops(traffic()) == FLOPS
+    assert step_flops(traffic(micro_batches=4)) == 4 * FLOPS
+    assert step_flops(traffic(head_params=500_000)) == FLOPS + 6 * 500_000 * 1000
+    assert math.isclose(compute_seconds(figures(), traffic()), 3.0)
+    # a fixed overhead per block and one more for the head: (1 + 1) x 0.01 s
+    assert math.isclose(compute_seconds(figures(block_overhead_s={"bf16": 0.01}), traffic()), 3.02)
+    # the throughput between two measured widths, interpolated in log(width): 64 -> 1, 1024 -> 16 gives 4 at 256
+    table = figures(block_tflops={"bf16": {"64": 1.0, "1024": 16.0}})
+    flops_256 = step_flops(traffic(width=256))
+    assert math.isclose(compute_seconds(table, traffic(width=256)), flops_256 / 4e12)
+    # below the narrowest and above the widest, held at the ends
+    assert math.isclose(compute_seconds(table, traffic(width=32)), step_flops(traffic(width=32)) / 1e12)
+    # fp32, not measured as a block: the bf16 block throughput scaled by the matmuls' (50 / 200)
+    assert math.isclose(compute_seconds(figures(), traffic(precision="fp32")), 12.0)
+
+
+def test_host_step_hidden_behind_backward_gpu_binds():
+    # compute phase 3 s; the host step a pipeline of 0.2 s (gradients down) and 1 s (Adam) over 10 sub-groups:
+    # 1 + 0.2 / 10 = 1.02 s, begun with the boundary backward (2 s before the end): done by 1 + 1.02 = 2.02 s,
+    # but the last sub-group's gradients are final at 3 s and take (0.2 + 1) / 10 = 0.12 s more: 3.12 s.
+    p = predict_step(figures(), traffic())
+    assert math.isclose(p.predicted_s, 3.12)
+    assert p.bound_by == "gpu"
+    assert p.resources == {"gpu": 3.0, "h2d": 0.2, "d2h": 0.2, "cpu_adam": 1.0, "nvme_read": 0.0, "nvme_write": 0.0}
+
+
+def test_without_overlap_the_host_step_follows_backward():
+    p = predict_step(figures(), traffic(overlap_step_with_backward=False))
+    assert math.isclose(p.predicted_s, 3.0 + 1.02)
+
+
+def test_a_slow_cpu_adam_binds():
+    # 5 s of Adam: the pipeline is 5 + 0.2 / 10 = 5.02 s from the boundary backward's start at 1 s: 6.02 s
+    p = predict_step(figures(), traffic(cpu_adam_elements=5e9))
+    assert math.isclose(p.predicted_s, 6.02)
+    assert p.bound_by == "cpu_adam"
+
+
+def test_accumulation_leaves_less_backward_to_hide_behind():
+    # four micro-batches of 0.75 s each: the boundary backward is 0.5 s, so the 5.02 s host step ends at 7.52 s
+    p = predict_step(figures(block_tflops={"bf16": {"1000": RATE_TFLOPS * 4}}),
+                     traffic(cpu_adam_elements=5e9, micro_batches=4))
+    assert math.isclose(p.predicted_s, 3.0 - 0.5 + 5.02)
+
+
+def test_the_disk_binds_reads_and_writes_share_it():
+    # 8 GB read at 2 GB/s (4 s) and 8 GB written at 1 GB/s (8 s): one disk, 12 s, more of it writing
+    p = predict_step(figures(), traffic(state_read_nbytes=8e9, state_write_nbytes=8e9))
+    assert math.isclose(p.predicted_s, 12.0)
+    assert p.bound_by == "nvme_write"
+    assert p.resources["nvme_read"] == 4.0 and p.resources["nvme_write"] == 8.0
+
+
+def test_fetches_overlap_compute_when_prefetched_else_wait_in_line():
+    # 40 GB of compute shards up at 10 GB/s: 4 s, longer than the 3 s of compute
+    prefetched = predict_step(figures(), traffic(fetch_h2d_nbytes=40e9, grad_d2h_nbytes=0, shards_h2d_nbytes=0,
+                                                 cpu_adam_elements=0))
+    assert math.isclose(prefetched.predicted_s, 4.0)
+    assert prefetched.bound_by == "h2d"
+    waiting = predict_step(figures(), traffic(fetch_h2d_nbytes=40e9, grad_d2h_nbytes=0, shards_h2d_nbytes=0,
+                                              cpu_adam_elements=0, prefetch=False))
+    assert math.isclose(waiting.predicted_s, 7.0)
+
+
+def test_copies_both_ways_at_once():
+    # 30 GB of compute shards up (3 s, beside the 3 s of compute) and 30 GB of gradients down (3 s, from the
+    # boundary backward's start, 2 s before its end): separate wires, so the step ends at 1 + 3 = 4 s, where
+    # one wire for both would need 6 s of copies
+    p = predict_step(figures(), traffic(fetch_h2d_nbytes=30e9, grad_d2h_nbytes=30e9, shards_h2d_nbytes=0,
+                                        cpu_adam_elements=0))
+    assert p.resources["h2d"] == 3.0 and p.resources["d2h"] == 3.0
+    assert math.isclose(p.predicted_s, 4.0)
+
+
+def test_on_a_cpu_device_the_cores_do_everything_in_turn():
+    # compute 3 s, Adam 1 s, the copies 0.2 + 0.2 s: all on the same cores, 4.4 s; the disk's 1.5 s overlaps them
+    cpu = figures(device="cpu")
+    p = predict_step(cpu, traffic(state_read_nbytes=1e9, state_write_nbytes=1e9))
+    assert math.isclose(p.predicted_s, 4.4)
+    assert p.bound_by == "gpu"
+    # without crossings (one memory) the copies cost nothing
+    assert math.isclose(predict_step(cpu, traffic(crossings=False)).predicted_s, 4.0)
+    # a disk slower than the cores binds
+    slow = predict_step(cpu, traffic(state_read_nbytes=4e9, state_write_nbytes=4e9, crossings=False))
+    assert math.isclose(slow.predicted_s, 2.0 + 4.0)
+    assert slow.bound_by == "nvme_write"
+
+
+def test_a_step_timed_alone_pays_the_first_fetch_and_the_last_write():
+    # the first fetch: 0.2 GB read at 2 GB/s = 0.1 s; the last sub-group's write: 1 GB / 10 at 1 GB/s = 0.1 s
+    cpu = figures(device="cpu")
+    t = traffic(crossings=False, state_read_nbytes=1e9, state_write_nbytes=1e9, fetch_nvme_read_nbytes=2e9,
+                first_fetch_nbytes=2e8)
+    steady, alone = predict_step(cpu, t), predict_step(cpu, t, timed_alone=True)
+    assert math.isclose(steady.predicted_s, 4.0)
+    assert math.isclose(alone.predicted_s, 4.0 + 0.1 + 0.1)
+
+
+def test_the_device_optimizer_runs_on_the_device():
+    # 1e9 elements, 30 bytes each (reads 4 + 4 + 8, writes 12 + 2) at 1000 GB/s: 0.03 s on the GPU after backward
+    p = predict_step(figures(), traffic(grad_d2h_nbytes=0, shards_h2d_nbytes=0, cpu_adam_elements=0,
+                                        device_adam_elements=1e9))
+    assert math.isclose(p.predicted_s, 3.03)
+    # on a CPU device, at the CPU Adam's fp32 rate: 1 s
+    assert math.isclose(predict_step(figures(device="cpu"), traffic(
+        grad_d2h_nbytes=0, shards_h2d_nbytes=0, cpu_adam_elements=0, device_adam_elements=1e9)).predicted_s, 4.0)
+
+
+def test_a_missing_figure_is_named():
+    with pytest.raises(ValueError, match="NVMe read"):
+        predict_step(figures(nvme_read_GBps=None), traffic(state_read_nbytes=1e9))
+
+
+# --------------------------------------------------------------------------- bytes from an estimate
+
+
+def test_traffic_follows_the_estimates_bytes():
+    n = 10_000_000
+    # ZeRO-Offload (optimizer on the CPU, parameters on the device): gradients down once in bf16, new compute
+    # shards up once, the CPU Adam over every element, nothing fetched
+    t = traffic_from_estimate(estimate(num_params=n, offload_optimizer="cpu", gpu=True))
+    assert (t.grad_d2h_nbytes, t.shards_h2d_nbytes, t.fetch_h2d_nbytes, t.cpu_adam_elements) == (2 * n, 2 * n, 0, n)
+    # accumulation over 4 micro-batches: the fp32 device accumulator goes down once a step
+    t = traffic_from_estimate(estimate(num_params=n, offload_optimizer="cpu", gradient_accumulation_steps=4))
+    assert t.grad_d2h_nbytes == 4 * n and t.micro_batches == 4
+    # parameters in host memory: up at every fetch; kept gathered for backward within max_reuse_distance / 2
+    kept = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu")
+    assert traffic_from_estimate(kept).fetch_h2d_nbytes == kept["tiers"]["host"]["compute_shard"] == 2 * n
+    # and fetched again for backward without reuse (the README: "2 B up, twice")
+    again = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", max_reuse_distance=0,
+                     prefetch_bucket_size=0)
+    assert traffic_from_estimate(again).fetch_h2d_nbytes == 4 * n
+    # everything on NVMe, fp32 states: 12 B an element read and written, plus the compute shard written back
+    nvme = estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0, gpu=False)
+    t = traffic_from_estimate(nvme)
+    assert t.state_read_nbytes == 12 * n and t.state_write_nbytes == 14 * n and t.fetch_nvme_read_nbytes == 2 * n
+    assert not t.crossings
+    # bf16 states: the compute shards come from the master, nothing written for them
+    t = traffic_from_estimate(estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0,
+                                       state_dtype="bf16"))
+    assert t.state_read_nbytes == t.state_write_nbytes == 6 * n
+
+
+# --------------------------------------------------------------------------- the figures' cache and the commands
+
+
+def test_cache_round_trip_and_what_is_not_trusted(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_path("box") == tmp_path / "zero-infinity" / "machine-box.json"
+    assert load_cached() is None
+    written = save(figures(host="box"), cache_path("box"))
+    assert load_cached(written) == figures(host="box")
+    data = json.loads(written.read_text())
+    written.write_text(json.dumps(dict(data, format=mf.FORMAT + 1)))
+    assert load_cached(written) is None  # another format is measured again
+    written.write_text('{"host": ')
+    assert load_cached(written) is None  # half a file is never trusted
+
+
+DOCUMENTED_KEYS = {
+    "host", "machine", "device", "matmul_tflops", "block_tflops", "block_overhead_s", "block_tokens", "h2d_GBps",
+    "d2h_GBps", "copy_path", "device_memory_GBps", "cpu_adam_elements_per_s", "cpu_threads", "nvme_read_GBps",
+    "nvme_write_GBps", "nvme_path", "measured_s", "measured_at", "format",
+}
+
+
+def test_a_block_is_measured_with_the_flops_counted_by_hand():
+    # width 64, 16 tokens of a 16-token sequence: 16 x (6 x 12 x 64² + 12 x 16 x 64) = 4,915,200
+    assert mf.block_flops(64, 16, 16) == 4_915_200
+    block = mf._block(64, mf._DTYPES["fp32"], mf.torch.device("cpu"))
+    assert sum(p.numel() for p in block.parameters() if p.dim() == 2) == 12 * 64 * 64  # the FLOPs' weights
+    assert mf._block_seconds(64, 1, 16, "fp32", mf.torch.device("cpu"), budget_s=0.0) > 0
+
+
+def test_bench_machine_json_emits_the_figures_and_caches_them(tmp_path, monkeypatch, capsys):
+    kernels.backend()  # the CPU Adam's kernel, built (or loaded) from the usual cache before the cache moves
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # the transformer blocks are the slow part of the measurement (seconds on a shared box): measured above
+    monkeypatch.setattr(mf, "measure_blocks", lambda device, precision: ({"64": 0.1, "1024": 1.0}, 0.001, 1024))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert main(["bench", "--machine", "--json", "--path", str(disk)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) == DOCUMENTED_KEYS | {"cache"}
+    assert set(out["cpu_adam_elements_per_s"]) == {"fp32", "bf16", "int8"}
+    assert all(v > 0 for v in out["cpu_adam_elements_per_s"].values())
+    assert set(out["matmul_tflops"]) == {"bf16", "fp32"} and out["device"] in ("cpu", "cuda")
+    cached = load_cached()
+    assert cached is not None and cached.as_dict() == {k: v for k, v in out.items() if k != "cache"}
+    assert out["cache"] == str(cache_path(out["host"]))
+    assert list(disk.iterdir()) == []  # the disk's benchmark file is gone
+
+
+def test_estimate_json_has_the_step_time(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["estimate", "--preset", "tiny", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["step_time"] is None and "bench --machine" in out["step_time_note"]
+
+    save(figures(device="cpu"), cache_path())
+    argv = ["estimate", "--preset", "tiny", "--offload-optimizer", "nvme", "--offload-param", "nvme", "--cpu"]
+    assert main([*argv, "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["step_time"]
+    assert set(step) == {"predicted_s", "bound_by", "resources"}
+    assert set(step["resources"]) == set(RESOURCES) and step["bound_by"] in RESOURCES
+    assert step["predicted_s"] >= max(step["resources"].values()) > 0
+    assert main(argv) == 0
+    assert f"predicted step {step['predicted_s']:.3g} s, bound by {step['bound_by']}" in capsys.readouterr().out
