@@ -1,11 +1,7 @@
 """``infinity.hf.Trainer``: a Hugging Face ``transformers.Trainer`` whose model runs under the engine.
 
-A user's script changes one import::
-
-    from infinity.hf import Trainer          # was: from transformers import Trainer
-    trainer = Trainer(model=model, args=args, train_dataset=..., infinity_config="ds_config.json")
-
-and everything else (``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
+A user's script changes one import, ``Trainer`` from ``infinity.hf`` instead of ``transformers``, and passes its
+DeepSpeed JSON as ``Trainer(..., infinity_config="ds_config.json")``; everything else (``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
 ``train()``/``evaluate()``/``predict()``/``save_model()``, checkpoints and resuming) stays as it is. The
 engine is built once, at construction, around the model (weights streamed into shards from the model's
 own folder when it was built on the meta device). What the Trainer does is kept; only the model's
