@@ -26,6 +26,8 @@ Public surface::
     engine.backward(out.loss); engine.step()        # (our byte GPT: loss = engine(input_ids, targets))
 """
 
+from infinity.runtime.lazy import lazy_names
+
 __version__ = "0.1.0"
 
 # Imported on first use, so `import infinity` (and `infinity bench`) stays light.
@@ -43,11 +45,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'infinity' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())

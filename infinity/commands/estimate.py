@@ -22,10 +22,10 @@ import json
 from dataclasses import asdict
 
 from infinity.commands.hf_model import read_hf_model_config
-from infinity.commands.train_checks import config_number, read_config_file
+from infinity.commands.train_checks import config_number
 from infinity.commands.train_estimate import model_numels
 from infinity.commands.train_plan import DEFAULT_LR, DEFAULT_STEPS, complete_file, engine_config, kept_offload_note
-from infinity.config.schema import InfinityConfig
+from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.config.units import parse_host_memory
 from infinity.hf.pretrained import build_meta_causal_lm
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("grad_accum", "micro_batch"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    raw = read_config_file(args.config) if args.config else {}
+    raw = read_config_json(args.config) if args.config else {}
     args.hidden_size = _hidden_size(args)
     model, gpt_cfg = _model(args)
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]

@@ -3,7 +3,6 @@ writable and its disk has room for the swap files, and the machine has the memor
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -23,26 +22,8 @@ from infinity.storage.lock_file import remove_if_unheld
 from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 
 __all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
-           "check_writable", "config_number", "finite_positive", "read_config_file", "remove_dead_swap_folders",
+           "check_writable", "config_number", "finite_positive", "remove_dead_swap_folders",
            "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
-
-
-def read_config_file(path: str) -> dict:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file {path!r} does not exist") from None
-    except IsADirectoryError:
-        raise ValueError(f"config file {path!r} is a folder, not a JSON file") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"config file {path!r} is not JSON: {err}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {path!r} must hold a JSON object, got {type(raw).__name__}")
-    return raw
 
 
 def check_writable(path: str, what: str = "nvme path") -> None:

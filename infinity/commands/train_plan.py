@@ -18,11 +18,11 @@ from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checkpoints import SavePolicy
 from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
                                             check_output_folder, check_writable, config_number, default_swap_location,
-                                            finite_positive, read_config_file)
+                                            finite_positive)
 from infinity.commands.train_monitor import MonitorPlan
 from infinity.config.auto import fill_auto
 from infinity.config.deepspeed import asked_precision
-from infinity.config.schema import InfinityConfig
+from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.models.gpt import DEFAULT_PRESET, get_preset
@@ -143,7 +143,7 @@ def _block(raw: dict, key: str, where: str | None = None) -> dict:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Read the config file, apply the flags on top of it and check every input, before any work."""
-    raw = read_config_file(args.config) if args.config else {}
+    raw = read_config_json(args.config) if args.config else {}
     _block(raw, "zero_optimization")
     offload_note = kept_offload_note(args, raw)
     opt_params = _block(_block(raw, "optimizer"), "params", "optimizer.params")

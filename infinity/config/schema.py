@@ -70,15 +70,7 @@ class InfinityConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "InfinityConfig":
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise OSError(f"config file {os.fspath(path)!r} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config file {os.fspath(path)!r} is not JSON: {err}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file {os.fspath(path)!r} must hold a JSON object, got {type(raw).__name__}")
+        raw = read_config_json(path)
         return cls.from_deepspeed(raw)
 
     @classmethod
@@ -111,3 +103,21 @@ class InfinityConfig:
     def with_aio(self, **changes) -> "InfinityConfig":
         """A copy with fields of ``aio`` changed."""
         return self.replace(aio=dataclasses.replace(self.aio, **changes))
+
+
+def read_config_json(path: str | os.PathLike, what: str = "config file") -> dict:
+    """The JSON object in ``path``; a missing file, a folder, or anything but a JSON object is an error naming
+    ``what`` and the path."""
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {name!r} is a folder, not a JSON file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} {name!r} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{what} {name!r} must hold a JSON object, got {type(raw).__name__}")
+    return raw

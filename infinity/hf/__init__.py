@@ -4,6 +4,8 @@
 script's model under the engine (see :mod:`infinity.hf.trainer`).
 """
 
+from infinity.runtime.lazy import lazy_names
+
 # The Trainer needs the optional `transformers` extra: its module is imported on first use.
 _LAZY = {
     "Trainer": ("infinity.hf.trainer", "Trainer"),
@@ -14,11 +16,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'infinity.hf' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY, globals())

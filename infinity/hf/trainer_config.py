@@ -31,12 +31,11 @@ An :class:`InfinityConfig` given as it is gets the same fields replaced by the a
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 
 from infinity.config.auto import AUTO, fill_auto
-from infinity.config.schema import InfinityConfig
+from infinity.config.schema import InfinityConfig, read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +93,7 @@ def _read_raw(config) -> dict:
     if isinstance(config, dict):
         return copy.deepcopy(config)
     if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise OSError(f"infinity_config file {os.fspath(config)!r} does not exist") from None
-        except json.JSONDecodeError as err:
-            raise ValueError(f"infinity_config file {os.fspath(config)!r} is not JSON: {err}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"infinity_config file {os.fspath(config)!r} must hold a JSON object")
-        return raw
+        return read_config_json(config, "infinity_config file")
     raise ValueError(f"infinity_config must be a dict, a path to a JSON file or an InfinityConfig, "
                      f"got {type(config).__name__}")
 
