@@ -264,6 +264,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     if is_main:  # samples print above the progress bar
         monitor.say = lambda text: bar.write(text, file=sys.stdout)
     train_s = 0.0
+    step_seconds: list[float] = []
     for step in range(start_step, plan.steps):
         t0 = time.perf_counter()
         if plan.monitor.lr_schedule != "deepspeed":  # (else the engine sets it from the config's scheduler block)
@@ -291,6 +292,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
             return stop_on_nonfinite(args, plan, engine, corpus, losses, step, 0, grad_norm, applied=True)
         dt = time.perf_counter() - t0
         train_s += dt
+        step_seconds.append(dt)
         losses.append(step_loss)
         progress = monitor.after_step(engine, step + 1, step_loss, dt)
         bar.set_postfix_str(progress, refresh=False)
@@ -327,6 +329,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "val_loss": monitor.val_losses[-1][1] if monitor.val_losses else None,
         "tokens_per_s": tokens_per_s,
         "train_s": train_s,
+        "step_s": step_seconds,
         "peak_rss_bytes": peak_rss_bytes(),
         "tiers": monitor.totals,
         "copies": monitor.copies,
