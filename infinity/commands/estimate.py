@@ -2,19 +2,29 @@
 
     infinity estimate --params 7B --world-size 8 --offload-param nvme --offload-optimizer nvme
     infinity estimate --preset 1.3b --micro-batch 4 --json
+    infinity estimate --max-params --offload-param nvme --offload-optimizer nvme --optimizer-state-dtype int8 --cpu \\
+        --host-memory 7GiB --nvme-path /mnt/nvme --seq-len 16
 
 Prints the requested setting broken down by kind of state, then every
 offload alternative (none/cpu/nvme for parameters x optimizer) for comparison.
+With ``--max-params``: the largest GPT of our presets' shape that this machine's
+host memory (``--host-memory``, default 80%% of what is available) and disk
+(the free room under ``--nvme-path``) hold in that setting, and the bytes a
+parameter takes in each tier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 
 from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.models.gpt import get_preset
-from infinity.placement.estimate import alternatives, estimate, estimate_gpt, format_table, parse_count
+from infinity.placement.estimate import (alternatives, estimate, estimate_gpt, format_max_gpt, format_table, max_gpt,
+                                         parse_count)
 from infinity.placement.host_budget import resolve_host_budget
 from infinity.config.units import parse_host_memory
 
@@ -33,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=_count, metavar="N", help="parameter count: 7B, 350M, 1.3e9, ...")
     model.add_argument("--preset", metavar="NAME", help="one of our GPT presets (exact layout and activations)")
+    model.add_argument("--max-params", action="store_true",
+                       help="the largest GPT of our presets' shape that fits --host-memory and the disk under "
+                            "--nvme-path in this setting, with its bytes per parameter in each tier")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
     p.add_argument("--offload-param", choices=OFFLOAD_DEVICES, default="none", help="where compute shards rest")
     p.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, default="none", help="where master + moments rest")
@@ -68,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-memory", metavar="SIZE", default=None,
                    help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
                         "NVMe becomes a spill tier under it, as in the engine (default: no budget, nvme means nvme)")
+    p.add_argument("--nvme-path", metavar="DIR", default=None,
+                   help="with --max-params: the disk whose free room NVMe states may take (default: the temporary "
+                        "folder's)")
+    p.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="with --max-params: device memory per rank (default: no bound on it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -107,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         host_memory_budget=_budget(args.host_memory),
         state_dtype=args.optimizer_state_dtype,
     )
+    if args.max_params:
+        return _run_max_params(args, common)
     if args.preset is not None:
         cfg = get_preset(args.preset)
         if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
@@ -123,3 +143,29 @@ def run(args: argparse.Namespace) -> int:
             print(f"preset {args.preset}: {chosen['setting']['model']}")
         print(format_table(chosen, alts))
     return 0
+
+
+def _run_max_params(args: argparse.Namespace, common: dict) -> int:
+    """``--max-params``: the machine's host memory and free disk, then the largest GPT that fits them."""
+    import psutil
+
+    host = common.pop("host_memory_budget")
+    if host is None:
+        host = resolve_host_budget(None, available_nbytes=psutil.virtual_memory().available, local_ranks=1)
+    nvme_path = args.nvme_path or tempfile.gettempdir()
+    if not os.path.isdir(nvme_path):
+        raise OSError(f"--nvme-path {nvme_path!r} is not a folder")
+    disk = shutil.disk_usage(nvme_path).free
+    device = parse_host_memory(args.device_memory, key="--device-memory") if args.device_memory else None
+    if isinstance(device, float):
+        raise ValueError(f"--device-memory must be a size (80GiB), not a fraction: {args.device_memory!r}")
+    for key in ("largest_layer_params",):
+        common.pop(key)
+    found = max_gpt(host_memory_nbytes=host, nvme_nbytes=disk, device_memory_nbytes=device,
+                    micro_batch=args.micro_batch, seq_len=args.seq_len, **common,
+                    offload_param=args.offload_param, offload_optimizer=args.offload_optimizer)
+    if args.json:
+        print(json.dumps(dict(found, host_memory_nbytes=host, disk_free_nbytes=disk, nvme_path=nvme_path)))
+    else:
+        print(format_max_gpt(found, host_memory_nbytes=host, nvme_nbytes=disk))
+    return 0 if found["config"] is not None else 1
