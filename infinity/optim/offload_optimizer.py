@@ -142,6 +142,8 @@ class OffloadOptimizer:
                                       self.swapped.key if self.swapped is not None else None)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        if self.swapped is not None:
+            self.swapped.reserve_states(self.swapped_groups)  # a disk without room fails now, not mid-run
         self._shares_master = self._groups_sharing_master(zero.offload_param.compute_from_master)
         """Swapped sub-groups whose master is read as their compute shards (their update writes no copy)."""
         if step_undo:
