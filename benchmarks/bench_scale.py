@@ -49,7 +49,7 @@ from dataclasses import asdict
 import torch
 
 from infinity.config.units import parse_host_memory
-from infinity.models.gpt import GPTConfig, count_params, get_preset
+from infinity.models.gpt import PRESETS, GPTConfig, get_preset
 from infinity.placement.estimate import estimate_gpt, max_gpt
 from infinity.placement.host_budget import resolve_host_budget
 from infinity.runtime.hardware import PRECISION_CHOICES, machine_description, resolve_precision
@@ -155,7 +155,7 @@ def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, d
         return {"preset": name, "skipped": f"needs ~{needed / 1e9:.0f} GB on NVMe, {free / 1e9:.0f} GB free"}
     try:
         model = ["--preset", name]
-        if name not in _presets():
+        if name not in PRESETS:
             path = os.path.join(work, "model.py")
             with open(path, "w", encoding="utf-8") as f:
                 f.write(MODEL_FILE.format(config=asdict(cfg)))
@@ -178,12 +178,6 @@ def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, d
         shutil.rmtree(nvme, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return _row(name, cfg, summary, steps, wall, disk, args)
-
-
-def _presets() -> set[str]:
-    from infinity.models.gpt import PRESETS
-
-    return set(PRESETS)
 
 
 def _metrics(path: str | None) -> list[dict]:
