@@ -1,126 +1,288 @@
-"""Scale under a host-memory budget: the largest GPTs this machine trains with
-parameters and optimizer on NVMe, each run's peak RSS against its budget, the
-NVMe bytes one step moves and the seconds it takes.
+"""Scale under a host-memory budget: the largest GPT this machine trains with parameters and optimizer on NVMe
+(the optimizer states that fit the budget stay in host memory), each run's peak RSS against its budget, the NVMe
+bytes a step moves, the seconds it takes, and the disk's floor for those bytes measured in the same run.
 
-Each preset runs `infinity train` in its own process (so its peak RSS is its
-own), with params and optimizer on NVMe under `--host-memory`, and the JSON
-summary is read back. A preset passes when it trains its steps with a finite,
-falling loss and a peak RSS within `--max-rss`.
+First the disk: a set of files (``--disk-bench-size``, 1 GiB each) written, read, then half read while half is
+rewritten, with O_DIRECT through the engine's own AsyncIO at its block size and queue depth (1 MiB, 32), so the
+bandwidth is the sustained one, not a burst's. Then each model runs ``infinity train`` in its own process (its
+peak RSS is its own) and its JSON summary and per-step metrics are read back. A model passes when it trains its
+steps with finite losses, the last below the first, within ``--max-rss``.
 
-    python benchmarks/bench_scale.py --presets 2.7b --host-memory 7GiB --max-rss 8GiB --nvme-path /mnt/nvme
-    python benchmarks/bench_scale.py --presets 125m,350m --steps 2       # a quick look
+    python benchmarks/bench_scale.py --presets 2.7b --steps 3 --lr 1e-6 --host-memory 7GiB --max-rss 8GiB
+    python benchmarks/bench_scale.py --presets max --steps 3 --lr 1e-6 --host-memory 7GiB --max-rss 8GiB
+    python benchmarks/bench_scale.py --presets 350m --steps 3 --host-memory 1GiB --disk-bench-size 4GiB   # a look
 
-Swap files go under --nvme-path (default: a temporary folder), removed after each run. A preset whose NVMe
-share under the budget (from `infinity estimate`: what does not fit in --host-memory) exceeds the free space
-there is skipped, and says so.
+``max`` is the largest GPT of our presets' shape that ``infinity estimate --max-params`` says fits the budget and
+the free disk (less ``--disk-slack``). ``--precision auto`` (the default) computes in bf16 where the CPU or GPU has
+bf16 units and in fp32 where it would emulate them (an AVX2-only CPU runs a bf16 matmul several times slower).
 
-    # a GPU machine (125 GiB host, 64 GiB disk): the states that fit stay in host memory
-    python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB
-    python benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 --host-memory 100GiB --max-rss 120GiB
+The last line is one JSON object: the largest passing run's ``num_params``, ``losses``, ``step_s`` (median of the
+steps after the first), ``nvme_bytes_per_step`` (the last step's reads and writes), ``io_floor_s`` (those bytes at
+the read and write rates measured here; ``io_floor_mixed_s`` at the mixed rate), ``peak_rss_bytes``,
+``host_budget_bytes``, ``tflops`` on a GPU, and ``rows``: every run's figures. ``last_step_over_io_floor`` is the
+last step's seconds over the floor of its own bytes: the first step reads no moments and the second writes no
+earlier step's, so the last of three is the one that moves a steady step's bytes.
+
+    # a GPU machine (125 GiB host, 64 GiB disk): >= 20B with int8 states, host memory and NVMe
+    python benchmarks/bench_scale.py --presets 20b --optimizer-state-dtype int8 --steps 3 --lr 1e-6 \\
+        --host-memory 100GiB --max-rss 120GiB --disk-bench-size 8GiB
+
+Swap files go under --nvme-path (default: the temporary folder), in a folder removed after each run, as are the
+disk benchmark's files.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 
 import torch
 
-from infinity.placement.estimate import estimate_gpt
-from infinity.placement.host_budget import resolve_host_budget
 from infinity.config.units import parse_host_memory
-from infinity.models.gpt import get_preset
+from infinity.models.gpt import PRESETS, GPTConfig, get_preset
+from infinity.placement.estimate import estimate_gpt
+from infinity.placement.max_model import max_gpt
+from infinity.placement.host_budget import resolve_host_budget
+from infinity.runtime.hardware import PRECISION_CHOICES, machine_description, resolve_precision
+from infinity.storage.bench import BenchBuffers, measure_nvme_sustained, parse_size
+
+ENGINE_BLOCK_SIZE = 1 << 20
+"""The engine's aio block size (``aio.block_size``'s default), which the disk is measured at."""
+ENGINE_QUEUE_DEPTH = 32
+"""The engine's aio queue depth (``aio.queue_depth``'s default)."""
+BENCH_FILE_NBYTES = 1 << 30
+
+MODEL_FILE = """\
+# A GPT of our presets' shape for bench_scale.py, built on the meta device (the engine materializes it in shards).
+import torch
+from infinity.models.gpt import GPT, GPTConfig
+
+
+def build_model():
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{config!r}))
+"""
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", default="2.7b", help="comma-separated presets, smallest first")
+    p.add_argument("--presets", default="2.7b", help="comma-separated presets, smallest first; 'max' for the largest "
+                                                     "that estimate says fits")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--precision", default="bf16")
+    p.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
+                   help="compute precision (default auto: bf16 where the device has bf16 units, else fp32)")
     p.add_argument("--lr", default=None, help="peak learning rate (default: the preset's; a few steps from scratch "
                                               "want less: Adam's first step moves every weight by about lr)")
     p.add_argument("--optimizer-state-dtype", default="fp32", choices=("fp32", "bf16", "int8"),
-                   help="form of master and moments (issue 13: bf16 6 B, int8 ~4 B an element instead of 12)")
+                   help="form of master and moments: fp32 12 B, bf16 6 B, int8 ~4.03 B an element")
     p.add_argument("--host-memory", default="7GiB", help="the engine's host-memory budget per run")
     p.add_argument("--max-rss", default="8GiB", help="the peak RSS a run must stay within")
-    p.add_argument("--nvme-path", default=None)
+    p.add_argument("--nvme-path", default=None, help="where swap files and the disk benchmark go (default: temp)")
+    p.add_argument("--disk-bench-size", default="32GiB",
+                   help="the disk benchmark's file set (at most 80%% of the free room; 0 skips it, and no floor)")
+    p.add_argument("--disk-slack", default="4GiB", help="free disk 'max' leaves to others")
+    p.add_argument("--trace", default=None, help="write each run's Chrome trace here (PRESET is replaced by its name)")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     return p.parse_args(argv)
 
 
-def nvme_share(preset: str, args) -> int:
-    """The bytes a run of ``preset`` puts on NVMe under the host-memory budget (``infinity estimate``'s plan)."""
-    budget = resolve_host_budget(parse_host_memory(args.host_memory, key="--host-memory"))
-    planned = estimate_gpt(get_preset(preset), micro_batch=args.micro_batch, seq_len=args.seq_len,
-                           precision=args.precision, offload_param="nvme", offload_optimizer="nvme",
-                           gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype,
-                           host_memory_budget=budget)
-    return planned["totals"]["nvme"]
+# --------------------------------------------------------------------------- the disk
 
 
-def run_preset(preset: str, args, nvme_root: str) -> dict:
-    nvme = tempfile.mkdtemp(prefix=f"scale-{preset}-", dir=nvme_root)
-    needed = nvme_share(preset, args)
+def measure_disk(root: str, size_text: str) -> dict | None:
+    """The disk's sustained write, read and mixed rates over a file set under ``root`` (removed after)."""
+    free = shutil.disk_usage(root).free
+    nbytes = min(parse_size(size_text), int(free * 0.8)) // BENCH_FILE_NBYTES * BENCH_FILE_NBYTES
+    if nbytes < 2 * BENCH_FILE_NBYTES:
+        return None
+    folder = tempfile.mkdtemp(prefix="scale-disk-", dir=root)
+    try:
+        r = measure_nvme_sustained(folder, nbytes=nbytes, file_nbytes=BENCH_FILE_NBYTES, block_size=ENGINE_BLOCK_SIZE,
+                                   queue_depth=ENGINE_QUEUE_DEPTH, buffers=BenchBuffers())
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"result": r, "nbytes": r.nbytes, "backend": r.backend, "block_size": r.block_size,
+            "queue_depth": r.queue_depth, "write_GBps": r.write_GBps, "read_GBps": r.read_GBps,
+            "mixed_GBps": r.mixed_GBps}
+
+
+# --------------------------------------------------------------------------- the models
+
+
+def largest_that_fits(args, precision: str, nvme_root: str) -> dict:
+    """``infinity estimate --max-params`` for this run's setting, budget and free disk."""
+    free = shutil.disk_usage(nvme_root).free - parse_size(args.disk_slack)
+    found = max_gpt(host_memory_nbytes=host_budget(args), nvme_nbytes=max(0, free), micro_batch=args.micro_batch,
+                    seq_len=args.seq_len, precision=precision, offload_param="nvme", offload_optimizer="nvme",
+                    gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype, max_in_cpu=0)
+    if found["config"] is None:
+        raise SystemExit(f"bench_scale: no GPT of our presets' shape fits {args.host_memory} and {free / 1e9:.0f} GB")
+    return found
+
+
+def host_budget(args) -> int:
+    return resolve_host_budget(parse_host_memory(args.host_memory, key="--host-memory"))
+
+
+def nvme_share(cfg: GPTConfig, args, precision: str) -> int:
+    """The bytes a run puts on NVMe under the host-memory budget (``infinity estimate``'s plan), without the second
+    side a speculative step takes only where the disk has room for it."""
+    planned = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=args.seq_len, precision=precision,
+                           offload_param="nvme", offload_optimizer="nvme", gpu=torch.cuda.is_available(),
+                           state_dtype=args.optimizer_state_dtype, host_memory_budget=host_budget(args))
+    return planned["totals"]["nvme"] - planned["tiers"]["nvme"]["step_undo"]
+
+
+def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, disk: dict | None) -> dict:
+    nvme = tempfile.mkdtemp(prefix=f"scale-{name}-", dir=nvme_root)
+    work = tempfile.mkdtemp(prefix=f"scale-{name}-run-")
+    needed = nvme_share(cfg, args, precision)
     free = shutil.disk_usage(nvme).free
     if needed > free:
         shutil.rmtree(nvme, ignore_errors=True)
-        return {"preset": preset, "skipped": f"needs ~{needed / 1e9:.0f} GB on NVMe, {free / 1e9:.0f} GB free"}
-    cmd = [sys.executable, "-m", "infinity.cli", "train", "--preset", preset, "--steps", str(args.steps),
-           "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--precision", args.precision,
-           "--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme,
-           "--host-memory", args.host_memory, "--optimizer-state-dtype", args.optimizer_state_dtype,
-           "--json"] + (["--lr", args.lr] if args.lr else [])
-    start = time.perf_counter()
+        shutil.rmtree(work, ignore_errors=True)
+        return {"preset": name, "skipped": f"needs ~{needed / 1e9:.0f} GB on NVMe, {free / 1e9:.0f} GB free"}
     try:
+        model = ["--preset", name]
+        if name not in PRESETS:
+            path = os.path.join(work, "model.py")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(MODEL_FILE.format(config=asdict(cfg)))
+            model = ["--model", path]
+        cmd = [sys.executable, "-m", "infinity.cli", "train", *model, "--steps", str(args.steps),
+               "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--precision", precision,
+               "--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme,
+               "--host-memory", args.host_memory, "--optimizer-state-dtype", args.optimizer_state_dtype,
+               "--run-dir", os.path.join(work, "run"), "--json"]
+        cmd += ["--lr", args.lr] if args.lr else []
+        cmd += ["--trace", args.trace.replace("PRESET", name)] if args.trace else []
+        start = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wall = time.perf_counter() - start
+        if out.returncode != 0:
+            return {"preset": name, "failed": out.stderr.strip().splitlines()[-3:] or [f"exit {out.returncode}"]}
+        summary = json.loads(out.stdout.strip().splitlines()[-1])
+        steps = _metrics(summary.get("metrics_file"))
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    wall = time.perf_counter() - start
-    if out.returncode != 0:
-        return {"preset": preset, "failed": out.stderr.strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+        shutil.rmtree(work, ignore_errors=True)
+    return _row(name, cfg, summary, steps, wall, disk, args)
+
+
+def _metrics(path: str | None) -> list[dict]:
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _row(name: str, cfg: GPTConfig, summary: dict, steps: list[dict], wall: float, disk: dict | None, args) -> dict:
     losses = summary["losses"]
-    nvme_tier = summary["tiers"]["nvme"]
-    return {
-        "preset": preset, "params": summary["num_params"], "steps": len(losses), "losses": losses,
-        "loss_finite_and_falling": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0],
-        "peak_rss_bytes": summary["peak_rss_bytes"], "host_peak_nbytes": summary["tiers"]["host"]["peak_nbytes"],
-        "nvme_bytes_per_step": (nvme_tier["bytes_read"] + nvme_tier["bytes_written"]) / max(1, len(losses)),
-        "s_per_step": summary["train_s"] / max(1, len(losses)), "wall_s": wall,
+    seconds = summary.get("step_s") or [float(s["step_s"]) for s in steps]
+    steady = seconds[1:] or seconds
+    step_s = statistics.median(steady)
+    last = steps[-1] if steps else {}
+    bytes_read = int(float(last.get("nvme_bytes_read", 0)))
+    bytes_written = int(float(last.get("nvme_bytes_written", 0)))
+    row = {
+        "preset": name, "config": asdict(cfg), "num_params": summary["num_params"], "steps": len(losses),
+        "losses": losses, "loss_finite_and_falling": all(math.isfinite(x) for x in losses) and losses[-1] < losses[0],
+        "step_seconds": seconds, "step_s": step_s,
+        "nvme_bytes_per_step": bytes_read + bytes_written, "nvme_bytes_read": bytes_read,
+        "nvme_bytes_written": bytes_written,
+        "peak_rss_bytes": summary["peak_rss_bytes"], "host_budget_bytes": host_budget(args),
+        "host_peak_nbytes": summary["tiers"]["host"]["peak_nbytes"], "nvme_peak_nbytes": summary["tiers"]["nvme"]["peak_nbytes"],
+        "exposed_io_s": float(last.get("exposed_io_s", "nan") or "nan"), "wall_s": wall,
+        "precision": summary["precision"], "optimizer_state_dtype": summary["optimizer_state_dtype"],
+        "tokens_per_step": summary["tokens_per_step"],
     }
+    if disk is not None and bytes_read + bytes_written:
+        r = disk["result"]
+        row["io_floor_s"] = r.floor_s(bytes_read, bytes_written)
+        row["io_floor_mixed_s"] = r.mixed_floor_s(bytes_read, bytes_written)
+        # each step after the first against the floor of its own bytes (the first reads no moments, the second
+        # no last step's writes of them: only later steps move a steady step's bytes)
+        ratios, ratios_mixed = [], []
+        for seconds_i, metrics in list(zip(seconds, steps))[1:] or list(zip(seconds, steps)):
+            moved = int(float(metrics["nvme_bytes_read"])), int(float(metrics["nvme_bytes_written"]))
+            ratios.append(seconds_i / r.floor_s(*moved))
+            ratios_mixed.append(seconds_i / r.mixed_floor_s(*moved))
+        row["step_over_io_floor_by_step"] = ratios
+        row["last_step_over_io_floor"] = ratios[-1]
+        row["last_step_over_io_floor_mixed"] = ratios_mixed[-1]
+    if torch.cuda.is_available():  # 6 N FLOPs a token (forward and backward), attention left out
+        row["tflops"] = 6 * summary["num_params"] * summary["tokens_per_step"] / step_s / 1e12
+    return row
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     max_rss = parse_host_memory(args.max_rss, key="--max-rss")
     nvme_root = args.nvme_path or tempfile.gettempdir()
+    chosen = resolve_precision(args.precision)
+    print(f"machine: {machine_description()}; {os.cpu_count()} CPUs")
+    print(f"precision {chosen.precision} ({chosen.reason}); optimizer states {args.optimizer_state_dtype}; host budget "
+          f"{args.host_memory}; NVMe under {nvme_root}", flush=True)
+    disk = None
+    if parse_size(args.disk_bench_size) > 0:
+        disk = measure_disk(nvme_root, args.disk_bench_size)
+    if disk is not None:
+        print(f"disk: {disk['nbytes'] / 2**30:.0f} GiB in {BENCH_FILE_NBYTES >> 30} GiB files, {disk['backend']}, "
+              f"{disk['block_size'] >> 20} MiB blocks, QD {disk['queue_depth']}: write {disk['write_GBps']:.2f} GB/s, "
+              f"read {disk['read_GBps']:.2f} GB/s, mixed {disk['mixed_GBps']:.2f} GB/s", flush=True)
+    estimated = None
+    models = []
+    for name in [p.strip() for p in args.presets.split(",")]:
+        if name == "max":
+            estimated = largest_that_fits(args, chosen.precision, nvme_root)
+            cfg = GPTConfig(**estimated["config"])
+            name = f"max-{estimated['num_params'] / 1e9:.2f}b"
+            print(f"estimate --max-params: {estimated['num_params']:,} parameters ({cfg.n_layer} x {cfg.d_model}, the "
+                  f"{estimated['template']} shape), bound by {estimated['bound']}", flush=True)
+        else:
+            cfg = get_preset(name)
+        models.append((name, cfg))
     rows = []
-    print(f"{'preset':>7} {'params':>14} {'peak RSS':>10} {'NVMe GB/step':>13} {'s/step':>8}  loss")
-    for preset in [p.strip() for p in args.presets.split(",")]:
-        row = run_preset(preset, args, nvme_root)
+    print(f"{'model':>10} {'params':>14} {'peak RSS':>10} {'NVMe GB/step':>13} {'s/step':>8} {'floor s':>8}  loss")
+    for name, cfg in models:
+        row = run_model(name, cfg, args, chosen.precision, nvme_root, disk)
         rows.append(row)
         if "losses" not in row:
-            print(f"{preset:>7}  {row.get('skipped') or row.get('failed')}", flush=True)
+            print(f"{name:>10}  {row.get('skipped') or row.get('failed')}", flush=True)
             continue
         row["within_max_rss"] = row["peak_rss_bytes"] <= max_rss
-        print(f"{preset:>7} {row['params']:>14,} {row['peak_rss_bytes'] / 2**30:8.2f} GiB "
-              f"{row['nvme_bytes_per_step'] / 1e9:13.1f} {row['s_per_step']:8.1f}  "
+        floor = f"{row['io_floor_s']:8.1f}" if "io_floor_s" in row else f"{'-':>8}"
+        print(f"{name:>10} {row['num_params']:>14,} {row['peak_rss_bytes'] / 2**30:8.2f} GiB "
+              f"{row['nvme_bytes_per_step'] / 1e9:13.1f} {row['step_s']:8.1f} {floor}  "
               f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}", flush=True)
-    line = json.dumps({"host_memory": args.host_memory, "max_rss": args.max_rss, "rows": rows})
+    passed = [r for r in rows if r.get("within_max_rss") and r.get("loss_finite_and_falling")]
+    top = max(passed, key=lambda r: r["num_params"], default={})
+    line = {**{k: v for k, v in top.items() if k != "config"},
+            "machine": machine_description(), "cpus": os.cpu_count(), "precision_reason": chosen.reason,
+            "host_memory": args.host_memory, "max_rss": args.max_rss,
+            "disk": {k: v for k, v in disk.items() if k != "result"} if disk else None,
+            "estimate_max_params": estimated["num_params"] if estimated else None, "rows": rows}
+    text = json.dumps(line)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            f.write(line + "\n")
-    print(line)
-    return 0 if all(r.get("within_max_rss") and r.get("loss_finite_and_falling") for r in rows if "losses" in r) else 1
+            f.write(text + "\n")
+    print(text)
+    return 0 if rows and all(r.get("within_max_rss") and r.get("loss_finite_and_falling") for r in rows) else 1
 
 
 if __name__ == "__main__":

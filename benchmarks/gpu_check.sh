@@ -13,10 +13,13 @@
 #   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B (every tier, accumulation 1 and 4, against
 #                                         #   plain PyTorch; nvme against the disk; spill against cpu), the compact states
 #                                         #   on a disk-bound 1.3B, the gradient norm and the compact kernels on this CPU
-#   bash benchmarks/gpu_check.sh scale    # a 13B GPT with int8 optimizer states under a 100 GiB host budget
+#   bash benchmarks/gpu_check.sh scale    # the largest GPT this box holds (estimate --max-params), then a 20.4B GPT
+#                                         #   with int8 states in 110 GiB of host memory and NVMe, 3 steps (~7 min)
 #   bash benchmarks/gpu_check.sh all      # tests, bench, scale, one after the other (~30 min)
 #
-# (6.7B with fp32 states: python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB.)
+# (6.7B with fp32 states: python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB.
+#  The scale phase wants ~125 GiB of host memory and ~55 GiB free on the disk of $TMPDIR: the 20b run needs about
+#  53 GiB of swap there; with less it is skipped and says so, and estimate-max says what this box holds instead.)
 #
 # Logs go under $OUT (default ./gpu-check-logs), flat, at most eight files a phase: phases.log (the machine, then
 # each step's command, limit, exit status and seconds) and one NAME.log per step, written as the step runs, so a
@@ -112,8 +115,14 @@ run_phase() {
       step bench-adam 60 "$py" benchmarks/bench_adam.py --rounds 7 --cases bf16s,int8s
       ;;
     scale)
-      step scale-13b-int8 540 "$py" benchmarks/bench_scale.py --presets 13b --optimizer-state-dtype int8 \
-        --steps 3 --lr 1e-6 --host-memory 100GiB --max-rss 120GiB --out "$out/scale-13b-int8.json"
+      # what this box holds: the largest GPT of our presets' shape for the run below's setting and budget
+      step estimate-max 30 "$py" -m infinity.cli estimate --max-params --offload-param nvme --offload-optimizer nvme \
+        --optimizer-state-dtype int8 --host-memory 110GiB --seq-len 16
+      # >= 20B: int8 states (a bf16 master + 8-bit moments) in host memory as far as 110 GiB holds them beside the
+      # bf16 gradients, the rest and the compute shards on NVMe; the disk measured first (8 GiB, the engine's blocks)
+      step scale-20b-int8 540 "$py" benchmarks/bench_scale.py --presets 20b --optimizer-state-dtype int8 \
+        --steps 3 --lr 1e-6 --host-memory 110GiB --max-rss 120GiB --disk-bench-size 8GiB \
+        --out "$out/scale-20b-int8.json"
       ;;
   esac
 }

@@ -5,7 +5,10 @@ NVMe: one file of ``nbytes`` written, then read, with O_DIRECT through
 ``fio --rw=write|read --direct=1 --ioengine=libaio``: the file is preallocated
 before the timed write (fio lays files out the same way) and removed after.
 Reads bypass the page cache (O_DIRECT). GB/s are decimal (1e9 bytes/s), as
-fio's ``bw_bytes``.
+fio's ``bw_bytes``. :func:`measure_nvme_sustained` does the same over a set of
+files far larger than one burst (a virtual disk slows down after one), and
+adds a pass that reads half the set while it rewrites the other half through
+the same queue, as a training step's swap traffic does.
 
 Host⇄device: copies between a pinned aligned host buffer and a CUDA tensor.
 """
@@ -35,6 +38,8 @@ __all__ = [
     "NvmeResult",
     "BenchBuffers",
     "measure_nvme",
+    "SustainedResult",
+    "measure_nvme_sustained",
     "measure_copy",
     "parse_size",
     "check_free_space",
@@ -177,6 +182,115 @@ def measure_nvme(
         os.unlink(path)
     return NvmeResult(backend=used, nbytes=nbytes, block_size=block_size, queue_depth=queue_depth,
                       thread_count=thread_count, write_s=write_s, read_s=read_s)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SustainedResult:
+    """A write pass, a read pass and a mixed pass over one set of files."""
+
+    backend: str
+    nbytes: int
+    """Bytes of the file set; each pass moves all of them (the mixed one reads half and writes half)."""
+    file_count: int
+    block_size: int
+    queue_depth: int
+    write_s: float
+    read_s: float
+    mixed_s: float
+
+    @property
+    def write_GBps(self) -> float:  # noqa: N802 (the unit's spelling)
+        return self.nbytes / self.write_s / 1e9
+
+    @property
+    def read_GBps(self) -> float:  # noqa: N802
+        return self.nbytes / self.read_s / 1e9
+
+    @property
+    def mixed_GBps(self) -> float:  # noqa: N802
+        """Bytes read plus bytes written a second, reads and writes in flight together."""
+        return self.nbytes / self.mixed_s / 1e9
+
+    def floor_s(self, bytes_read: int, bytes_written: int) -> float:
+        """Seconds this disk needs to read and then write these bytes at the passes' rates."""
+        return bytes_read / (self.read_GBps * 1e9) + bytes_written / (self.write_GBps * 1e9)
+
+    def mixed_floor_s(self, bytes_read: int, bytes_written: int) -> float:
+        """Seconds at the mixed pass's rate (reads and writes overlapped)."""
+        return (bytes_read + bytes_written) / (self.mixed_GBps * 1e9)
+
+
+def measure_nvme_sustained(
+    directory: str | os.PathLike,
+    *,
+    nbytes: int,
+    file_nbytes: int = 1 << 30,
+    block_size: int = 1 << 20,
+    queue_depth: int = 32,
+    backend: str = "auto",
+    thread_count: int = 1,
+    buffers: BenchBuffers | None = None,
+) -> SustainedResult:
+    """Time writing a set of ``nbytes`` in files of ``file_nbytes`` with O_DIRECT, reading it back, then reading
+    its first half while its second half is rewritten (both queued on one :class:`AsyncIO`, as the engine's
+    swap store queues a step's reads and writes). The last chunk read is checked against what was written.
+    The files are removed after, also on failure."""
+    if file_nbytes <= 0 or file_nbytes % ALIGNMENT:
+        raise ValueError(f"file size must be a positive multiple of {ALIGNMENT} bytes, got {file_nbytes}")
+    if nbytes < 2 * file_nbytes or nbytes % file_nbytes:
+        raise ValueError(f"the file set ({nbytes} bytes) must be at least two files of {file_nbytes} bytes, and a "
+                         f"whole number of them")
+    problem = direct_io_problem(directory)
+    if problem is not None:
+        raise OSError(errno.EINVAL, f"cannot benchmark direct I/O here: {problem}", str(directory))
+    src, dst = (buffers or BenchBuffers()).get(file_nbytes)
+    chunk = src.numel()
+    count = nbytes // file_nbytes
+    paths: list[str] = []
+    fds: list[int] = []
+    try:
+        for _ in range(count):
+            fd, path = tempfile.mkstemp(prefix="infinity-bench-", suffix=".dat", dir=directory)
+            os.close(fd)
+            paths.append(path)
+            fds.append(os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC))
+            os.posix_fallocate(fds[-1], 0, file_nbytes)  # laid out before the clock starts, as fio does
+        offsets = range(0, file_nbytes, chunk)
+
+        def submit_all(method, files, buffer):
+            return [method(fd, buffer[: min(chunk, file_nbytes - off)], off) for fd in files for off in offsets]
+
+        def timed(*batches) -> float:
+            start = time.perf_counter()
+            for handles in batches:
+                for h in handles:
+                    h.wait()
+            return time.perf_counter() - start
+
+        with AsyncIO(backend, block_size=block_size, queue_depth=queue_depth, thread_count=thread_count) as io:
+            write_s = timed(submit_all(io.pwrite, fds, src))
+            read_s = timed(submit_all(io.pread, fds, dst))
+            half = count // 2
+            start = time.perf_counter()
+            reads, writes = [], []
+            for fd_read, fd_write in zip(fds[:half], fds[half:2 * half]):  # interleaved, as a step's traffic
+                reads += submit_all(io.pread, [fd_read], dst)
+                writes += submit_all(io.pwrite, [fd_write], src)
+            timed(reads, writes)
+            mixed_s = (time.perf_counter() - start) * count / (2 * half)  # (an odd count: scaled to the set)
+            last = offsets[-1]
+            n = min(chunk, file_nbytes - last)
+            io.pread(fds[-1], dst[:n], last).wait()
+            if not torch.equal(dst[:n], src[:n]):
+                raise OSError(errno.EIO, f"read back differs from what was written (at offset {last})", paths[-1])
+            used = io.backend
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for path in paths:
+            os.unlink(path)
+    return SustainedResult(backend=used, nbytes=nbytes, file_count=count, block_size=block_size,
+                           queue_depth=queue_depth, write_s=write_s, read_s=read_s, mixed_s=mixed_s)
 
 
 def measure_copy(nbytes: int, *, repeat: int = 3) -> dict[str, float] | None:

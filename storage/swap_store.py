@@ -18,6 +18,7 @@ and dead runs' leftovers cleaned) is :mod:`.swap_dir`'s.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -255,12 +256,28 @@ class SwapStore:
 
     def reserve(self, key: str, nbytes: int) -> None:
         """Allocate ``key``'s extent now, counted, without writing it, so that its first write cannot run out of
-        room later. Until that write, reading it returns whatever the file held there."""
+        room later. Until that write, reading it returns whatever the file held there. ``OSError`` (ENOSPC) naming
+        the key and the file when the filesystem has no room for it; nothing is then reserved."""
         self._check_key(key)
         with self._lock:
             self._check_open()
-            if key not in self._extents:
-                self._extents[key] = self._allocate_locked(key, round_up(nbytes), nbytes)
+            if key in self._extents:
+                return
+            self._extents[key] = self._allocate_locked(key, round_up(nbytes), nbytes)
+            end = self._alloc.end
+            if end <= self._file_nbytes:
+                return
+            # The preallocation failed (best effort for a write, which reports the real error): a reservation
+            # is a promise of room, so it is kept only where the blocks are really there.
+            try:
+                os.posix_fallocate(self._fd, self._file_nbytes, end - self._file_nbytes)
+                self._file_nbytes = end
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    return  # a filesystem without fallocate: the writes will find out
+                self._drop_locked(key)
+                raise OSError(errno.ENOSPC, f"swap store: no room to reserve {round_up(nbytes)} bytes for swap key "
+                                            f"{key!r}", str(self._path)) from exc
 
     def delete(self, key: str) -> None:
         """Forget ``key`` and free its extent (after its requests in flight). ``KeyError`` if unknown."""

@@ -4,6 +4,8 @@
     infinity estimate --preset 1.3b --micro-batch 4 --json
     infinity estimate --hf-model ./my-llama --config ds_config.json --cpu
     infinity estimate --params 7B --trainable-params 4M --offload-param nvme --offload-optimizer cpu   # LoRA
+    infinity estimate --max-params --offload-param nvme --offload-optimizer nvme --optimizer-state-dtype int8 --cpu \\
+        --host-memory 7GiB --nvme-path /mnt/nvme --seq-len 16
 
 The settings are read as ``infinity train`` reads them: the ``--config`` file (DeepSpeed-style JSON) first, then the
 flags given, then the train command's defaults (both offloads on NVMe, gradient clipping 1.0, ...). The engine's
@@ -13,12 +15,18 @@ included. Prints the setting broken down by kind of state, then every offload al
 parameters x optimizer) for comparison.
 Then the step-time model's predicted step on this machine and the resource that binds it (from the
 figures `infinity bench --machine` cached; ``--json`` has them under ``step_time``).
+With ``--max-params``: the largest GPT of our presets' shape that this machine's host memory (``--host-memory``,
+default 80%% of what is available) and disk (the free room under ``--nvme-path``) hold in that setting, and the
+bytes a parameter takes in each tier.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import asdict
 
 from infinity.commands.hf_model import read_hf_model_config
@@ -30,8 +38,9 @@ from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.config.units import parse_host_memory
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import get_preset
-from infinity.placement.estimate import estimate_for_config, gpt_activation_nbytes
-from infinity.placement.report import format_table, parse_count
+from infinity.placement.estimate import estimate_for_config, estimate_settings, gpt_activation_nbytes
+from infinity.placement.max_model import max_gpt
+from infinity.placement.report import format_max_gpt, format_table, parse_count
 from infinity.placement.step_time import format_prediction, predict_from_estimate
 from infinity.runtime.machine_figures import cache_path, load_cached
 
@@ -64,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             "needs transformers)")
     p.add_argument("--config", metavar="FILE",
                    help="DeepSpeed-style JSON config, read as `infinity train --config` reads it; flags given override it")
+    model.add_argument("--max-params", action="store_true",
+                       help="the largest GPT of our presets' shape that fits --host-memory and the disk under "
+                            "--nvme-path in this setting, with its bytes per parameter in each tier")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
     p.add_argument("--offload-param", choices=OFFLOAD_DEVICES,
                    help="where compute shards rest (default: the config's, else nvme as in `infinity train`)")
@@ -105,6 +117,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
                         "the memory this machine has available; give bytes to plan for another machine)")
     add_trainable_argument(p)
+    p.add_argument("--nvme-path", metavar="DIR", default=None,
+                   help="with --max-params: the disk whose free room NVMe states may take (default: the temporary "
+                        "folder's)")
+    p.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="with --max-params: device memory per rank (default: no bound on it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -198,6 +215,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     raw = read_config_json(args.config) if args.config else {}
     args.hidden_size = _hidden_size(args)
+    if args.max_params:
+        config, _ = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
+        return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=not args.cpu),
+                               micro_batch=config.micro_batch_size or 1)
     model, gpt_cfg = _model(args)
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
     trainable = trainable_params(args, total)
@@ -254,3 +275,24 @@ def predicted_step(est: dict, *, micro_batch: int, seq_len: int | None) -> tuple
         return None, f"predicted step: {err}"
     tokens = f"micro-batch {micro_batch} x {seq_len or s.get('seq_len') or 1024} tokens"
     return prediction.as_dict(), f"{format_prediction(prediction)}; {tokens}, on {where}"
+
+
+def _run_max_params(args: argparse.Namespace, settings: dict, *, micro_batch: int) -> int:
+    """``--max-params``: the free disk under ``--nvme-path``, then the largest GPT that fits it and the host budget
+    ``settings`` (:func:`~infinity.placement.estimate.estimate_settings`) resolved."""
+    settings = dict(settings)
+    host = settings.pop("host_memory_budget")
+    nvme_path = args.nvme_path or tempfile.gettempdir()
+    if not os.path.isdir(nvme_path):
+        raise OSError(f"--nvme-path {nvme_path!r} is not a folder")
+    disk = shutil.disk_usage(nvme_path).free
+    device = parse_host_memory(args.device_memory, key="--device-memory") if args.device_memory else None
+    if isinstance(device, float):
+        raise ValueError(f"--device-memory must be a size (80GiB), not a fraction: {args.device_memory!r}")
+    found = max_gpt(host_memory_nbytes=host, nvme_nbytes=disk, device_memory_nbytes=device,
+                    micro_batch=micro_batch, seq_len=args.seq_len, **settings)
+    if args.json:
+        print(json.dumps(dict(found, host_memory_nbytes=host, disk_free_nbytes=disk, nvme_path=nvme_path)))
+    else:
+        print(format_max_gpt(found, host_memory_nbytes=host, nvme_nbytes=disk))
+    return 0 if found["config"] is not None else 1

@@ -351,6 +351,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "val_loss": monitor.val_losses[-1][1] if monitor.val_losses else None,
         "tokens_per_s": tokens_per_s,
         "train_s": train_s,
+        "step_s": step_seconds,
         "peak_rss_bytes": peak_rss_bytes(),
         "tiers": monitor.totals,
         "copies": monitor.copies,

@@ -105,7 +105,9 @@ def remove_dead_swap_folders(parent: str) -> int:
 
 
 def check_nvme_room(plan) -> None:
-    """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk."""
+    """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk; the second
+    side of a speculative step's states is left out: the engine takes it only where the disk has room for it
+    (``SwappedStates.reserve_other_sides``), and steps overlap less without it."""
     zero = plan.config.zero
     temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
     paths = {temporary if b.nvme_path in (None, TEMPORARY_SWAP_PATH) else b.nvme_path
@@ -114,7 +116,8 @@ def check_nvme_room(plan) -> None:
         return
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)
         remove_dead_swap_folders(where)  # first: what a killed run left must not fail the room check
-        check_disk_room(where, plan.estimate["totals"]["nvme"] * plan.local_world_size)
+        needed = plan.estimate["totals"]["nvme"] - plan.estimate["tiers"]["nvme"]["step_undo"]
+        check_disk_room(where, needed * plan.local_world_size)
 
 
 def config_number(block: dict, key: str, where: str, *, integer: bool = True):

@@ -41,6 +41,7 @@ PRESET_LR = {
     "tiny": 3e-3, "small": DEFAULT_LR, "10m": 1e-3, "50m": 8e-4,
     # GPT-3's (Brown et al. 2020, table 2.1) from 125m up
     "125m": 6e-4, "350m": 3e-4, "760m": 2.5e-4, "1.3b": 2e-4, "2.7b": 1.6e-4, "6.7b": 1.2e-4, "13b": 1e-4,
+    "20b": 9e-5, "30b": 8e-5,  # between GPT-3's 13B (1e-4) and 175B (6e-5)
 }
 MODEL_FILE_LR = 3e-4
 HF_MODEL_LR = 5e-5

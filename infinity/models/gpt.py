@@ -247,6 +247,8 @@ PRESETS: dict[str, GPTConfig] = {
     "2.7b": _preset(34, 32, 2560, 2048),
     "6.7b": _preset(33, 32, 4096, 2048),
     "13b": _preset(42, 40, 5120, 2048),
+    "20b": _preset(45, 48, 6144, 2048),  # GPT-NeoX-20B's width, one block more for 20.4B with a byte vocabulary
+    "30b": _preset(48, 56, 7168, 2048),  # GPT-3's widths continued (head size 128)
 }
 
 DEFAULT_PRESET = "small"

@@ -146,6 +146,8 @@ class OffloadOptimizer:
                                       self.swapped.key if self.swapped is not None else None)
         self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
+        if self.swapped is not None:
+            self.swapped.reserve_states(self.swapped_groups)  # a disk without room fails now, not mid-run
         if zero.offload_param.compute_from_master:
             self._read_compute_from_masters()
         if step_undo:

@@ -12,6 +12,7 @@ this object's alone to say (:meth:`SwappedStates.key`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 from dataclasses import dataclass
@@ -92,10 +93,30 @@ class SwappedStates:
                            format_nbytes(free), self._store.directory, format_nbytes(one_side),
                            format_nbytes(2 * one_side))
             return False
+        reserved = []
+        try:
+            for group in groups:
+                for spec in kernels.state_layout(self.state_dtype, group.numel):
+                    key = self.key(spec.name, group, other_side=True)
+                    self._store.reserve(key, spec.nbytes)
+                    reserved.append(key)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            for key in reserved:
+                self._store.delete(key)
+            logger.warning("overlapped step with clipping/fp16: the disk of %s filled up while the second side of the "
+                           "swapped states was reserved (%s); swapped sub-groups wait for the global norm instead",
+                           self._store.directory, err)
+            return False
+        return True
+
+    def reserve_states(self, groups: list[SubGroup]) -> None:
+        """Reserve every state of ``groups`` on the side in use now (the moments are first written at the end of
+        the first step), so that a disk without room for them fails here, before any work, not mid-run."""
         for group in groups:
             for spec in kernels.state_layout(self.state_dtype, group.numel):
-                self._store.reserve(self.key(spec.name, group, other_side=True), spec.nbytes)
-        return True
+                self._store.reserve(self.key(spec.name, group), spec.nbytes)
 
     # -- moving states --------------------------------------------------------
     def read(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:

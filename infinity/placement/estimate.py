@@ -70,6 +70,7 @@ __all__ = [
     "OFFLOAD_CHOICES",
     "estimate",
     "estimate_for_config",
+    "estimate_settings",
     "estimate_gpt",
     "alternatives",
     "gpt_activation_nbytes",
@@ -287,25 +288,20 @@ def estimate(
     }
 
 
-def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
-                        num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
-                        gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None) -> dict:
-    """:func:`estimate` for the engine's ``config``: every setting the engine reserves by is read from it, so the
-    figures are what ``initialize`` will reserve (``infinity train`` and ``infinity estimate`` both come here).
+def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool) -> dict:
+    """:func:`estimate`'s keywords for the engine's ``config`` (all but the model's size): every setting the
+    engine reserves by is read from it, so the figures are what ``initialize`` will reserve.
 
     The host-memory budget is resolved as the engine resolves it (:func:`resolve_host_budget`: a fraction of the
     memory available now unless the config gives bytes); the undo extents of a speculative step are counted when
     the step overlaps the backward and may be undone (gradient clipping or fp16 loss scaling), as
     :mod:`infinity.optim.overlapped_step` reserves them. ``gpu``: device memory apart from host memory."""
     zero = config.zero
-    return estimate(
-        num_params,
-        param_numels=param_numels,
+    return dict(
         world_size=world_size,
         offload_param=zero.offload_param.device.value,
         offload_optimizer=zero.offload_optimizer.device.value,
         precision=config.precision,
-        largest_layer_params=largest_layer_params,
         max_live_parameters=zero.max_live_parameters,
         prefetch_bucket_size=zero.prefetch_bucket_size,
         max_reuse_distance=zero.max_reuse_distance,
@@ -318,14 +314,22 @@ def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] |
         optimizer_buffer_count=zero.offload_optimizer.buffer_count,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gpu=gpu,
-        activation_nbytes=activation_nbytes,
         host_memory_budget=resolve_host_budget(zero.host_memory_budget),
         optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
         overlap_step=zero.overlap_step_with_backward,
         step_undo=zero.overlap_step_with_backward and (config.gradient_clipping > 0 or config.precision == "fp16"),
         state_dtype=zero.offload_optimizer.state_dtype,
-        trainable_params=trainable_params,
     )
+
+
+def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
+                        num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
+                        gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None) -> dict:
+    """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`): ``infinity train`` and
+    ``infinity estimate`` both come here."""
+    return estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
+                    activation_nbytes=activation_nbytes, trainable_params=trainable_params,
+                    **estimate_settings(config, world_size=world_size, gpu=gpu))
 
 
 def _trainable_part(trainable_params: int | None, num_params: int, world_size: int, flat_numel: int,

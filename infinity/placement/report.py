@@ -9,7 +9,7 @@ from typing import Sequence
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.placement.estimate import KINDS, TIERS
 
-__all__ = ["format_bytes", "format_table", "parse_count"]
+__all__ = ["format_bytes", "format_max_gpt", "format_table", "parse_count"]
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
@@ -85,3 +85,22 @@ def format_table(chosen: dict, alts: Sequence[dict]) -> str:
             _table(["setting", *TIERS], alt_rows),
         ]
     )
+
+
+def format_max_gpt(found: dict, *, host_memory_nbytes: int, nvme_nbytes: int) -> str:
+    """``max_gpt``'s answer for people: the model, what bounds it, and the bytes a parameter takes in each tier."""
+    budget = f"{format_bytes(host_memory_nbytes)} of host memory and {format_bytes(nvme_nbytes)} of disk"
+    if found["config"] is None:
+        return f"no GPT of our presets' shape fits {budget}"
+    c, s = found["config"], found["estimate"]["setting"]
+    lines = [f"the largest GPT of our presets' shape within {budget}: {found['num_params']:,} parameters "
+             f"({c['n_layer']} layers x {c['d_model']} wide, {c['n_head']} heads: the {found['template']} preset's "
+             f"shape); the next depth up exceeds {found['bound']}",
+             f"{s['precision']} compute, params on {s['offload_param']}, optimizer on {s['offload_optimizer']}, "
+             f"{s['state_dtype']} states; host floor {format_bytes(found['host_floor_nbytes'])}, "
+             f"disk {format_bytes(found['nvme_nbytes'])}", "", "bytes per parameter:"]
+    kinds = [k for k in KINDS if any(k in found["bytes_per_param"][t] for t in TIERS)]
+    rows = [[k.replace("_", " ")] + [f"{found['bytes_per_param'][t].get(k, 0):.3g}" for t in TIERS] for k in kinds]
+    rows.append(["total"] + [f"{sum(found['bytes_per_param'][t].values()):.3g}" for t in TIERS])
+    lines.append(_table(["kind", *TIERS], rows))
+    return "\n".join(lines)

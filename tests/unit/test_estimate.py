@@ -182,3 +182,86 @@ def test_parameters_reused_within_max_reuse_distance_stay_gathered():
         "gathered_params"] == 1000 * 2
     assert estimate(**{**kw, "offload_param": "cpu"}, max_reuse_distance=20_000, gpu=True)["tiers"]["device"][
         "gathered_params"] == (1000 + 10_000) * 2
+
+
+# --------------------------------------------------------------------------- the largest GPT that fits
+
+
+def _engine_at(cfg, budget, nvme_path):
+    """``infinity.initialize`` of ``GPT(cfg)`` with params and optimizer on NVMe under ``budget``, bf16 on the CPU."""
+    import infinity
+    from helpers import engine_config
+    from infinity.models.gpt import GPT
+
+    config = engine_config(param="nvme", optimizer="nvme", nvme_path=str(nvme_path), accum=1, clip=1.0, lr=1e-4,
+                           precision="bf16", sub_group_size=10**8, host_memory_budget=budget)
+    torch.manual_seed(0)
+    return infinity.initialize(GPT(cfg), config)
+
+
+def test_max_gpt_is_the_deepest_the_engine_takes_under_the_budget(tmp_path):
+    """The engine itself is the reference: it trains the model max_gpt names and refuses one block more."""
+    from dataclasses import replace
+
+    from infinity.models.gpt import GPTConfig, count_params
+    from infinity.placement.max_model import host_floor_nbytes, max_gpt
+
+    template = PRESETS["10m"]
+    setting = dict(offload_param="nvme", offload_optimizer="nvme", precision="bf16", gpu=False,
+                   param_persistence_threshold=0, sub_group_size=10**8)
+    floor = estimate_gpt(replace(template, n_layer=7), micro_batch=2, seq_len=16, max_in_cpu=0,
+                         optimizer_max_in_cpu=0, host_memory_budget=64 << 20, **setting)
+    budget = host_floor_nbytes(floor) + (1 << 20)  # seven blocks and a little: not eight
+    found = max_gpt(host_memory_nbytes=budget, nvme_nbytes=1 << 40, templates=("10m",), micro_batch=2, seq_len=16,
+                    **setting)
+    cfg = GPTConfig(**found["config"])
+    assert (cfg.n_layer, found["template"], found["bound"]) == (7, "10m", "host memory")
+    assert found["num_params"] == count_params(cfg)
+    bpp = found["bytes_per_param"]
+    assert bpp["host"]["gradients"] == pytest.approx(2, rel=0.02)  # bf16 slices (flat space aligned), accumulation 1
+    assert bpp["nvme"]["master"] + bpp["nvme"]["moments"] == pytest.approx(12, rel=0.01)
+
+    engine = _engine_at(cfg, budget, tmp_path)
+    try:
+        ids = torch.randint(0, 256, (2, 17))
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        assert torch.isfinite(loss)
+        assert engine.tiers.host_memory.peak_nbytes <= budget
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="needs at least"):
+        _engine_at(replace(cfg, n_layer=8), budget, tmp_path)
+
+
+def test_max_gpt_is_bounded_by_the_disk_and_says_so():
+    from dataclasses import replace
+
+    from infinity.models.gpt import GPTConfig, count_params
+    from infinity.placement.max_model import max_gpt
+
+    setting = dict(offload_param="nvme", offload_optimizer="nvme", precision="bf16", gpu=False, seq_len=16)
+    disk = 10 * 10**9
+    found = max_gpt(host_memory_nbytes=16 << 30, nvme_nbytes=disk, **setting)
+    assert found["bound"] == "disk" and found["nvme_nbytes"] <= disk
+    deeper = replace(GPTConfig(**found["config"]), n_layer=found["config"]["n_layer"] + 1)
+    planned = estimate_gpt(deeper, host_memory_budget=16 << 30, **setting)
+    assert planned["totals"]["nvme"] - planned["tiers"]["nvme"]["step_undo"] > disk
+    compact = max_gpt(host_memory_nbytes=16 << 30, nvme_nbytes=disk, state_dtype="int8", **setting)
+    assert compact["num_params"] > 1.5 * found["num_params"]  # ~6 B a parameter on disk instead of 14
+    nothing = max_gpt(host_memory_nbytes=1 << 20, nvme_nbytes=1 << 40, **setting)
+    assert nothing["config"] is None and nothing["num_params"] == 0
+    assert count_params(PRESETS["20b"]) >= 20e9
+
+
+def test_cli_max_params(capsys, tmp_path):
+    from infinity.cli import main
+
+    rc = main(["estimate", "--max-params", "--offload-param", "nvme", "--offload-optimizer", "nvme", "--cpu",
+               "--host-memory", "2GiB", "--nvme-path", str(tmp_path), "--seq-len", "16", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert rc == 0 and found["host_memory_nbytes"] == 2 << 30 and found["host_floor_nbytes"] <= 2 << 30
+    assert found["bytes_per_param"]["host"]["gradients"] == pytest.approx(2, rel=0.02)
+    rc = main(["estimate", "--max-params", "--cpu", "--host-memory", "2GiB", "--nvme-path", str(tmp_path / "no")])
+    assert rc == 2 or "not a folder" in capsys.readouterr().err

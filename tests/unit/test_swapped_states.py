@@ -118,3 +118,54 @@ def test_the_other_sides_are_reserved_only_where_the_disk_holds_both(tiers, tmp_
                                                    for name in ("master", "exp_avg", "exp_avg_sq"))
     assert all(swapped._store.nbytes(key) == 500 * 4 for key in swapped._store.keys())
     swapped.close()
+
+
+def _no_room_after(monkeypatch, allowed_nbytes):
+    """The filesystem has ``allowed_nbytes`` of room for the swap file: preallocations past it fail with ENOSPC."""
+    import errno
+    import os
+
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        if offset + length > allowed_nbytes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+
+
+def test_a_disk_that_fills_while_the_other_sides_are_reserved_falls_back(tiers, tmp_path, monkeypatch, caplog):
+    swapped = _swapped(tiers, tmp_path)
+    groups = [SubGroup(index=i, start=i * 500, end=(i + 1) * 500, slots=()) for i in range(2)]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 0, 1 << 30))  # room, said free space
+    _no_room_after(monkeypatch, 3 * 4096)  # but the disk fills up after three extents
+    with caplog.at_level("WARNING", logger="infinity.optim.on_nvme"):
+        assert not swapped.reserve_other_sides(groups)
+    assert "filled up" in caplog.text
+    assert swapped._store.keys() == []  # the sides it had reserved are given back
+    assert swapped._store.stats.live_nbytes == 0
+    swapped.close()
+
+
+def test_the_states_in_use_are_reserved_before_any_step_and_a_full_disk_says_so(tiers, tmp_path, monkeypatch):
+    swapped = _swapped(tiers, tmp_path)
+    groups = [SubGroup(index=i, start=i * 500, end=(i + 1) * 500, slots=()) for i in range(2)]
+    swapped.reserve_states(groups)
+    assert sorted(swapped._store.keys()) == sorted(f"{name}.{i}" for i in range(2)
+                                                   for name in ("master", "exp_avg", "exp_avg_sq"))
+    a, b = swapped.sets
+    written = _fill(swapped, groups[1], a, seed=0)
+    _write(swapped, groups[1], a, other_side=False)  # the first write lands in the reserved extents
+    for name, values in _read(swapped, groups[1], b).items():
+        assert torch.equal(values, written[name]), name
+    swapped.close()
+
+    (tmp_path / "full").mkdir()
+    full = _swapped(tiers, tmp_path / "full")
+    _no_room_after(monkeypatch, 0)
+    with pytest.raises(OSError, match="no room to reserve .* for swap key 'master.0'"):
+        full.reserve_states(groups)
+    assert full._store.keys() == []
+    full.close()

@@ -159,6 +159,26 @@ def test_disk_too_small_names_both_numbers(no_work, monkeypatch, capsys):
     assert needed > 100 * 10**6  # 10M parameters x 14 bytes on NVMe
 
 
+def test_the_disk_check_leaves_out_the_optional_second_side(no_work, monkeypatch, capsys):
+    """The engine reserves a speculative step's second side only where the disk has room; a disk with room for
+    the states but not for both sides must not be refused."""
+    from infinity.models.gpt import PRESETS
+    from infinity.placement.estimate import estimate_gpt
+
+    both = estimate_gpt(PRESETS["10m"], micro_batch=8, seq_len=256, offload_param="nvme", offload_optimizer="nvme",
+                        precision="bf16", gpu=False, step_undo=True, overlap_step=True, max_in_cpu=0,
+                        host_memory_budget=100 << 20)
+    one_side = both["totals"]["nvme"] - both["tiers"]["nvme"]["step_undo"]
+    assert both["tiers"]["nvme"]["step_undo"] > 5 * 10**7  # the second side is worth checking for
+    usage = namedtuple("usage", "total used free")
+    argv = ["--nvme-path", str(no_work), "--preset", "10m", "--host-memory", "100MiB", "--precision", "bf16"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - one_side - 10**7, one_side + 10**7))
+    with pytest.raises(AssertionError, match="work started"):  # passes every check, then would build the model
+        main(["train", *argv])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - one_side // 2, one_side // 2))
+    assert "not enough room" in _fails(capsys, *argv)
+
+
 def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 1, 0))
