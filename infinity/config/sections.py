@@ -208,8 +208,9 @@ class ZeroConfig:
         for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
             _require_non_negative(f"zero_optimization.{name}", getattr(self, name))
         object.__setattr__(self, "host_memory_budget", parse_host_memory(self.host_memory_budget))
+        # any byte count: a budget below one sub-group's states keeps every sub-group offloaded
         object.__setattr__(self, "device_memory_budget", parse_host_memory(
-            self.device_memory_budget, key="zero_optimization.device_memory_budget"))
+            self.device_memory_budget, key="zero_optimization.device_memory_budget", min_nbytes=2))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
