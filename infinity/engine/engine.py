@@ -18,7 +18,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
-from infinity.engine.step_metrics import StepMeter
+from infinity.engine.step_metrics import StepMeter, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
@@ -177,7 +177,7 @@ class Engine:
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
-                               self.optimizer.states_by_tier())
+                               optimizer_states_by_tier(self.optimizer))
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:

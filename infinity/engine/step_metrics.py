@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from infinity.kernels import state_nbytes
+from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.params.staging import StagedShards
 from infinity.placement.copies import Copies
 from infinity.placement.tiers import Tiers
@@ -70,3 +72,14 @@ class StepMeter:
         self.last_counters = now
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
+
+
+def optimizer_states_by_tier(optimizer: OffloadOptimizer) -> dict[str, dict[str, int]]:
+    """Where the optimizer's states rest: sub-groups and bytes (in their resting form) on the device, in host
+    memory and on NVMe (``optimizer_states``; a split optimizer's split)."""
+    out = {tier: {"sub_groups": 0, "nbytes": 0} for tier in ("device", "host", "nvme")}
+    for group in optimizer.layout.sub_groups:
+        where = out[optimizer.state_tier(group)]
+        where["sub_groups"] += 1
+        where["nbytes"] += state_nbytes(optimizer.state_dtype, group.numel)
+    return out

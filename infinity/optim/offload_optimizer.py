@@ -55,7 +55,7 @@ from infinity import kernels
 from infinity.config.sections import OptimizerConfig, ZeroConfig
 from infinity.grads.reducer import GradReducer
 from infinity.optim.in_memory import MemoryStates
-from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
+from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states, kept_in_host
 from infinity.optim.speculation import InMemoryUndo, StepCheck, UpdateAt
 from infinity.optim.state_io import RestingStates
 from infinity.optim.step_tail import StepTail
@@ -171,25 +171,16 @@ class OffloadOptimizer:
 
     def _keep_in_host(self, groups, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
         """NVMe as a spill tier: of the offloaded sub-groups ``groups``, those that fit in ``room_nbytes`` keep
-        their states in host memory (with no budget, none do: ``device: nvme`` then means NVMe).
-
-        Every sub-group kept saves twice its state bytes (24 an element in fp32) of I/O per step; among those
-        that fit, the ones the step reads first are kept (no I/O can hide their reads): the last sub-groups
-        when the step runs during backward (which finishes them first), else the first ones."""
-        order = sorted(groups, key=lambda g: -g.index if backward_order else g.index)
-        kept, total, total_nbytes = [], 0, 0
-        for group in order:
-            nbytes = kernels.state_nbytes(self.state_dtype, group.numel)
-            fits = total_nbytes + nbytes <= room_nbytes
-            if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
-                kept.append(group)
-                total += group.numel
-                total_nbytes += nbytes
+        their states in host memory (with no budget, none do: ``device: nvme`` then means NVMe); see
+        :func:`~infinity.optim.on_nvme.kept_in_host` for which."""
+        kept = kept_in_host(groups, room_nbytes, self.state_dtype, backward_order=backward_order,
+                            max_in_cpu=max_in_cpu)
         if not kept:
             return
         self._memory.allocate(kept)
         logger.info("optimizer states: %d of %d offloaded sub-groups (%d of %d elements) rest in host memory within "
-                    "its budget; the rest is on NVMe", len(kept), len(groups), total, sum(g.numel for g in groups))
+                    "its budget; the rest is on NVMe", len(kept), len(groups), sum(g.numel for g in kept),
+                    sum(g.numel for g in groups))
 
     def _read_compute_from_masters(self) -> None:
         """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
@@ -231,16 +222,6 @@ class OffloadOptimizer:
         """Where ``group``'s states rest: ``device``, ``host`` or ``nvme``."""
         memory = self.memory_of(group)
         return "nvme" if memory is None else memory.tier
-
-    def states_by_tier(self) -> dict[str, dict[str, int]]:
-        """Where the states rest: sub-groups and bytes (in their resting form) on the device, in host memory and
-        on NVMe (``step_metrics()``' ``optimizer_states``; the split of a split optimizer)."""
-        out = {tier: {"sub_groups": 0, "nbytes": 0} for tier in ("device", "host", "nvme")}
-        for group in self.layout.sub_groups:
-            where = out[self.state_tier(group)]
-            where["sub_groups"] += 1
-            where["nbytes"] += kernels.state_nbytes(self.state_dtype, group.numel)
-        return out
 
     def stepped_on_device(self, group: SubGroup) -> bool:
         """The device's Adam steps ``group`` (its states rest in device memory)."""

@@ -63,6 +63,7 @@ from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
 from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
                                             state_nbytes, transient_reserve_nbytes)
+from infinity.placement.estimate_split import apply_optimizer_split
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
 
 __all__ = [
@@ -278,6 +279,7 @@ def estimate(
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
+        "sub_group_numels": list(sub_groups),
         "tiers": tiers,
         "totals": totals,
         "accounted": accounted,
@@ -298,12 +300,15 @@ def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] |
     the step overlaps the backward and may be undone (gradient clipping or fp16 loss scaling), as
     :mod:`infinity.optim.overlapped_step` reserves them. ``gpu``: device memory apart from host memory."""
     zero = config.zero
-    return estimate(
+    offload = zero.offload_optimizer
+    # a split optimizer is estimated offloaded, then its device sub-groups are moved to the device
+    offloaded = {"device": "none", "host": "cpu", "nvme": "nvme"}[offload.offloaded_tier]
+    est = estimate(
         num_params,
         param_numels=param_numels,
         world_size=world_size,
         offload_param=zero.offload_param.device.value,
-        offload_optimizer=zero.offload_optimizer.device.value,
+        offload_optimizer=offloaded,
         precision=config.precision,
         largest_layer_params=largest_layer_params,
         max_live_parameters=zero.max_live_parameters,
@@ -326,6 +331,7 @@ def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] |
         state_dtype=zero.offload_optimizer.state_dtype,
         trainable_params=trainable_params,
     )
+    return apply_optimizer_split(est, config) if offload.splits else est
 
 
 def _trainable_part(trainable_params: int | None, num_params: int, world_size: int, flat_numel: int,

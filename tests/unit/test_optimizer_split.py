@@ -203,3 +203,70 @@ def test_each_kernel_sees_only_its_own_memory_and_device_gradients_never_cross(g
     assert not any(on_device(lo) for lo, _ in handed["host"]), "device memory handed to the CPU kernel"
     assert all(on_device(lo) for lo, _ in handed["device"]), "host memory handed to the device's Adam"
     assert crossed_down == sum(s.shard_numel * 4 for s in offloaded_slots)  # fp32 gradients, once each
+
+
+# -- the estimate and the step-time model -------------------------------------------------------------------------
+def test_the_estimate_moves_the_device_sub_groups_states_and_gradients_to_the_device():
+    from infinity.placement.estimate import estimate_for_config
+    from infinity.placement.step_time import traffic_from_estimate
+
+    numels = [4096] * 8
+    base = {"zero_optimization": {"sub_group_size": 4096, "offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": "cpu"}}}
+    split_raw = copy.deepcopy(base)
+    split_raw["zero_optimization"]["offload_optimizer"]["ratio"] = 0.75
+    whole = estimate_for_config(InfinityConfig.from_deepspeed(base), param_numels=numels, gpu=True)
+    split = estimate_for_config(InfinityConfig.from_deepspeed(split_raw), param_numels=numels, gpu=True)
+    assert "optimizer_split" not in whole
+    assert split["optimizer_split"]["device_sub_groups"] == int(0.25 * 8) == 2
+    device_states = state_nbytes("fp32", 2 * 4096)
+    assert split["optimizer_split"]["nbytes"] == {"device": device_states, "host": 3 * device_states, "nvme": 0}
+    def states(est):
+        return [est["tiers"][t]["master"] + est["tiers"][t]["moments"] for t in ("device", "host", "nvme")]
+    assert sum(states(split)) == sum(states(whole))  # bytes moved, none made or lost
+    assert split["tiers"]["host"]["gradients"] == 3 * whole["tiers"]["host"]["gradients"] // 4
+    traffic = traffic_from_estimate(split, micro_batch=1, seq_len=16, shape={"layers": 1, "width": 64, "seq_len": 16})
+    assert traffic.device_adam_elements == 2 * 4096 and traffic.cpu_adam_elements == 6 * 4096
+    assert traffic.grad_d2h_nbytes == traffic_from_estimate(whole, micro_batch=1, seq_len=16, shape={
+        "layers": 1, "width": 64, "seq_len": 16}).grad_d2h_nbytes * 3 / 4
+
+
+def test_a_checkpoint_of_a_split_optimizer_loads_its_device_and_host_states(gpt, tmp_path):
+    """The device sub-groups' states are read and written across the copy worker like the host ones from disk;
+    loaded into a run with every sub-group offloaded, they are the same values."""
+    from helpers import optimizer_states
+
+    model, batches = gpt
+    engine = infinity.initialize(copy.deepcopy(model), _auto_config(model, accum=1, clip=CLIP))
+    try:
+        _late_copies(engine)
+        for batch in batches[1][:3]:
+            engine.backward(engine(*batch))
+            engine.step()
+        saved = optimizer_states(engine)
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    finally:
+        engine.close()
+    offloaded = engine_config(param="none", optimizer="cpu", nvme_path=None, accum=1, clip=CLIP, lr=LR)
+    for config in (_auto_config(model, accum=1, clip=CLIP), offloaded):
+        engine = infinity.initialize(copy.deepcopy(model), config)
+        try:
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+            loaded = optimizer_states(engine)
+        finally:
+            engine.close()
+        assert loaded.keys() == saved.keys()
+        for key, values in saved.items():
+            assert torch.equal(loaded[key], values), key
+
+
+def test_where_the_device_is_the_host_the_split_trains_like_plain_pytorch(gpt, monkeypatch):
+    """Without the test mode the device's memory is the host's: the split is the same (device bytes are
+    accounted apart), nothing crosses, and training is the same."""
+    monkeypatch.setenv(DISTINCT_DEVICE_ENV, "0")
+    model, batches = gpt
+    reference = reference_train(model, batches[2], steps=STEPS, accum=2, clip=CLIP, lr=LR)
+    result = engine_steps(model, _auto_config(model, accum=2, clip=CLIP), batches[2], steps=STEPS, accum=2)
+    assert result[3].split and not result[3].distinct
+    assert result[2][-1]["copies"] == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
+    _assert_matches(result, reference, "auto where the device is the host")
