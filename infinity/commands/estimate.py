@@ -40,7 +40,7 @@ from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import get_preset
 from infinity.placement.estimate import estimate_for_config, estimate_settings, gpt_activation_nbytes
 from infinity.placement.max_model import max_gpt
-from infinity.placement.report import format_max_gpt, format_table, parse_count
+from infinity.placement.report import format_estimated_split, format_max_gpt, format_table, parse_count
 from infinity.placement.step_time import format_prediction, predict_from_estimate
 from infinity.runtime.machine_figures import cache_path, load_cached
 
@@ -254,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note)
     print(format_table(chosen, alts))
+    split_line = format_estimated_split(chosen)
+    if split_line:
+        print(split_line)
     print()
     print(step_note)
     return 0

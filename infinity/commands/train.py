@@ -46,7 +46,7 @@ from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
 from infinity.models.transformers_lm import causal_lm_loss
-from infinity.placement.report import format_bytes
+from infinity.placement.report import format_bytes, format_optimizer_split
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out
@@ -262,6 +262,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     engine = initialize(model, plan.config, weights=plan.hf_model)
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
+    if engine.placement.split:
+        say(f"  {format_optimizer_split(engine.step_metrics()['optimizer_states'])}")
 
     start_step = 0
     losses: list[float] = []

@@ -337,6 +337,8 @@ def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) 
                 changes["max_in_cpu"] = 0
         elif block.nvme_path == TEMPORARY_SWAP_PATH:  # (the file's NVMe block, moved off NVMe by a flag)
             changes["nvme_path"] = None
+        if which == "optimizer" and device not in (OffloadDevice.CPU, OffloadDevice.NVME) and block.ratio < 1.0:
+            changes["ratio"] = 1.0  # the file's split was of its own offload; a flag moved the optimizer elsewhere
         if which == "optimizer" and getattr(args, "optimizer_state_dtype", None) is not None:
             changes["state_dtype"] = args.optimizer_state_dtype
         config = config.with_offload(which, **changes)

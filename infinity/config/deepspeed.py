@@ -82,6 +82,7 @@ _ZERO_HONOURED = {
     "overlap_step_with_backward": "overlap_step_with_backward",
     "overlap_step_with_forward": "overlap_step_with_forward",
     "host_memory_budget": "host_memory_budget",
+    "device_memory_budget": "device_memory_budget",
 }
 # Keys whose only values we can honour are listed with that value.
 _ZERO_ONLY_VALUE = {
@@ -92,7 +93,7 @@ _ZERO_ONLY_VALUE = {
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
                        "compute_from_master"}
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-                           "grad_accumulation", "max_in_cpu", "state_dtype"}
+                           "grad_accumulation", "max_in_cpu", "state_dtype", "ratio"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
@@ -275,7 +276,7 @@ class _DeepSpeedTranslator:
         for name, value in fields.items():
             if name in ("overlap_step_with_backward", "overlap_step_with_forward"):
                 kwargs[name] = bool(value)
-            elif name == "host_memory_budget":
+            elif name in ("host_memory_budget", "device_memory_budget"):
                 kwargs[name] = value  # bytes, a fraction or a string with units: parsed by ZeroConfig
             else:
                 kwargs[name] = _int(f"zero_optimization.{name}", value)
@@ -284,7 +285,9 @@ class _DeepSpeedTranslator:
     def _offload(self, where: str, block: Any, keys: set, not_applicable: set, cls):
         if block is None:
             block = {}
-        fields = self._fields(where, block, {k: k for k in keys}, not_applicable, {"ratio": 1.0})
+        # DeepSpeed's offload_optimizer.ratio is honoured (a split optimizer); offload_param takes only 1.0
+        only_value = {} if cls is OffloadOptimizerConfig else {"ratio": 1.0}
+        fields = self._fields(where, block, {k: k for k in keys}, not_applicable, only_value)
         if "device" in fields:
             device = fields["device"]
             fields["device"] = "none" if device in (None, "none") else device
@@ -299,8 +302,9 @@ class _DeepSpeedTranslator:
         return cls(**fields)
 
 
-_OUR_AUTO_KEYS = frozenset({"bf16.enabled", "device", "aio.backend"})
-"""Keys whose "auto" we resolve ourselves (infinity.runtime.hardware, placement.compute_device, the storage backend)."""
+_OUR_AUTO_KEYS = frozenset({"bf16.enabled", "device", "aio.backend", "zero_optimization.offload_optimizer.device"})
+"""Keys whose "auto" we resolve ourselves (infinity.runtime.hardware, placement.compute_device, the storage backend,
+the optimizer's split per sub-group)."""
 
 
 def _reject_auto(block: dict, prefix: str) -> None:

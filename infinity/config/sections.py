@@ -8,8 +8,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from infinity.config.tier_names import OFFLOAD_DEVICES, OffloadDevice
+from infinity.config.tier_names import OFFLOAD_DEVICES, OPTIMIZER_OFFLOAD_DEVICES, OffloadDevice, Tier
 from infinity.config.units import parse_host_memory
+
+DEFAULT_DEVICE_FRACTION = 0.6
+"""Without ``device_memory_budget``, split optimizers take this share of the device memory free after the model's
+working set: the rest is for activations and the allocator's slack, unknown at ``initialize``."""
 
 StateDtype = Literal["fp32", "bf16", "int8"]
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -88,7 +92,9 @@ class OffloadOptimizerConfig:
     """Where the fp32 master, the moments and the gradient slices rest (``zero_optimization.offload_optimizer``)."""
 
     device: OffloadDevice = OffloadDevice.NONE
-    """As ``offload_param.device``."""
+    """As ``offload_param.device``, or ``auto`` (our value): the sub-groups whose states fit
+    ``zero_optimization.device_memory_budget`` rest on the device and are stepped there, the rest in host memory,
+    and with ``nvme_path`` set what the host-memory budget cannot hold on NVMe."""
     nvme_path: str | None = None
     buffer_count: int = 4
     """Host buffers for swapping optimizer state; at least 2 (double buffering)."""
@@ -115,9 +121,22 @@ class OffloadOptimizerConfig:
     """Read sub-group i+1 while sub-group i is updated."""
     pipeline_write: bool = True
     """Write sub-group i-1 while sub-group i is updated."""
+    ratio: float = 1.0
+    """DeepSpeed's key: the fraction of the optimizer's sub-groups that is offloaded (stepped by the CPU kernel)
+    when ``device`` is ``cpu`` or ``nvme``; the first ``int((1 - ratio) * sub-groups)`` sub-groups rest on the
+    device and are stepped there, as DeepSpeed splits them. 1 (the default) offloads all of them."""
 
     def __post_init__(self):
-        _require_offload_device("offload_optimizer", self)
+        _require_offload_device("offload_optimizer", self, OPTIMIZER_OFFLOAD_DEVICES)
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"config key zero_optimization.offload_optimizer.ratio must be a number in [0, 1] (the "
+                             f"fraction of the optimizer offloaded), got {self.ratio!r}")
+        object.__setattr__(self, "ratio", float(self.ratio))
+        if self.ratio < 1.0 and self.device not in ("cpu", "nvme"):
+            raise ValueError(
+                f"config key zero_optimization.offload_optimizer.ratio is {self.ratio} but offload_optimizer.device "
+                f"is {self.device.value!r}: a ratio splits an offloaded optimizer ('cpu' or 'nvme'); 'auto' picks the "
+                f"split from zero_optimization.device_memory_budget instead")
         if self.device == "nvme" and not self.nvme_path:
             raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
@@ -129,6 +148,19 @@ class OffloadOptimizerConfig:
         _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
                         ("device_if_fits", "device", "host"))
         _require_choice("zero_optimization.offload_optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
+
+    @property
+    def offloaded_tier(self) -> Tier:
+        """Where the offloaded sub-groups rest: ``host`` or ``nvme`` (``auto``: NVMe when ``nvme_path`` is set,
+        the sub-groups that fit the host budget staying in host memory); ``device`` when nothing is offloaded."""
+        if self.device is OffloadDevice.AUTO:
+            return Tier.NVME if self.nvme_path else Tier.HOST
+        return self.device.tier
+
+    @property
+    def splits(self) -> bool:
+        """Some sub-groups may rest on the device while others are offloaded (``auto``, or a ratio below 1)."""
+        return self.device is OffloadDevice.AUTO or self.ratio < 1.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -160,6 +192,11 @@ class ZeroConfig:
     """Host memory this rank's engine may use (our key): bytes, or a fraction of the memory available at start
     (shared by the ranks on the machine). None: 80 % of what is available. Every host allocation charges it;
     staging is sized from it; with NVMe configured, the states that fit stay in host memory."""
+    device_memory_budget: int | float | None = None
+    """Device memory the optimizer states of ``offload_optimizer.device: auto`` may take (our key): bytes, or a
+    fraction of the device memory free after the model's working set (compute shards on the device, gathered
+    parameters, scratch). None: :data:`DEFAULT_DEVICE_FRACTION` of it, leaving the rest to activations and the
+    allocator, which are not known at ``initialize``. With a ``ratio`` below 1 the device's share must fit it."""
 
     def __post_init__(self):
         if self.stage != 3:
@@ -171,6 +208,9 @@ class ZeroConfig:
         for name in ("prefetch_bucket_size", "param_persistence_threshold", "max_reuse_distance"):
             _require_non_negative(f"zero_optimization.{name}", getattr(self, name))
         object.__setattr__(self, "host_memory_budget", parse_host_memory(self.host_memory_budget))
+        # any byte count: a budget below one sub-group's states keeps every sub-group offloaded
+        object.__setattr__(self, "device_memory_budget", parse_host_memory(
+            self.device_memory_budget, key="zero_optimization.device_memory_budget", min_nbytes=2))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,9 +284,9 @@ def _require_optional_bool(key: str, value) -> None:
         raise ValueError(f"config key {key} must be true or false, got {value!r}")
 
 
-def _require_offload_device(where: str, block) -> None:
-    """``block.device`` is one of OFFLOAD_DEVICES; held as the :class:`OffloadDevice` member (its tier is known)."""
-    _require_choice(f"{where}.device", block.device, OFFLOAD_DEVICES)
+def _require_offload_device(where: str, block, choices=OFFLOAD_DEVICES) -> None:
+    """``block.device`` is one of ``choices``; held as the :class:`OffloadDevice` member."""
+    _require_choice(f"{where}.device", block.device, choices)
     object.__setattr__(block, "device", OffloadDevice(block.device))
 
 

@@ -23,7 +23,7 @@ else:  # Python 3.10: a str mixin whose str() and format() are the value, as 3.1
         def __format__(self, spec: str) -> str:
             return self.value.__format__(spec)
 
-__all__ = ["OFFLOAD_DEVICES", "TIERS", "TIER_OF_OFFLOAD", "OffloadDevice", "Tier"]
+__all__ = ["OFFLOAD_DEVICES", "OPTIMIZER_OFFLOAD_DEVICES", "TIERS", "TIER_OF_OFFLOAD", "OffloadDevice", "Tier"]
 
 
 class Tier(StrEnum):
@@ -46,17 +46,24 @@ class OffloadDevice(StrEnum):
     """Host memory."""
     NVME = "nvme"
     """NVMe swap files under ``nvme_path``."""
+    AUTO = "auto"
+    """Optimizer states only (our value): the sub-groups that fit the device-memory budget on the device, the
+    rest in host memory, and with an ``nvme_path`` what the host budget cannot hold on NVMe. No single tier."""
 
     @property
     def tier(self) -> Tier:
-        """The tier this offload device puts a state in."""
+        """The tier this offload device puts a state in (``auto`` has none: ask the optimizer's config)."""
+        if self is OffloadDevice.AUTO:
+            raise ValueError("offload device 'auto' puts sub-groups in several tiers; it has no single tier")
         return TIER_OF_OFFLOAD[self]
 
 
 TIERS: tuple[str, ...] = tuple(t.value for t in Tier)
 """``("device", "host", "nvme")``, in that order (nearest the compute first): columns, tables, summaries."""
-OFFLOAD_DEVICES: tuple[str, ...] = tuple(d.value for d in OffloadDevice)
-"""``("none", "cpu", "nvme")``: the choices of ``--offload-param`` / ``--offload-optimizer`` and of the config."""
+OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
+"""The choices of ``offload_param.device`` and ``--offload-param``: one tier each."""
+OPTIMIZER_OFFLOAD_DEVICES: tuple[str, ...] = OFFLOAD_DEVICES + ("auto",)
+"""The choices of ``offload_optimizer.device`` and ``--offload-optimizer``: a tier, or ``auto`` (split per sub-group)."""
 TIER_OF_OFFLOAD: dict[str, Tier] = {OffloadDevice.NONE: Tier.DEVICE, OffloadDevice.CPU: Tier.HOST,
                                     OffloadDevice.NVME: Tier.NVME}
 """An offload device (member or its string) -> the tier the state rests in."""

@@ -10,9 +10,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget") -> int | float | None:
-    """A budget setting: bytes (an integer above 1, or ``"8GiB"``), or a fraction of the available memory
-    (a number in (0, 1], or ``"60%"``). None stays None (the default)."""
+def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget", *,
+                      min_nbytes: int = 1 << 20) -> int | float | None:
+    """A budget setting: bytes (an integer above 1, or ``"8GiB"``; at least ``min_nbytes``), or a fraction of the
+    available memory (a number in (0, 1], or ``"60%"``). None stays None (the default)."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -27,9 +28,9 @@ def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget") 
         number = _number(key, value, match.group(1))
         if match.group(2) is None and number <= 1:
             return _fraction(key, number)
-        return _bytes(key, number * _UNITS[match.group(2) or ""])
+        return _bytes(key, number * _UNITS[match.group(2) or ""], min_nbytes)
     if isinstance(value, (int, float)):
-        return _fraction(key, float(value)) if value <= 1 else _bytes(key, value)
+        return _fraction(key, float(value)) if value <= 1 else _bytes(key, value, min_nbytes)
     raise ValueError(f"{key} must be bytes or a fraction of the available memory, got {value!r}")
 
 
@@ -49,7 +50,7 @@ def _fraction(key: str, value: float) -> float:
     return float(value)
 
 
-def _bytes(key: str, value: float) -> int:
-    if not math.isfinite(value) or value < 1 << 20:
-        raise ValueError(f"{key}: {value!r} bytes is not a usable budget (at least 1 MiB)")
+def _bytes(key: str, value: float, min_nbytes: int = 1 << 20) -> int:
+    if not math.isfinite(value) or value < min_nbytes:
+        raise ValueError(f"{key}: {value!r} bytes is not a usable budget (at least {min_nbytes} bytes)")
     return int(value)

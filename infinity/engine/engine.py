@@ -18,7 +18,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
-from infinity.engine.step_metrics import StepMeter
+from infinity.engine.step_metrics import StepMeter, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
@@ -33,6 +33,7 @@ from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam
 from infinity.placement.copies import Copies
 from infinity.placement.host_budget import HostMemoryPlan
 from infinity.placement.layout import ShardLayout
+from infinity.placement.optimizer_split import decide_split, device_working_set_nbytes
 from infinity.placement.placement import (Placement, compute_device, device_memory_is_distinct,
                                           grad_accumulator_fits_device)
 from infinity.placement.tiers import Tiers
@@ -99,9 +100,14 @@ class Engine:
         self.host_budget = HostMemoryPlan(zero, self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16"
+        split = decide_split(config, self.layout, self.device, grad_itemsize=itemsize if lossless else 4,
+                             working_set_nbytes=device_working_set_nbytes(config, self.layout, itemsize))
         self.placement = Placement.decide(
             config, self.device, distinct=device_memory_is_distinct(self.device),
-            grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel))
+            grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel),
+            split=split)
         logger.info("%s", self.placement.describe())
         self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
         self.copies = Copies(self.placement)
@@ -170,7 +176,8 @@ class Engine:
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
-        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged)
+        self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
+                               optimizer_states_by_tier(self.optimizer))
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:

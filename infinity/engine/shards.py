@@ -93,9 +93,7 @@ class EngineShards:
         self.compute_runs = tuple(runs[len(self.state_runs):])
 
     def _state_tier(self, group: SubGroup) -> str:
-        if not self._optimizer.in_memory(group):
-            return "nvme"
-        return "device" if self._optimizer.tier == "device" else "host"
+        return self._optimizer.state_tier(group)
 
     def _compute_tier(self, slot: ParamSlot) -> str:
         if self._compute.resident(slot) is None:

@@ -4,7 +4,8 @@ step settled, optimizer seconds), and, since the step before it, the bytes
 each tier read and wrote with its live and peak bytes, the bytes of each
 collective and of each host⇄device crossing, the compute-shard bytes copied
 from a staging set instead of read from NVMe, seconds of compute and of the
-whole step, and the timeline's summary.
+whole step, and the timeline's summary; ``optimizer_states`` says where the optimizer's states rest
+(sub-groups and bytes on the device, in host memory and on NVMe).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from infinity.kernels import state_nbytes
+from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.params.staging import StagedShards
 from infinity.placement.copies import Copies
 from infinity.placement.tiers import Tiers
@@ -22,13 +25,15 @@ from infinity.runtime.trace import Timeline
 class StepMeter:
     """Counts since the last step, closed into ``metrics`` at each step's end."""
 
-    def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards):
+    def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards,
+                 optimizer_states: dict | None = None):
+        """``optimizer_states``: where the optimizer's states rest (sub-groups and bytes by tier), fixed for the run."""
         self._tiers = tiers
         self._staged = staged
         self._comm = comm
         self._copies = copies
         self._timeline = timeline
-        self.metrics: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {} if optimizer_states is None else {"optimizer_states": optimizer_states}
         """The last step's figures; the step writes its own into it too (keys it does not set keep their value)."""
         self.last_counters = self._counters()
         self._step_started = time.perf_counter()
@@ -67,3 +72,14 @@ class StepMeter:
         self.last_counters = now
         self._step_started = time.perf_counter()
         self._compute_s = 0.0
+
+
+def optimizer_states_by_tier(optimizer: OffloadOptimizer) -> dict[str, dict[str, int]]:
+    """Where the optimizer's states rest: sub-groups and bytes (in their resting form) on the device, in host
+    memory and on NVMe (``optimizer_states``; a split optimizer's split)."""
+    out = {tier: {"sub_groups": 0, "nbytes": 0} for tier in ("device", "host", "nvme")}
+    for group in optimizer.layout.sub_groups:
+        where = out[optimizer.state_tier(group)]
+        where["sub_groups"] += 1
+        where["nbytes"] += state_nbytes(optimizer.state_dtype, group.numel)
+    return out

@@ -18,6 +18,11 @@ Routes (nothing pageable and nothing synchronous inside the backward hook):
   step's last micro-batch copies each finished slice down once.
 * ``HOST_RING``: each micro-batch's slice is copied down into a pinned ring
   buffer and a worker adds it into the host accumulator, off the hook.
+
+A split optimizer (:attr:`Placement.device_sub_groups`) steps its first sub-groups on the device: their
+slices (``device_slices``, the trainable flat space up to :attr:`Placement.device_numel`) are reduced
+``IN_PLACE`` in device memory and never cross; the route applies to the others (``slices`` then holds the
+rest of the flat space, from ``device_numel`` on).
 """
 
 from __future__ import annotations
@@ -57,9 +62,16 @@ class GradReducer:
         self._comm = comm
         self._slot_of_param = slot_of_param
         self._slices_tier = "device" if placement.grads.tier == "device" else "host"
-        self.slices = tiers.empty(self._slices_tier, layout.trainable_numel, grad_dtype, pinned=placement.grads.pinned)
-        """The optimizer's gradient slices, in the trainable flat space."""
+        self._split = placement.device_numel  # a split optimizer's device slices end here (0: no split)
+        self.slices = tiers.empty(self._slices_tier, layout.trainable_numel - self._split, grad_dtype,
+                                  pinned=placement.grads.pinned)
+        """The optimizer's gradient slices, in the trainable flat space (from ``device_numel`` on when split)."""
         self.slices.zero_()
+        self.device_slices: torch.Tensor | None = None
+        """A split optimizer's device sub-groups' slices, reduced in place (the flat space up to ``device_numel``)."""
+        if self._split:
+            self.device_slices = tiers.empty("device", self._split, grad_dtype)
+            self.device_slices.zero_()
         self.received: set[int] = set()  # slots with a gradient this micro-batch
         # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
         # accumulation (they overwrite) / are the step's last (final as they arrive), and who is told so.
@@ -72,7 +84,7 @@ class GradReducer:
         self._ring: HostBufferPool | None = None
         self._adder: _HostAdder | None = None
         if self.route is GradRoute.DEVICE_THEN_HOST:
-            self._device_acc = tiers.empty("device", layout.trainable_numel, torch.float32)
+            self._device_acc = tiers.empty("device", layout.trainable_numel - self._split, torch.float32)
             self._device_acc.zero_()
         elif self.route is GradRoute.HOST_RING:
             slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
@@ -108,11 +120,11 @@ class GradReducer:
             return
         shard = self._reduce(grad, slot)
         first = self._fresh and slot.index not in self.received
-        target = self.slices[slot.offset:slot.end]
-        if self.route is GradRoute.IN_PLACE:
+        target = self._view(slot.offset, slot.end)
+        if self._route_of(slot) is GradRoute.IN_PLACE:
             target.copy_(shard) if first else target.add_(shard)
         elif self.route is GradRoute.DEVICE_THEN_HOST:
-            acc = self._device_acc[slot.offset:slot.end]
+            acc = self._device_acc[slot.offset - self._split:slot.end - self._split]
             acc.copy_(shard) if first else acc.add_(shard)
             if self._boundary:
                 self._cross_accumulated(slot)
@@ -123,6 +135,16 @@ class GradReducer:
         self.received.add(slot.index)
         if self._final_sink is not None:
             self._final_sink.slot_final(slot)
+
+    def _route_of(self, slot: ParamSlot) -> GradRoute:
+        """A split optimizer's device sub-groups are reduced in place; the others take the placement's route."""
+        return GradRoute.IN_PLACE if slot.offset < self._split else self.route
+
+    def _view(self, start: int, end: int) -> torch.Tensor:
+        """The slices of ``[start, end)`` of the trainable flat space (one sub-group's or one slot's at most)."""
+        if start < self._split:
+            return self.device_slices[start:end]
+        return self.slices[start - self._split:end - self._split]
 
     def _reduce(self, grad: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """This rank's slice of the mean gradient over ranks, on the device."""
@@ -139,8 +161,9 @@ class GradReducer:
 
     def _cross_accumulated(self, slot: ParamSlot) -> None:
         """DEVICE_THEN_HOST: the slot's accumulated gradient goes down, once this step."""
-        self._landing[slot.index] = self._copies.to_host(self._device_acc[slot.offset:slot.end],
-                                                         self.slices[slot.offset:slot.end])
+        split = self._split
+        self._landing[slot.index] = self._copies.to_host(self._device_acc[slot.offset - split:slot.end - split],
+                                                         self._view(slot.offset, slot.end))
         self._crossed.add(slot.index)
 
     def _copy_down(self, slot: ParamSlot, shard: torch.Tensor, target: torch.Tensor, first: bool) -> None:
@@ -167,16 +190,16 @@ class GradReducer:
                     self._zero_slot(slot)
         if self._boundary and self.route is GradRoute.DEVICE_THEN_HOST:
             for slot in self.layout.slots:
-                if slot.trainable and slot.index not in self._crossed:
+                if slot.trainable and slot.index not in self._crossed and slot.offset >= self._split:
                     self._cross_accumulated(slot)
         self.received.clear()
 
     def _zero_slot(self, slot: ParamSlot) -> None:
-        if self.route is GradRoute.DEVICE_THEN_HOST:
-            self._device_acc[slot.offset:slot.end].zero_()
+        if self._route_of(slot) is GradRoute.DEVICE_THEN_HOST:
+            self._device_acc[slot.offset - self._split:slot.end - self._split].zero_()
         else:
             # no crossing into this slot is pending: it received nothing since the last step
-            self.slices[slot.offset:slot.end].zero_()
+            self._view(slot.offset, slot.end).zero_()
 
     # -- the optimizer's side ---------------------------------------------------
     def wait_sub_group(self, group: SubGroup) -> torch.Tensor:
@@ -187,7 +210,7 @@ class GradReducer:
                 self._copies.host_waits(landing)  # the optimizer reads these host slices next
             elif landing is not None:
                 landing.wait()
-        return self.slices[group.start:group.end]
+        return self._view(group.start, group.end)
 
     def sub_group_sq_norm(self, group: SubGroup) -> float:
         """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
@@ -199,11 +222,12 @@ class GradReducer:
         agree to the bit."""
         return sum(self.sub_group_sq_norm(group) for group in self.layout.sub_groups)
 
-    def wait_all(self) -> torch.Tensor:
-        """Every slice, landed (before the global norm or the overflow check reads them all)."""
+    def wait_all(self) -> tuple[torch.Tensor, ...]:
+        """Every slice, landed (before the global norm or the overflow check reads them all): the flat tensors
+        that hold them (the device's and the host's with a split optimizer)."""
         for group in self.layout.sub_groups:
             self.wait_sub_group(group)
-        return self.slices
+        return (self.slices,) if self.device_slices is None else (self.device_slices, self.slices)
 
     def zero(self) -> None:
         """After a step: the next micro-batch starts a fresh accumulation. The slices are not cleared: a fresh
@@ -223,6 +247,9 @@ class GradReducer:
         if self.slices is not None:
             self._tiers.free(self._slices_tier, self.slices)
             self.slices = None
+        if self.device_slices is not None:
+            self._tiers.free("device", self.device_slices)
+            self.device_slices = None
 
 
 class _Added:

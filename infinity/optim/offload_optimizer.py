@@ -29,6 +29,11 @@ writes the master alone, and its compute shards are read from the master's
 swap file from then on (:meth:`ComputeDelivery.written_from`): 2 bytes an
 element less written each step (``offload_param.compute_from_master``).
 
+A split optimizer (:attr:`Placement.device_sub_groups`: ``offload_optimizer.device: auto``, or a ``ratio``
+below 1) keeps its first sub-groups' states in device memory (a second
+:class:`~infinity.optim.in_memory.MemoryStates`, ``device_states``) and steps them with the device's Adam; the
+others rest and are stepped as ``offload_optimizer`` says for all of them.
+
 The states rest in the form ``state_dtype`` says (``infinity.kernels.compact``)
 in every tier: memory tensors, swap files and staging buffers hold 12 (fp32),
 6 (bf16) or ~4.03 (int8) bytes an element, and the kernel reads and writes that
@@ -50,7 +55,7 @@ from infinity import kernels
 from infinity.config.sections import OptimizerConfig, ZeroConfig
 from infinity.grads.reducer import GradReducer
 from infinity.optim.in_memory import MemoryStates
-from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
+from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states, kept_in_host
 from infinity.optim.speculation import InMemoryUndo, StepCheck, UpdateAt
 from infinity.optim.state_io import RestingStates
 from infinity.optim.step_tail import StepTail
@@ -106,25 +111,38 @@ class OffloadOptimizer:
         self._copies = parts.copies
         self._timeline = parts.timeline
         self._on_device = placement.optimizer_on_device
-        if state_dtype != "fp32" and self._on_device and placement.device.type != "cpu":
+        self._placement = placement
+        if state_dtype != "fp32" and (self._on_device or placement.split) and placement.device.type != "cpu":
             raise ValueError(
-                f"zero_optimization.offload_optimizer.state_dtype is {state_dtype!r}, but the optimizer states are "
-                f"on {placement.device} (offload_optimizer.device 'none'), where torch's fused AdamW keeps fp32 "
-                f"states: set offload_optimizer.device to 'cpu' or 'nvme' (the fused CPU kernel), or state_dtype 'fp32'")
+                f"zero_optimization.offload_optimizer.state_dtype is {state_dtype!r}, but optimizer states are "
+                f"on {placement.device} (offload_optimizer.device {offload.device.value!r}), where torch's fused AdamW "
+                f"keeps fp32 states: offload every sub-group ('cpu' or 'nvme' with ratio 1: the fused CPU kernel), "
+                f"or set state_dtype 'fp32'")
         self._rank = parts.rank
         self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
+        """The step of every sub-group, or with a split the offloaded ones'."""
+        self._device_adam = kernels.adam_step_on_device
+        """A split optimizer's step of its device sub-groups."""
         self.delivery = ComputeDelivery(layout, placement, tiers, parts.compute, parts.copies)
         """The new compute shards' one owner: where the kernel writes them, their way home, the staging sets'."""
         # the states in memory (host memory for NVMe's sub-groups kept within the budget)
         self._memory = MemoryStates(tiers, parts.copies, tier="device" if self.tier == "device" else "host",
                                     state_dtype=self.state_dtype, on_device=self._on_device)
         self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
+        self.device_states: MemoryStates | None = None
+        """A split optimizer's device sub-groups' states (None without a split)."""
+        offloaded = layout.sub_groups
+        if placement.split:
+            self.device_states = MemoryStates(tiers, parts.copies, tier="device", state_dtype=self.state_dtype,
+                                              on_device=True)
+            self.device_states.allocate(layout.sub_groups[:placement.device_sub_groups])
+            offloaded = layout.sub_groups[placement.device_sub_groups:]
         self._store = None
         self.swapped: SwappedStates | None = None  # the staging sets and swap keys of the states on NVMe
         self._written_groups: set[int] = set()
-        self._grad_scratch: torch.Tensor | None = None
-        self._grad_scratch_tier = "host"
+        self._grad_scratch: dict[str, torch.Tensor] = {}  # tier -> a sub-group of scaled gradients
         self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
+        self.device_undo: InMemoryUndo | None = None  # the same for a split optimizer's device states
         self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
@@ -138,13 +156,13 @@ class OffloadOptimizer:
                                          compute_dtype=parts.compute.dtype,
                                          compute_pinned=self.delivery.scratch_pinned)
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
-            self._keep_in_host(0 if room is None else room - reserve_nbytes, zero.overlap_step_with_backward,
-                               offload.max_in_cpu)
+            self._keep_in_host(offloaded, 0 if room is None else room - reserve_nbytes,
+                               zero.overlap_step_with_backward, offload.max_in_cpu)
         else:
-            self._memory.allocate(layout.sub_groups)
-        self._resting = RestingStates(self.state_dtype, tiers, self._memory, self._store,
+            self._memory.allocate(offloaded)
+        self._resting = RestingStates(self.state_dtype, tiers, self.memory_of, self._store,
                                       self.swapped.key if self.swapped is not None else None)
-        self.swapped_groups = [g for g in layout.sub_groups if not self._memory.holds(g)]
+        self.swapped_groups = [g for g in layout.sub_groups if not self.in_memory(g)]
         """Sub-groups whose states rest on NVMe (the others are in memory)."""
         if self.swapped is not None:
             self.swapped.reserve_states(self.swapped_groups)  # a disk without room fails now, not mid-run
@@ -153,28 +171,18 @@ class OffloadOptimizer:
         if step_undo:
             self._make_room_to_undo()
 
-    def _keep_in_host(self, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
-        """NVMe as a spill tier: the sub-groups that fit in ``room_nbytes`` keep their states in host memory
-        (with no budget, none do: ``device: nvme`` then means NVMe).
-
-        Every sub-group kept saves twice its state bytes (24 an element in fp32) of I/O per step; among those
-        that fit, the ones the step reads first are kept (no I/O can hide their reads): the last sub-groups
-        when the step runs during backward (which finishes them first), else the first ones."""
-        order = sorted(self.layout.sub_groups, key=lambda g: -g.index if backward_order else g.index)
-        kept, total, total_nbytes = [], 0, 0
-        for group in order:
-            nbytes = kernels.state_nbytes(self.state_dtype, group.numel)
-            fits = total_nbytes + nbytes <= room_nbytes
-            if fits and (max_in_cpu is None or total + group.numel <= max_in_cpu):
-                kept.append(group)
-                total += group.numel
-                total_nbytes += nbytes
+    def _keep_in_host(self, groups, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
+        """NVMe as a spill tier: of the offloaded sub-groups ``groups``, those that fit in ``room_nbytes`` keep
+        their states in host memory (with no budget, none do: ``device: nvme`` then means NVMe); see
+        :func:`~infinity.optim.on_nvme.kept_in_host` for which."""
+        kept = kept_in_host(groups, room_nbytes, self.state_dtype, backward_order=backward_order,
+                            max_in_cpu=max_in_cpu)
         if not kept:
             return
         self._memory.allocate(kept)
-        logger.info("optimizer states: %d of %d sub-groups (%d of %d elements) rest in host memory within its "
-                    "budget; the rest is on NVMe", len(kept), len(self.layout.sub_groups), total,
-                    sum(g.numel for g in self.layout.sub_groups))
+        logger.info("optimizer states: %d of %d offloaded sub-groups (%d of %d elements) rest in host memory within "
+                    "its budget; the rest is on NVMe", len(kept), len(groups), sum(g.numel for g in kept),
+                    sum(g.numel for g in groups))
 
     def _read_compute_from_masters(self) -> None:
         """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
@@ -203,7 +211,23 @@ class OffloadOptimizer:
         return (self._rank << 32) | group.index
 
     def in_memory(self, group: SubGroup) -> bool:
-        return self._memory.holds(group)
+        return self.memory_of(group) is not None
+
+    def memory_of(self, group: SubGroup) -> MemoryStates | None:
+        """The states in memory that hold ``group`` (the device's of a split optimizer, or the others'); None
+        when it rests on NVMe."""
+        if self.device_states is not None and self.device_states.holds(group):
+            return self.device_states
+        return self._memory if self._memory.holds(group) else None
+
+    def state_tier(self, group: SubGroup) -> str:
+        """Where ``group``'s states rest: ``device``, ``host`` or ``nvme``."""
+        memory = self.memory_of(group)
+        return "nvme" if memory is None else memory.tier
+
+    def stepped_on_device(self, group: SubGroup) -> bool:
+        """The device's Adam steps ``group`` (its states rest in device memory)."""
+        return self._placement.stepped_on_device(group.index)
 
     @property
     def resident_numel(self) -> int:
@@ -236,7 +260,8 @@ class OffloadOptimizer:
                 self.swapped.write_master(group, master).wait()
             else:
                 for slot in group.slots:
-                    self._memory.write("master", group, values_by_slot[slot.index], at=slot.offset - group.start)
+                    self.memory_of(group).write("master", group, values_by_slot[slot.index],
+                                                at=slot.offset - group.start)
             self._written_groups.add(group.index)
             for slot in group.slots:
                 values_by_slot.pop(slot.index, None)
@@ -253,7 +278,8 @@ class OffloadOptimizer:
     def scale_grads(self, grad_coef: float) -> None:
         """Scale every gradient slice in place, once they have landed (a step nothing will undo any more)."""
         if grad_coef != 1.0:
-            self._grads.wait_all().mul_(grad_coef)
+            for slices in self._grads.wait_all():
+                slices.mul_(grad_coef)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None",
                 at: UpdateAt, *, grad_coef: float = 1.0) -> list[IOHandle]:
@@ -265,14 +291,15 @@ class OffloadOptimizer:
         states = group_states(self.state_dtype, group, states)
         grads = self._grads.wait_sub_group(group)
         if grad_coef != 1.0:
-            grads = self._scaled_grads(grads, grad_coef)
+            grads = self._scaled_grads(group, grads, grad_coef)
         out = self.delivery.out(group, scratch)  # None when the master is the compute shards
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
+        adam = self._device_adam if self.device_states is not None and self.device_states.holds(group) else self._adam
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
             if self.state_dtype == "fp32":
-                self._adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
+                adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
             else:  # the compact form read, updated and written back in the kernel's one pass
                 kernels.adam_step_compact(states["master"], grads, states["exp_avg"], states["exp_avg_sq"],
                                           state_dtype=self.state_dtype, seed=self._seed(group),
@@ -349,7 +376,7 @@ class OffloadOptimizer:
         new states were written to the other side of its keys and are simply never published."""
         for group in groups:
             if self.in_memory(group):
-                self.undo.restore(group)
+                self._undo_of(group).restore(group)
         self.delivery.undone(g.index for g in groups)
         if groups:
             self.rollbacks += 1
@@ -371,6 +398,20 @@ class OffloadOptimizer:
         self.second_side_reserved = self.swapped is None or self.swapped.reserve_other_sides(self.swapped_groups)
         if self._states:
             self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
+        if self.device_states is not None:
+            self.device_undo = InMemoryUndo.make(self.device_states.tensors, "device", self._tiers,
+                                                 self.device_states.views)
+
+    def _undo_of(self, group: SubGroup) -> InMemoryUndo | None:
+        """What undoes a speculative update of the in-memory ``group`` (None: no room was found for it)."""
+        return self.device_undo if self.memory_of(group) is self.device_states else self.undo
+
+    def can_undo(self, group: SubGroup) -> bool:
+        """A speculative update of ``group`` can be undone: its old states stay on NVMe while the new ones go
+        to the other side (where the disk had room), or an undo copy of its states in memory was made."""
+        if not self.in_memory(group):
+            return self.second_side_reserved
+        return self._undo_of(group) is not None
 
     def restore_compute(self, group: SubGroup) -> None:
         """After an undone update: the compute shards again from the master (the kernel writes them as its
@@ -378,7 +419,7 @@ class OffloadOptimizer:
         if not self.delivery.needs_restoring(group):
             return  # they are read from the master, which the undone update did not overwrite (other side)
         if self.in_memory(group):
-            master, staging = self._memory.views(group)["master"], None
+            master, staging = self.memory_of(group).views(group)["master"], None
         else:
             staging = self.swapped.sets[0]
             staging.wait_writes()  # its buffers are about to be overwritten by the read
@@ -387,19 +428,18 @@ class OffloadOptimizer:
             self.swapped.read_master(group, master).wait()
         self.delivery.restore(group, master, staging.compute if staging is not None else None)
 
-    def _scaled_grads(self, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
+    def _scaled_grads(self, group: SubGroup, grads: torch.Tensor, grad_coef: float) -> torch.Tensor:
         """``grads * grad_coef`` in a buffer of the optimizer's (the slices must stay as they are while the step
         may be undone); the same rounding as scaling the slices in place."""
-        if self._grad_scratch is None:
-            self._grad_scratch_tier = "device" if self._on_device else "host"
-            self._grad_scratch = self._tiers.empty(self._grad_scratch_tier, self.layout.largest_sub_group_numel,
-                                                   grads.dtype)
-        return torch.mul(grads, grad_coef, out=self._grad_scratch[:grads.numel()])
+        tier = "device" if self._on_device or (self.stepped_on_device(group) and self._placement.distinct) else "host"
+        if tier not in self._grad_scratch:
+            self._grad_scratch[tier] = self._tiers.empty(tier, self.layout.largest_sub_group_numel, grads.dtype)
+        return torch.mul(grads, grad_coef, out=self._grad_scratch[tier][:grads.numel()])
 
     def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
         if check.needs_norm:
-            self.undo.save(group)
+            self._undo_of(group).save(group)
         self._update_in_memory(group, at, grad_coef=check.grad_coef)
 
     def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
@@ -420,7 +460,7 @@ class OffloadOptimizer:
 
     def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self._memory.views(group), None, at, grad_coef=grad_coef):
+        for handle in self._update(group, self.memory_of(group).views(group), None, at, grad_coef=grad_coef):
             handle.wait()
 
     def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
@@ -463,9 +503,12 @@ class OffloadOptimizer:
         if self.swapped is not None:
             self.swapped.close()
         self._memory.close()
+        if self.device_states is not None:
+            self.device_states.close()
         self.delivery.close()
-        if self._grad_scratch is not None:
-            self._tiers.free(self._grad_scratch_tier, self._grad_scratch)
-            self._grad_scratch = None
-        if self.undo is not None:
-            self.undo.close()
+        for tier, scratch in self._grad_scratch.items():
+            self._tiers.free(tier, scratch)
+        self._grad_scratch.clear()
+        for undo in (self.undo, self.device_undo):
+            if undo is not None:
+                undo.close()

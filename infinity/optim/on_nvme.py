@@ -166,3 +166,19 @@ class SwappedStates:
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)
         self.sets.clear()
+
+
+def kept_in_host(groups, room_nbytes: int, state_dtype: str, *, backward_order: bool,
+                 max_in_cpu: int | None) -> list:
+    """Of the offloaded sub-groups ``groups``, those whose states stay in host memory within ``room_nbytes``
+    (and ``max_in_cpu`` elements). Every sub-group kept saves twice its state bytes (24 an element in fp32) of I/O
+    per step; among those that fit, the ones the step reads first are kept (no I/O can hide their reads): the
+    last sub-groups when the step runs during backward (which finishes them first), else the first ones."""
+    kept, total, total_nbytes = [], 0, 0
+    for group in sorted(groups, key=lambda g: -g.index if backward_order else g.index):
+        nbytes = kernels.state_nbytes(state_dtype, group.numel)
+        if total_nbytes + nbytes <= room_nbytes and (max_in_cpu is None or total + group.numel <= max_in_cpu):
+            kept.append(group)
+            total += group.numel
+            total_nbytes += nbytes
+    return kept

@@ -255,10 +255,7 @@ class OverlappedStep:
         """Whether ``group`` may be updated before the check's outcome is known."""
         if not self.check.needs_norm:
             return True  # nothing to undo
-        if not self._optimizer.in_memory(group):
-            # Its old states stay on NVMe while the new ones go to the other side, where the disk had room for it.
-            return self._optimizer.second_side_reserved
-        return self._optimizer.undo is not None
+        return self._optimizer.can_undo(group)
 
     def _guarded(self, action) -> None:
         try:

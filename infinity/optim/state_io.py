@@ -27,11 +27,12 @@ from infinity.placement.tiers import Tiers
 
 
 class RestingStates:
-    def __init__(self, state_dtype: str, tiers: Tiers, memory: MemoryStates, store,
+    def __init__(self, state_dtype: str, tiers: Tiers, memory_of: Callable[[SubGroup], "MemoryStates | None"], store,
                  key: Callable[[str, SubGroup], str]):
+        """``memory_of(group)``: the states in memory that hold a sub-group, None for one on NVMe."""
         self._state_dtype = state_dtype
         self._tiers = tiers
-        self._memory = memory
+        self._memory_of = memory_of
         self._store = store  # the swap store of the sub-groups not in memory (None when all are)
         self._key = key      # a state tensor's swap key (the optimizer's: it knows which side is current)
 
@@ -42,7 +43,7 @@ class RestingStates:
         _check_name(name)
         parts = kernels.compact.state_parts(self._state_dtype, name)
         resting_dtype = next(spec.dtype for spec in self._layout(group) if spec.name == name)
-        if not self._memory.holds(group) and name != "master" and not moments_written:
+        if self._memory_of(group) is None and name != "master" and not moments_written:
             out.zero_()
         elif parts == (name,) and out.dtype == resting_dtype:
             self._read_part(name, group, out)
@@ -73,8 +74,9 @@ class RestingStates:
             if buffers:
                 kernels.compact.state_from_fp32_into(self._state_dtype, name, values, buffers)
             for part, tensor in parts.items():
-                if self._memory.holds(group):
-                    self._memory.write(part, group, tensor)
+                memory = self._memory_of(group)
+                if memory is not None:
+                    memory.write(part, group, tensor)
                 else:
                     self._store.write(self._key(part, group), tensor).wait()
         finally:
@@ -102,8 +104,9 @@ class RestingStates:
 
     def _read_part(self, name: str, group: SubGroup, out: torch.Tensor) -> None:
         """One state tensor (a ``state_layout`` name) of a sub-group, as it rests, into ``out`` (blocking)."""
-        if self._memory.holds(group):
-            self._memory.read(name, group, out)
+        memory = self._memory_of(group)
+        if memory is not None:
+            memory.read(name, group, out)
         else:
             self._store.read(self._key(name, group), out).wait()
 

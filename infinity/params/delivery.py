@@ -18,6 +18,10 @@ pass as the update. Where they go first, and how they get home:
 
 A scratch buffer is overwritten only once the copy reading it has landed.
 
+With a split optimizer (:attr:`Placement.device_sub_groups`) each sub-group goes its own way: a device-stepped
+sub-group's new shards are written in place when the shards rest on the device (no copy up), and come down
+when they rest in host memory or on NVMe; a host-stepped one's as without a split.
+
 While a swapped sub-group's states are written out of a staging set, the set
 still holds its new shards (its compute buffer, or the master itself); the next
 forward copies them from there instead of reading NVMe, until the optimizer says
@@ -55,17 +59,18 @@ class ComputeDelivery:
         self._tiers = tiers
         self._compute = compute
         self._copies = copies
-        self._on_device = placement.optimizer_on_device
-        self.in_place = placement.compute_shard_in_optimizer_memory
-        self.scratch_pinned = placement.grads.pinned and not self.in_place
+        self._placement = placement
+        every_in_place = all(placement.compute_shard_in_memory_of(g.index) for g in layout.sub_groups)
+        self.scratch_pinned = placement.grads.pinned and not every_in_place
         """New compute shards that cross between memories are staged in host buffers pinned like the gradients."""
-        self.writes_from_scratch = compute.tier == "nvme" and not self.in_place and not self._on_device
+        self.writes_from_scratch = compute.tier == "nvme" and not placement.optimizer_on_device
         """The new shards of a staged sub-group go to NVMe from the scratch passed to :meth:`out` (the set's)."""
         self.master_groups: frozenset[int] = frozenset()
         """Swapped sub-groups whose master on NVMe is their compute shards (their update writes no copy)."""
         self._host_scratch: torch.Tensor | None = None
         self._device_scratch: torch.Tensor | None = None
         self._scratch_copy: dict[int, CopyDone] = {}  # scratch data_ptr -> the copy still reading it
+        self._copied_down = False  # this step copied new shards down (a device-stepped sub-group's)
 
     # -- sub-groups whose master is their compute shards ----------------------------
     def read_from_masters(self, groups: list[SubGroup], master_dtype: torch.dtype,
@@ -93,10 +98,10 @@ class ComputeDelivery:
         when its master is its compute shards (the kernel writes no copy)."""
         if self.in_master(group):
             return None
-        if self.in_place:
+        if self._in_place(group):
             return self._compute.sub_group_view(group)
         numel = self._layout.largest_sub_group_numel
-        if self._on_device:
+        if self._on_device(group):
             if self._device_scratch is None:
                 self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
             out = self._device_scratch
@@ -139,17 +144,27 @@ class ComputeDelivery:
             # writes them again, which forgets these)
             self._compute.keep_staged(group, compute, owner)
 
+    def _on_device(self, group: SubGroup) -> bool:
+        """The device optimizer steps ``group`` (its states rest in device memory)."""
+        return self._placement.stepped_on_device(group.index)
+
+    def _in_place(self, group: SubGroup) -> bool:
+        """The kernel writes ``group``'s new compute shards into their flat buffer (same memory)."""
+        return self._placement.compute_shard_in_memory_of(group.index)
+
     def _deliver(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
         """Take the new compute shards from ``out`` to their tier; returns the NVMe writes in flight."""
-        if self.in_place:
+        if self._in_place(group):
             return []
+        on_device = self._on_device(group)
         if self._compute.tier != "nvme":
             # across memories: a copy on the copy stream; the scratch is reused only once it has landed
             flat = self._compute.sub_group_view(group)
-            cross = self._copies.to_host if self._on_device else self._copies.to_device
+            cross = self._copies.to_host if on_device else self._copies.to_device
             self._scratch_copy[out.data_ptr()] = cross(out, flat)
+            self._copied_down = self._copied_down or on_device
             return []
-        if self._on_device:
+        if on_device:
             out = self._down_for_nvme(group, out)
         writes = []
         for slot in group.slots:
@@ -200,9 +215,12 @@ class ComputeDelivery:
         if not self._scratch_copy:
             return
         last = self._copies.last()
-        if self._on_device:
-            self._copies.host_waits(last)  # host compute shards are read by the host (checkpoints, NVMe writes)
+        if self._copied_down:
+            # host compute shards are read by the host (checkpoints, NVMe writes); the copies are in order on one
+            # stream, so this also covers any copied up this step (a split optimizer's host-stepped sub-groups)
+            self._copies.host_waits(last)
             self._scratch_copy.clear()
+            self._copied_down = False
         else:
             # device compute shards are gathered by the compute stream: a stream wait, the host goes on. The
             # entries stay, so the next step's kernel host-waits before it overwrites a scratch still copied up.
@@ -220,7 +238,7 @@ class ComputeDelivery:
         done = self._scratch_copy.pop(scratch.data_ptr(), None)
         if done is None:
             return
-        if self._on_device:
+        if scratch is self._device_scratch:
             self._copies.compute_waits(done)  # the kernel overwrites device scratch the copy stream still reads
         else:
             self._copies.host_waits(done)  # the CPU kernel overwrites host scratch the copy stream still reads

@@ -61,6 +61,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_OF_OFFLOAD, TIERS
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
+from infinity.placement.estimate_split import apply_optimizer_split
 from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
                                             state_nbytes, transient_reserve_nbytes)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
@@ -279,6 +280,7 @@ def estimate(
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
+        "sub_group_numels": list(sub_groups),
         "tiers": tiers,
         "totals": totals,
         "accounted": accounted,
@@ -290,17 +292,20 @@ def estimate(
 
 def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool) -> dict:
     """:func:`estimate`'s keywords for the engine's ``config`` (all but the model's size): every setting the
-    engine reserves by is read from it, so the figures are what ``initialize`` will reserve.
+    engine reserves by is read from it, so the figures are what ``initialize`` will reserve. A split optimizer
+    (``offload_optimizer.device: auto`` or a ``ratio``) is set as offloaded here; :func:`estimate_for_config`
+    then moves its device sub-groups to the device.
 
     The host-memory budget is resolved as the engine resolves it (:func:`resolve_host_budget`: a fraction of the
     memory available now unless the config gives bytes); the undo extents of a speculative step are counted when
     the step overlaps the backward and may be undone (gradient clipping or fp16 loss scaling), as
     :mod:`infinity.optim.overlapped_step` reserves them. ``gpu``: device memory apart from host memory."""
     zero = config.zero
+    offload = zero.offload_optimizer
     return dict(
         world_size=world_size,
         offload_param=zero.offload_param.device.value,
-        offload_optimizer=zero.offload_optimizer.device.value,
+        offload_optimizer={"device": "none", "host": "cpu", "nvme": "nvme"}[offload.offloaded_tier],
         precision=config.precision,
         max_live_parameters=zero.max_live_parameters,
         prefetch_bucket_size=zero.prefetch_bucket_size,
@@ -310,26 +315,27 @@ def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool)
         buffer_count=zero.offload_param.buffer_count,
         buffer_size=zero.offload_param.buffer_size,
         max_in_cpu=zero.offload_param.max_in_cpu,
-        pipeline=zero.offload_optimizer.pipeline_read or zero.offload_optimizer.pipeline_write,
-        optimizer_buffer_count=zero.offload_optimizer.buffer_count,
+        pipeline=offload.pipeline_read or offload.pipeline_write,
+        optimizer_buffer_count=offload.buffer_count,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gpu=gpu,
         host_memory_budget=resolve_host_budget(zero.host_memory_budget),
-        optimizer_max_in_cpu=zero.offload_optimizer.max_in_cpu,
+        optimizer_max_in_cpu=offload.max_in_cpu,
         overlap_step=zero.overlap_step_with_backward,
         step_undo=zero.overlap_step_with_backward and (config.gradient_clipping > 0 or config.precision == "fp16"),
-        state_dtype=zero.offload_optimizer.state_dtype,
+        state_dtype=offload.state_dtype,
     )
 
 
 def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
                         num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
                         gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None) -> dict:
-    """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`): ``infinity train`` and
-    ``infinity estimate`` both come here."""
-    return estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
-                    activation_nbytes=activation_nbytes, trainable_params=trainable_params,
-                    **estimate_settings(config, world_size=world_size, gpu=gpu))
+    """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`; a split optimizer's device
+    sub-groups then moved to the device): ``infinity train`` and ``infinity estimate`` both come here."""
+    est = estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
+                   activation_nbytes=activation_nbytes, trainable_params=trainable_params,
+                   **estimate_settings(config, world_size=world_size, gpu=gpu))
+    return apply_optimizer_split(est, config) if config.zero.offload_optimizer.splits else est
 
 
 def _trainable_part(trainable_params: int | None, num_params: int, world_size: int, flat_numel: int,

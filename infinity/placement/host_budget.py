@@ -136,7 +136,7 @@ class HostMemoryPlan:
     def sub_group_size(self, named_params: list, world_size: int) -> int:
         """``sub_group_size``, capped where sub-groups are staged from NVMe so staging fits the budget."""
         zero = self.zero
-        if zero.offload_optimizer.device != "nvme":
+        if zero.offload_optimizer.offloaded_tier != "nvme":
             return zero.sub_group_size
         largest_shard = max((math.ceil(p.numel() / world_size) for _, p in named_params), default=0)
         size = staged_sub_group_numel(zero.sub_group_size, largest_shard_numel=largest_shard,
@@ -166,7 +166,10 @@ class HostMemoryPlan:
         layout, placement, itemsize = self.layout, self.placement, self.itemsize
         charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
         grad_bytes = itemsize if placement.grads_lossless else 4
-        grads = layout.trainable_numel * grad_bytes if placement.grads.tier in charged else 0
+        # a split optimizer's device sub-groups (gradients and states) are host memory only where the device is
+        offloaded_numel = layout.trainable_numel - placement.device_numel
+        device_numel = placement.device_numel if "device" in charged else 0
+        grads = (offloaded_numel * grad_bytes if placement.grads.tier in charged else 0) + device_numel * grad_bytes
         if placement.compute_shard.tier in charged:
             shards = layout.total_numel * itemsize
         elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
@@ -174,7 +177,8 @@ class HostMemoryPlan:
             shards = packed_offsets([s.shard_numel for s in layout.slots if s.index in persistent])[1] * itemsize
         else:
             shards = 0
-        states = state_nbytes(self.state_dtype, layout.trainable_numel) if placement.master.tier in charged else 0
+        states = ((state_nbytes(self.state_dtype, offloaded_numel) if placement.master.tier in charged else 0)
+                  + state_nbytes(self.state_dtype, device_numel))
         staging = 0
         if placement.master.tier == "nvme":
             largest = layout.largest_sub_group_numel

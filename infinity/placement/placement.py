@@ -26,6 +26,7 @@ import torch
 
 from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import Tier
+from infinity.placement.optimizer_split import OptimizerSplit
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +91,29 @@ class Placement:
     grads_lossless: bool
     """Gradient slices keep the compute precision: no accumulation, no fp16 unscaling in place, and an
     optimizer that reads low-precision gradients (the CPU kernel); else they are fp32."""
+    device_sub_groups: int = 0
+    """A split optimizer: its first sub-groups, whose states rest in device memory and are stepped there, their
+    gradient slices reduced in place on the device (0: no split; ``master``, ``moments``, ``grads`` and
+    ``grad_route`` then say where the others rest and how their gradients travel)."""
+    device_numel: int = 0
+    """A split optimizer: elements of its device sub-groups, where the offloaded ones begin in the trainable
+    flat space (0: no split)."""
 
     @classmethod
     def decide(cls, config: InfinityConfig, device: torch.device, *, distinct: bool,
-               grad_accumulator_fits_device: bool = True) -> "Placement":
+               grad_accumulator_fits_device: bool = True, split: OptimizerSplit | None = None) -> "Placement":
+        """``split``: which sub-groups rest on the device (:func:`~infinity.placement.optimizer_split.decide_split`);
+        needed for ``offload_optimizer.device: auto`` and a ``ratio`` below 1, else taken from the device."""
         zero = config.zero
         param_tier = zero.offload_param.device.tier
-        optimizer_tier = zero.offload_optimizer.device.tier
+        offload = zero.offload_optimizer
+        if split is None and offload.splits:
+            raise ValueError(f"offload_optimizer.device {offload.device.value!r} with ratio {offload.ratio}: "
+                             f"the placement needs the split per sub-group (decide_split)")
+        optimizer_tier = offload.offloaded_tier
+        if split is not None and split.sub_groups and split.device_sub_groups == split.sub_groups:
+            optimizer_tier = Tier.DEVICE  # every sub-group fits the device: as offload_optimizer.device none
+        partial = split is not None and split.partial
         pin_param = _pin_decision("zero_optimization.offload_param.pin_memory", zero.offload_param.pin_memory,
                                   device, distinct)
         pin_optimizer = _pin_decision("zero_optimization.offload_optimizer.pin_memory",
@@ -125,7 +142,9 @@ class Placement:
         lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16" and not gpu_optimizer
         return cls(device=device, distinct=distinct, compute_shard=place(param_tier, pin_param),
                    master=optimizer_place, moments=optimizer_place, grads=grads,
-                   optimizer_memory=optimizer_place.memory, grad_route=route, grads_lossless=lossless)
+                   optimizer_memory=optimizer_place.memory, grad_route=route, grads_lossless=lossless,
+                   device_sub_groups=split.device_sub_groups if partial else 0,
+                   device_numel=split.device_numel if partial else 0)
 
     @property
     def optimizer_on_device(self) -> bool:
@@ -137,6 +156,20 @@ class Placement:
         """The optimizer can write new compute shards in place (no copy across memories)."""
         return self.compute_shard.tier != Tier.NVME and self.compute_shard.memory is self.optimizer_memory
 
+    @property
+    def split(self) -> bool:
+        """Some sub-groups rest and are stepped on the device, the others are offloaded."""
+        return self.device_sub_groups > 0
+
+    def stepped_on_device(self, group_index: int) -> bool:
+        """Sub-group ``group_index``'s states rest in device memory and the device optimizer steps it."""
+        return self.optimizer_on_device or group_index < self.device_sub_groups
+
+    def compute_shard_in_memory_of(self, group_index: int) -> bool:
+        """The optimizer can write sub-group ``group_index``'s new compute shards in place."""
+        memory = Memory.DEVICE if self.stepped_on_device(group_index) and self.distinct else self.optimizer_memory
+        return self.compute_shard.tier != Tier.NVME and self.compute_shard.memory is memory
+
     def describe(self) -> str:
         """One line for the log and the train start line."""
         def state(p: StatePlace) -> str:
@@ -144,6 +177,11 @@ class Placement:
             return f"{p.tier}{pinned}"
         where = "device" if self.optimizer_on_device else "host (fused CPU kernel)"
         mode = "" if self.device.type != "cpu" or not self.distinct else f" [{DISTINCT_DEVICE_ENV}=1]"
+        if self.split:
+            return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; optimizer split: "
+                    f"sub-groups 0-{self.device_sub_groups - 1} ({self.device_numel} elements) on the device, "
+                    f"stepped there, gradients in place; the rest: master+moments {state(self.master)}, gradients "
+                    f"{state(self.grads)} ({self.grad_route.value}), stepped on the host (fused CPU kernel)")
         return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; "
                 f"master+moments {state(self.master)}; gradients {state(self.grads)} ({self.grad_route.value}); "
                 f"optimizer runs on the {where}")

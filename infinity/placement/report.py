@@ -104,3 +104,22 @@ def format_max_gpt(found: dict, *, host_memory_nbytes: int, nvme_nbytes: int) ->
     rows.append(["total"] + [f"{sum(found['bytes_per_param'][t].values()):.3g}" for t in TIERS])
     lines.append(_table(["kind", *TIERS], rows))
     return "\n".join(lines)
+
+
+def format_optimizer_split(states: dict) -> str:
+    """Where the optimizer's states rest, ``{tier: {"sub_groups": n, "nbytes": b}}`` (``step_metrics()``'
+    ``optimizer_states``), as one line: ``optimizer states: device 3 sub-groups 1.2 GB, host ...``."""
+    parts = [f"{tier} {where['sub_groups']} sub-group{'s' if where['sub_groups'] != 1 else ''} "
+             f"{format_bytes(where['nbytes'])}" for tier, where in states.items() if where["sub_groups"]]
+    return "optimizer states: " + ", ".join(parts)
+
+
+def format_estimated_split(est: dict) -> str | None:
+    """The estimate's split optimizer as one line (None without a split)."""
+    split = est.get("optimizer_split")
+    if split is None:
+        return None
+    nbytes = split["nbytes"]
+    return (f"optimizer split: {split['device_sub_groups']} of {split['sub_groups']} sub-groups on the device "
+            f"({format_bytes(nbytes['device'])} of states), the rest offloaded (host {format_bytes(nbytes['host'])}, "
+            f"nvme {format_bytes(nbytes['nvme'])})")

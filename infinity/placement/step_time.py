@@ -344,14 +344,19 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     # compute shards resting on NVMe are written back after the step, unless they are read from a bf16 master
     shards_written = nvme_shard if offload_param == "nvme" and s["state_dtype"] == "fp32" else 0
     host_optimizer = offload_optimizer != "none"
+    split = est.get("optimizer_split")  # a split optimizer: its first sub-groups are stepped on the device
+    device_elements = min(shard, split["device_numel"]) if split and host_optimizer else 0
+    host_share = (shard - device_elements) / shard if shard else 1.0
     grad_d2h = shards_h2d = shards_d2h = 0.0
     if crossings and host_optimizer:
         # with accumulation, the fp32 device accumulator goes down once a step; else (one micro-batch, or the
         # host ring) every micro-batch's slices go down in compute precision
         fp32_accumulator = accum > 1 and tiers["device"]["gradients"] > 0
-        grad_d2h = shard * 4 if fp32_accumulator else shard * cbytes * accum
+        grad_d2h = (shard * 4 if fp32_accumulator else shard * cbytes * accum) * host_share  # device ones stay
         if offload_param == "none":
-            shards_h2d = shard * cbytes  # the new compute shards go up to where they rest
+            shards_h2d = shard * cbytes * host_share  # the new compute shards go up to where they rest
+        else:
+            shards_d2h = device_elements * cbytes  # a device-stepped sub-group's new compute shards go down
     elif crossings and offload_param != "none":
         shards_d2h = shard * cbytes  # a device step's new compute shards go down to their tier
     groups = max(1, math.ceil(shard / max(1, est.get("largest_sub_group_numel") or shard)))
@@ -364,7 +369,8 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         fetch_h2d_nbytes=fetch_h2d, fetch_nvme_read_nbytes=fetch_read, first_fetch_nbytes=largest_shard,
         grad_d2h_nbytes=grad_d2h, shards_h2d_nbytes=shards_h2d, shards_d2h_nbytes=shards_d2h,
         state_read_nbytes=state_nvme, state_write_nbytes=state_nvme + shards_written,
-        cpu_adam_elements=shard if host_optimizer else 0, device_adam_elements=0 if host_optimizer else shard,
+        cpu_adam_elements=shard - device_elements if host_optimizer else 0,
+        device_adam_elements=device_elements if host_optimizer else shard,
         state_dtype=s["state_dtype"], sub_groups=groups, prefetch=prefetch,
         overlap_step_with_backward=overlap_step_with_backward, crossings=bool(crossings),
     )  # fmt: skip

@@ -107,3 +107,52 @@ def test_train_batch_size_must_add_up():
     with pytest.raises(ValueError, match="train_batch_size=10"):
         infinity.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
                                                     "gradient_accumulation_steps": 2})
+
+
+# -- a split optimizer: DeepSpeed's offload_optimizer.ratio, our device "auto" and device_memory_budget -------------
+@pytest.mark.parametrize("block, device, ratio", [
+    ({"device": "cpu", "ratio": 0.3}, "cpu", 0.3),
+    ({"device": "cpu", "ratio": 1}, "cpu", 1.0),
+    ({"device": "cpu", "ratio": 0}, "cpu", 0.0),
+    ({"device": "nvme", "nvme_path": "/x", "ratio": 0.5}, "nvme", 0.5),
+    ({"device": "auto"}, "auto", 1.0),
+    ({"device": "auto", "nvme_path": "/x"}, "auto", 1.0),
+    ({"device": "cpu"}, "cpu", 1.0),
+])
+def test_ratio_and_auto_are_honoured(block, device, ratio):
+    zero = InfinityConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": block}}).zero
+    assert zero.offload_optimizer.device == device and zero.offload_optimizer.ratio == ratio
+    assert zero.offload_optimizer.splits == (device == "auto" or ratio < 1)
+
+
+def test_the_offloaded_tier_of_each_device():
+    def tier(block):
+        return InfinityConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": block}}).zero.offload_optimizer.offloaded_tier
+    assert tier({"device": "auto"}) == "host"
+    assert tier({"device": "auto", "nvme_path": "/x"}) == "nvme"
+    assert tier({"device": "cpu", "ratio": 0.5}) == "host"
+    assert tier({"device": "nvme", "nvme_path": "/x"}) == "nvme"
+    assert tier({"device": "none"}) == "device"
+
+
+@pytest.mark.parametrize("value, parsed", [("20GiB", 20 << 30), (0.5, 0.5), ("40%", 0.4), (None, None), (3 << 30, 3 << 30)])
+def test_device_memory_budget_is_bytes_or_a_fraction(value, parsed):
+    zero = InfinityConfig.from_deepspeed({"zero_optimization": {"device_memory_budget": value}}).zero
+    assert zero.device_memory_budget == parsed
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 1.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": -0.1}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "half"}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "none", "ratio": 0.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "auto", "ratio": 0.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"offload_param": {"device": "auto"}}}, "offload_param.device"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu", "ratio": 0.5}}}, "offload_param.ratio"),
+    ({"zero_optimization": {"device_memory_budget": "lots"}}, "device_memory_budget"),
+    ({"zero_optimization": {"device_memory_budget": 0}}, "device_memory_budget"),
+    ({"zero_optimization": {"device_memory_budget": "auto"}}, "device_memory_budget"),
+])
+def test_bad_split_keys_are_rejected_by_name(raw, named):
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        InfinityConfig.from_deepspeed(raw)

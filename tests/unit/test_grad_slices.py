@@ -23,7 +23,8 @@ class _TwoBranches(torch.nn.Module):
 
 def _slice(engine, name: str) -> torch.Tensor:
     slot = next(s for s in engine.layout.slots if s.name == name)
-    return engine.reducer.wait_all()[slot.offset:slot.offset + slot.numel].clone()
+    (slices,) = engine.reducer.wait_all()  # one flat tensor: no split optimizer here
+    return slices[slot.offset:slot.offset + slot.numel].clone()
 
 
 def _micro_batch(engine, x, use: bool) -> None:
