@@ -81,8 +81,25 @@ def check_free_space(directory: str | os.PathLike, nbytes: int) -> None:
         )
 
 
+class _Bandwidths:
+    """The rates of a result that moved ``nbytes`` each way, written in ``write_s`` and read in ``read_s``."""
+
+    __slots__ = ()
+    nbytes: int
+    write_s: float
+    read_s: float
+
+    @property
+    def write_GBps(self) -> float:  # noqa: N802 (the unit's spelling)
+        return self.nbytes / self.write_s / 1e9
+
+    @property
+    def read_GBps(self) -> float:  # noqa: N802
+        return self.nbytes / self.read_s / 1e9
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class NvmeResult:
+class NvmeResult(_Bandwidths):
     """One write pass and one read pass of a file."""
 
     backend: str
@@ -94,13 +111,6 @@ class NvmeResult:
     write_s: float
     read_s: float
 
-    @property
-    def write_GBps(self) -> float:  # noqa: N802 (the unit's spelling)
-        return self.nbytes / self.write_s / 1e9
-
-    @property
-    def read_GBps(self) -> float:  # noqa: N802
-        return self.nbytes / self.read_s / 1e9
 
 
 class BenchBuffers:
@@ -185,7 +195,7 @@ def measure_nvme(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SustainedResult:
+class SustainedResult(_Bandwidths):
     """A write pass, a read pass and a mixed pass over one set of files."""
 
     backend: str
@@ -198,13 +208,6 @@ class SustainedResult:
     read_s: float
     mixed_s: float
 
-    @property
-    def write_GBps(self) -> float:  # noqa: N802 (the unit's spelling)
-        return self.nbytes / self.write_s / 1e9
-
-    @property
-    def read_GBps(self) -> float:  # noqa: N802
-        return self.nbytes / self.read_s / 1e9
 
     @property
     def mixed_GBps(self) -> float:  # noqa: N802

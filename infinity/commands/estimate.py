@@ -71,11 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-model", metavar="DIR",
                        help="a local Hugging Face model folder: the shapes from its config.json (no weights needed; "
                             "needs transformers)")
-    p.add_argument("--config", metavar="FILE",
-                   help="DeepSpeed-style JSON config, read as `infinity train --config` reads it; flags given override it")
     model.add_argument("--max-params", action="store_true",
                        help="the largest GPT of our presets' shape that fits --host-memory and the disk under "
                             "--nvme-path in this setting, with its bytes per parameter in each tier")
+    p.add_argument("--config", metavar="FILE",
+                   help="DeepSpeed-style JSON config, read as `infinity train --config` reads it; flags given override it")
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
     p.add_argument("--offload-param", choices=OFFLOAD_DEVICES,
                    help="where compute shards rest (default: the config's, else nvme as in `infinity train`)")
