@@ -79,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=1, metavar="N", help="number of ranks (default 1)")
     p.add_argument("--offload-param", choices=OFFLOAD_DEVICES,
                    help="where compute shards rest (default: the config's, else nvme as in `infinity train`)")
-    p.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES,
-                   help="where master + moments rest (default: the config's, else nvme as in `infinity train`)")
+    p.add_argument("--offload-optimizer", choices=(*OFFLOAD_DEVICES, "auto"),
+                   help="where master + moments rest (default: the config's, else nvme as in `infinity train`); auto: "
+                        "the sub-groups that fit the device-memory budget on the device, the rest offloaded")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"),
                    help="compute precision (default: the config's, else auto as in `infinity train`: bf16 where this "
                         "machine computes it fast, else fp32)")

@@ -85,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng = p.add_argument_group("engine")
     eng.add_argument("--config", metavar="FILE", help="DeepSpeed-style JSON config; flags given override it")
     eng.add_argument("--offload-param", choices=OFFLOAD_DEVICES, help="where compute shards rest (default nvme)")
-    eng.add_argument("--offload-optimizer", choices=OFFLOAD_DEVICES, help="where master + moments rest (default nvme)")
+    eng.add_argument("--offload-optimizer", choices=(*OFFLOAD_DEVICES, "auto"),
+                     help="where master + moments rest (default nvme); auto: the sub-groups that fit the device-memory "
+                          "budget on the device, the rest in host memory (and on NVMe under --nvme-path, when given)")
     eng.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
                      help="form of master + moments in every tier: fp32 (12 B an element), bf16 (6 B), int8 "
                           "(~4.03 B) (default fp32, or the config's offload_optimizer.state_dtype)")

@@ -111,7 +111,8 @@ def check_nvme_room(plan) -> None:
     zero = plan.config.zero
     temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
     paths = {temporary if b.nvme_path in (None, TEMPORARY_SWAP_PATH) else b.nvme_path
-             for b in (zero.offload_param, zero.offload_optimizer) if b.device == OffloadDevice.NVME}
+             for b in (zero.offload_param, zero.offload_optimizer)
+             if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)}
     if not paths:
         return
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)

@@ -108,9 +108,11 @@ class Plan:
 
 
 def nvme_offloads(config: InfinityConfig) -> list:
-    """The offload blocks of ``config`` (``zero.offload_param``, ``zero.offload_optimizer``) that go to NVMe."""
+    """The offload blocks of ``config`` (``zero.offload_param``, ``zero.offload_optimizer``) that go to NVMe (the
+    optimizer's ``auto`` with an ``nvme_path`` spills there)."""
     zero = config.zero
-    return [b for b in (zero.offload_param, zero.offload_optimizer) if b.device == OffloadDevice.NVME]
+    return [b for b in (zero.offload_param, zero.offload_optimizer)
+            if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)]
 
 
 def with_swap_folder(config: InfinityConfig, folder: str) -> InfinityConfig:
@@ -219,7 +221,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
                          f"{offload_param}, optimizer -> {offload_optimizer}"
                          + (", as --config sets" if args.config else "")
-                         + "): add --offload-param nvme and/or --offload-optimizer nvme, or leave out --nvme-path")
+                         + "): add --offload-param nvme and/or --offload-optimizer nvme (or auto), or leave out --nvme-path")
     for path in nvme_paths:
         check_writable(path)
         check_direct_io(path, config.aio.buffered_fallback)
@@ -330,6 +332,8 @@ def _apply_offload(config: InfinityConfig, args: argparse.Namespace, raw: dict) 
         file_sets = isinstance(zero_raw, dict) and f"offload_{which}" in zero_raw
         device = OffloadDevice(flag if flag is not None else (block.device if file_sets else OffloadDevice.NVME))
         changes: dict = {"device": device}
+        if device == OffloadDevice.AUTO and args.nvme_path:  # auto spills to NVMe only where a path is given
+            changes["nvme_path"] = args.nvme_path
         if device == OffloadDevice.NVME:
             changes["nvme_path"] = args.nvme_path or block.nvme_path or TEMPORARY_SWAP_PATH
             file_block = zero_raw.get(f"offload_{which}")

@@ -270,3 +270,21 @@ def test_where_the_device_is_the_host_the_split_trains_like_plain_pytorch(gpt, m
     assert result[3].split and not result[3].distinct
     assert result[2][-1]["copies"] == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
     _assert_matches(result, reference, "auto where the device is the host")
+
+
+def test_the_command_line_takes_auto_and_says_the_split(tmp_path, capsys, monkeypatch):
+    """`--offload-optimizer auto` with a config's device budget that holds one sub-group: the start lines say the
+    split, and the run trains (the device's memory is kept apart from the host's here)."""
+    import json
+
+    from infinity.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "sub_group_size": 200_000, "device_memory_budget": 3 << 20}}))
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--micro-batch", "1", "--seq-len", "16",
+                 "--max-bytes", "200000", "--config", "ds.json", "--offload-param", "cpu",
+                 "--offload-optimizer", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer split: sub-groups 0-0" in out
+    assert "optimizer states: device 1 sub-group" in out and "host 2 sub-groups" in out
