@@ -47,7 +47,9 @@ import torch  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
+from infinity.config.schema import InfinityConfig  # noqa: E402
 from infinity.placement.estimate import estimate_gpt  # noqa: E402
+from infinity.placement.estimate_split import apply_optimizer_split  # noqa: E402
 from infinity.placement.host_budget import resolve_host_budget  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_from_estimate  # noqa: E402
 from infinity.runtime.machine_figures import machine_figures  # noqa: E402
@@ -62,14 +64,17 @@ MODELS = {
     "thin": GPTConfig(n_layer=12, n_head=2, d_model=64, seq_len=128, vocab_size=256, tie_embeddings=True),
 }
 DEFAULT_CASES = "none:1,none:4,cpu:1,cpu:4,nvme:1,spill:1"
-TIERS = ("none", "cpu", "nvme", "spill")  # spill: nvme configured, the host-memory budget keeps what fits
+TIERS = ("none", "cpu", "nvme", "spill", "int8", "half")
+"""spill: nvme configured, the host-memory budget keeps what fits; int8: cpu with int8 optimizer states; half:
+parameters cpu, half the optimizer's sub-groups on the device (DeepSpeed's offload_optimizer.ratio 0.5)."""
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="124m,1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--cases", default=DEFAULT_CASES,
-                   help="comma-separated TIER:ACCUMULATION (tier none, cpu, nvme, or spill: nvme under the budget)")
+                   help="comma-separated TIER:ACCUMULATION (tier none, cpu, nvme, spill: nvme under the budget, "
+                        "int8: cpu with int8 states, half: cpu with half the optimizer on the device)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: one step of each)")
@@ -93,6 +98,11 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 def engine_config(tier: str, accum: int, nvme_path: str) -> dict:
     if tier == "spill":  # nvme as configured by a user who does not know what fits: the engine decides
         return _without_max_in_cpu(engine_config("nvme", accum, nvme_path))
+    if tier in ("int8", "half"):  # the cpu case with compact states, or with a device-first split
+        config = engine_config("cpu", accum, nvme_path)
+        config["zero_optimization"]["offload_optimizer"].update(
+            {"state_dtype": "int8"} if tier == "int8" else {"ratio": 0.5})
+        return config
     offload = {"device": tier}
     param = dict(offload, **({"nvme_path": nvme_path, "max_in_cpu": 0} if tier == "nvme" else {}))
     # "nvme" means NVMe here: nothing kept in host memory within the budget
@@ -190,14 +200,17 @@ def timed(device, fn, *a) -> tuple[float, float]:
 def predicted(cfg: GPTConfig, tier: str, accum: int, args) -> dict:
     """The step-time model's step for ``engine_config(tier, accum)`` on this machine (crossings always: a GPU, or
     the distinct-device mode)."""
-    offload = "nvme" if tier == "spill" else tier
+    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu"}.get(tier, tier)
     seq = min(args.seq, cfg.seq_len)
     est = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16", offload_param=offload,
                        offload_optimizer=offload, gradient_accumulation_steps=accum, gpu=True,
+                       state_dtype="int8" if tier == "int8" else "fp32",
                        param_persistence_threshold=100_000,
                        max_in_cpu=0 if tier == "nvme" else 1_000_000_000,
                        optimizer_max_in_cpu=0 if tier == "nvme" else None,
                        host_memory_budget=resolve_host_budget(None) if tier == "spill" else None, overlap_step=True)
+    if tier == "half":  # its first sub-groups' states and gradients on the device, as the engine splits them
+        est = apply_optimizer_split(est, InfinityConfig.from_deepspeed(engine_config(tier, accum, args.nvme_path)))
     prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
                                        shape=gpt_shape(cfg))
     # plain PyTorch: the same model with nothing offloaded and nothing crossing (a load gauge: on a shared
@@ -316,6 +329,10 @@ def main(argv=None) -> int:
             ratio = by_tier["spill"]["step_s"] / by_tier["cpu"]["step_s"]
             summary.setdefault("spill_vs_cpu", {})[name] = ratio
             print(f"{name}: nvme configured, states within the host budget: {ratio:.2f}x the cpu step")
+        if "half" in by_tier and "cpu" in by_tier:  # the target: half the states on the device, <= 0.6x the cpu step
+            ratio = by_tier["half"]["step_s"] / by_tier["cpu"]["step_s"]
+            summary.setdefault("half_vs_cpu", {})[name] = ratio
+            print(f"{name}: half the optimizer on the device: {ratio:.2f}x the cpu step")
     line = json.dumps(summary)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

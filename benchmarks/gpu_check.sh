@@ -10,9 +10,10 @@
 #                                         #   bench_gpu.py's 124M table, then the whole suite (tests/gpu first)
 #   bash benchmarks/gpu_check.sh tests    # the whole suite with CUDA present: tests/gpu and tests/unit, with
 #                                         #   tests/distributed (the multi-rank tests) in a second pytest beside them
-#   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B (every tier, accumulation 1 and 4, against
-#                                         #   plain PyTorch; nvme against the disk; spill against cpu), the compact states
-#                                         #   on a disk-bound 1.3B, the gradient norm and the compact kernels on this CPU
+#   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B against plain PyTorch, each row with the
+#                                         #   step-time model's prediction (cpu with fp32 and int8 states, half the
+#                                         #   optimizer on the device, accumulation 4, nvme against the disk, spill
+#                                         #   against cpu), then the compact states on a disk-bound 1.3B
 #   bash benchmarks/gpu_check.sh scale    # the largest GPT this box holds (estimate --max-params), then a 20.4B GPT
 #                                         #   with int8 states in 110 GiB of host memory and NVMe, 3 steps (~7 min)
 #   bash benchmarks/gpu_check.sh all      # tests, bench, scale, one after the other (~30 min)
@@ -107,12 +108,11 @@ run_phase() {
     bench)
       step bench-gpu-124m 130 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1
       # rows print as they finish, so a cut-off run still leaves them
-      step bench-gpu-1.3b 250 "$py" benchmarks/bench_gpu.py --models 1.3b --cases none:4,cpu:4,cpu:1,nvme:1,spill:1 \
-        --rounds 3 --warmup 1
+      # the offloaded step's targets: cpu with fp32 and int8 states, half the optimizer on the device, accumulation 4
+      step bench-gpu-1.3b 330 "$py" benchmarks/bench_gpu.py --models 1.3b \
+        --cases cpu:1,int8:1,half:1,none:4,cpu:4,nvme:1,spill:1 --rounds 3 --warmup 1
       step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
         --precision bf16 --steps 2 --warmup 1
-      step bench-grad-norm 20 "$py" benchmarks/bench_grad_norm.py --numel 100000000 --rounds 5
-      step bench-adam 60 "$py" benchmarks/bench_adam.py --rounds 7 --cases bf16s,int8s
       ;;
     scale)
       # what this box holds: the largest GPT of our presets' shape for the run below's setting and budget
