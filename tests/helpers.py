@@ -138,6 +138,16 @@ def reference_train(model: nn.Module, batches, *, steps: int, accum: int, clip: 
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+
+def assert_matches(result, reference, where: str) -> None:
+    """``result`` (losses, state, ...) of an engine run equals ``reference`` (losses, state) of plain PyTorch."""
+    losses, state = result[:2]
+    ref_losses, ref_state = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{where}: losses differ: {m}")
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(state[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {key}: {m}")
+
 def engine_config(*, param: str, optimizer: str, nvme_path: str | None, accum: int, clip: float, lr: float,
                   precision: str = "fp32", weight_decay: float = 0.01, adamw: bool = True, device: str = "cpu",
                   **zero_extra):

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import infinity
-from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, reference_train
+from helpers import TinyGPT, assert_matches, engine_config, engine_steps, gpt_batches, reference_train
 from infinity.placement.placement import DISTINCT_DEVICE_ENV, GradRoute
 
 STEPS, LR, CLIP = 6, 3e-3, 1.0
@@ -35,15 +35,6 @@ def _train(model, config, batches, *, accum, delay_s=COPY_DELAY_S):
     return engine_steps(model, config, batches, steps=STEPS, accum=accum, setup=late_copies)
 
 
-def _assert_matches(result, reference, where):
-    losses, state = result[:2]
-    ref_losses, ref_state = reference
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{where}: losses differ: {m}")
-    for key, ref in ref_state.items():
-        torch.testing.assert_close(state[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {key}: {m}")
-
-
 @pytest.fixture(scope="module")
 def gpt():
     torch.manual_seed(0)
@@ -59,7 +50,7 @@ def test_every_tier_combination_trains_like_plain_pytorch(gpt, tmp_path, accum):
         config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=CLIP,
                                lr=LR)
         result = _train(model, config, batches[accum], accum=accum)
-        _assert_matches(result, reference, f"params={param} optimizer={optimizer} accumulation={accum}")
+        assert_matches(result, reference, f"params={param} optimizer={optimizer} accumulation={accum}")
 
 
 @pytest.mark.parametrize("route", ["device", "host"])
@@ -72,7 +63,7 @@ def test_both_accumulation_routes_train_like_plain_pytorch(gpt, tmp_path, route,
     result = _train(model, config, batches[4], accum=4)
     expected = GradRoute.DEVICE_THEN_HOST if route == "device" else GradRoute.HOST_RING
     assert result[3].grad_route is expected
-    _assert_matches(result, reference, f"route={route} optimizer={optimizer}")
+    assert_matches(result, reference, f"route={route} optimizer={optimizer}")
 
 
 def test_overlapped_step_without_clipping_matches_the_step_after_backward(gpt, tmp_path):

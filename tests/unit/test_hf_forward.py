@@ -10,16 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
-
-VOCAB = 96
-
-
-def tiny_llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+from test_hf_trainer import VOCAB, tiny_llama  # noqa: E402
 
 
 def padded_batch():

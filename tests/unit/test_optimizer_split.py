@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, reference_train
+from helpers import TinyGPT, assert_matches, engine_config, engine_steps, gpt_batches, reference_train
 from infinity.config.schema import InfinityConfig
 from infinity.kernels import state_nbytes
 from infinity.placement.layout import ShardLayout
@@ -55,15 +55,6 @@ def _auto_config(model, *, accum, clip, param="none", nvme_path=None):
     if nvme_path is not None:
         config["zero_optimization"]["offload_optimizer"].update(nvme_path=nvme_path, max_in_cpu=0)
     return config
-
-
-def _assert_matches(result, reference, where):
-    losses, state = result[:2]
-    ref_losses, ref_state = reference
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{where}: losses differ: {m}")
-    for key, ref in ref_state.items():
-        torch.testing.assert_close(state[key], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {key}: {m}")
 
 
 def _late_copies(engine):
@@ -141,7 +132,7 @@ def test_half_on_the_device_trains_like_plain_pytorch(gpt, accum, clip):
     result = engine_steps(model, _auto_config(model, accum=accum, clip=clip), batches[accum], steps=STEPS,
                           accum=accum, setup=_late_copies)
     assert result[3].split
-    _assert_matches(result, reference, f"auto, half the sub-groups on the device, accumulation {accum}, clip {clip}")
+    assert_matches(result, reference, f"auto, half the sub-groups on the device, accumulation {accum}, clip {clip}")
 
 
 def test_parameters_in_host_memory_and_states_spilled_to_nvme_train_like_plain_pytorch(gpt, tmp_path):
@@ -152,7 +143,7 @@ def test_parameters_in_host_memory_and_states_spilled_to_nvme_train_like_plain_p
     result = engine_steps(model, config, batches[2], steps=STEPS, accum=2, setup=_late_copies)
     states = result[2][-1]["optimizer_states"]
     assert states["device"]["sub_groups"] > 0 and states["nvme"]["sub_groups"] > 0 and states["host"]["sub_groups"] == 0
-    _assert_matches(result, reference, "auto with params in host memory, the rest on NVMe")
+    assert_matches(result, reference, "auto with params in host memory, the rest on NVMe")
 
 
 def test_ratio_trains_like_plain_pytorch(gpt):
@@ -162,7 +153,7 @@ def test_ratio_trains_like_plain_pytorch(gpt):
     config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     result = engine_steps(model, config, batches[1], steps=STEPS, accum=1, setup=_late_copies)
     assert result[3].device_sub_groups == int(0.5 * len(_layout(model).sub_groups))
-    _assert_matches(result, reference, "ratio 0.5")
+    assert_matches(result, reference, "ratio 0.5")
 
 
 def test_each_kernel_sees_only_its_own_memory_and_device_gradients_never_cross(gpt):
@@ -269,7 +260,7 @@ def test_where_the_device_is_the_host_the_split_trains_like_plain_pytorch(gpt, m
     result = engine_steps(model, _auto_config(model, accum=2, clip=CLIP), batches[2], steps=STEPS, accum=2)
     assert result[3].split and not result[3].distinct
     assert result[2][-1]["copies"] == {"host_to_device_nbytes": 0, "device_to_host_nbytes": 0}
-    _assert_matches(result, reference, "auto where the device is the host")
+    assert_matches(result, reference, "auto where the device is the host")
 
 
 def test_the_command_line_takes_auto_and_says_the_split(tmp_path, capsys, monkeypatch):
