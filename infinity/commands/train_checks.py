@@ -16,12 +16,13 @@ from pathlib import Path
 import psutil
 
 from infinity.commands.train_signals import FOLDER_LOCK
+from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.placement.report import format_bytes
 from infinity.storage.lock_file import remove_if_unheld
 from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 
-__all__ = ["TEMPORARY_SWAP_PATH", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
+__all__ = ["TEMPORARY_SWAP_PATH", "nvme_offloads", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
            "check_writable", "config_number", "finite_positive", "remove_dead_swap_folders",
            "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
 
@@ -104,15 +105,21 @@ def remove_dead_swap_folders(parent: str) -> int:
     return removed
 
 
+def nvme_offloads(config: InfinityConfig) -> list:
+    """The offload blocks of ``config`` (``zero.offload_param``, ``zero.offload_optimizer``) that go to NVMe (the
+    optimizer's ``auto`` with an ``nvme_path`` spills there)."""
+    zero = config.zero
+    return [b for b in (zero.offload_param, zero.offload_optimizer)
+            if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)]
+
+
 def check_nvme_room(plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk; the second
     side of a speculative step's states is left out: the engine takes it only where the disk has room for it
     (``SwappedStates.reserve_other_sides``), and steps overlap less without it."""
-    zero = plan.config.zero
     temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
     paths = {temporary if b.nvme_path in (None, TEMPORARY_SWAP_PATH) else b.nvme_path
-             for b in (zero.offload_param, zero.offload_optimizer)
-             if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)}
+             for b in nvme_offloads(plan.config)}
     if not paths:
         return
     for where in sorted(paths):  # (each path is held to the whole amount: simple, and errs on the safe side)

@@ -18,7 +18,7 @@ from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checkpoints import SavePolicy
 from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
                                             check_output_folder, check_writable, config_number, default_swap_location,
-                                            finite_positive)
+                                            finite_positive, nvme_offloads)
 from infinity.commands.train_monitor import MonitorPlan
 from infinity.config.auto import fill_auto
 from infinity.config.deepspeed import asked_precision
@@ -30,7 +30,6 @@ from infinity.runtime.hardware import default_device, resolve_precision, slow_pr
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
            "MODEL_FILE_LR", "PRESET_LR", "Plan", "complete_file", "engine_config", "kept_offload_note", "make_plan",
-           "nvme_offloads",
            "with_swap_folder"]
 
 DEFAULT_STEPS = 200
@@ -105,14 +104,6 @@ class Plan:
     def state_dtype(self) -> str:
         """The optimizer states' form (``zero_optimization.offload_optimizer.state_dtype``)."""
         return self.config.zero.offload_optimizer.state_dtype
-
-
-def nvme_offloads(config: InfinityConfig) -> list:
-    """The offload blocks of ``config`` (``zero.offload_param``, ``zero.offload_optimizer``) that go to NVMe (the
-    optimizer's ``auto`` with an ``nvme_path`` spills there)."""
-    zero = config.zero
-    return [b for b in (zero.offload_param, zero.offload_optimizer)
-            if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)]
 
 
 def with_swap_folder(config: InfinityConfig, folder: str) -> InfinityConfig:

@@ -298,10 +298,7 @@ class Engine:
         """DeepSpeed's name: with ``True``, the coming micro-batch (call it before its forward) ends the step
         although fewer than ``gradient_accumulation_steps`` ran (an epoch's last, short accumulation); ``False``
         leaves the count to decide. Its loss is scaled as the caller scales it (``backward(scale_wrt_gas=...)``)."""
-        if is_boundary:
-            self.cycle.force_boundary()
-        else:
-            self.cycle.boundary_forced = False
+        self.cycle.force_boundary(is_boundary)
 
     def step(self) -> None:
         """Apply the optimizer at accumulation boundaries; a no-op between them."""

@@ -296,7 +296,7 @@ class OffloadOptimizer:
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
-        adam = self._device_adam if self.device_states is not None and self.device_states.holds(group) else self._adam
+        adam = self._device_adam if self.stepped_on_device(group) else self._adam
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
             if self.state_dtype == "fp32":
                 adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)

@@ -138,13 +138,14 @@ class StepCycle:
         self._enter(StepPhase.BOUNDARY_BACKWARD if boundary else StepPhase.MICRO_BATCH)
         self._reducer.begin_backward(fresh=fresh, boundary=boundary, final_sink=self.overlap if boundary else None)
 
-    def force_boundary(self) -> None:
+    def force_boundary(self, forced: bool = True) -> None:
         """The coming micro-batch is the step's last, whatever the count says (an epoch that ends inside an
-        accumulation): set before its forward, since a boundary's step may begin there."""
-        if self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
+        accumulation): set before its forward, since a boundary's step may begin there. ``False`` leaves it to
+        the count again."""
+        if forced and self.phase in (StepPhase.BOUNDARY_BACKWARD, StepPhase.STEPPING):
             raise RuntimeError(f"an accumulation boundary cannot be forced in step phase {self.phase.value!r}: "
                                f"call engine.step() first")
-        self.boundary_forced = True
+        self.boundary_forced = forced
 
     def end_backward(self) -> None:
         self.micro_step += 1
