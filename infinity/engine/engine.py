@@ -21,6 +21,7 @@ from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
+from infinity.grads.spill import GradSpill
 from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
 from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
 from infinity.optim.speculation import StepCheck
@@ -108,8 +109,9 @@ class Engine:
             config, self.device, distinct=device_memory_is_distinct(self.device),
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel),
             split=split)
+        # refuses a budget below the minimum working set; puts gradient slices it cannot hold on NVMe
+        self.placement = self.host_budget.settle(self.layout, self.placement)
         logger.info("%s", self.placement.describe())
-        self.host_budget.settle(self.layout, self.placement)  # refuses a budget below the minimum working set
         self.copies = Copies(self.placement)
         self.tiers = Tiers(config.aio, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
         self._closed = False
@@ -136,10 +138,13 @@ class Engine:
                                      max_in_cpu=budget.param_cache_numel(self.tiers.host_memory.room_nbytes(), reserve),
                                      persistent=persistent)
         by_name = {name: p for name, p in named}
-        grad_dtype = self.dtype if placement.grads_lossless else torch.float32
+        spill = None
+        if placement.nvme_grads_from is not None:
+            spill = GradSpill(self.tiers.swap_store(zero.offload_optimizer.nvme_path), layout, placement, self.tiers,
+                              self.copies, grad_dtype=self.dtype if placement.grads_lossless else torch.float32)
         self.reducer = GradReducer(layout, placement, self.tiers, self.copies, self.comm,
-                                   {id(by_name[s.name]): s.index for s in layout.slots},
-                                   grad_dtype=grad_dtype, compute_dtype=self.dtype)
+                                   {id(by_name[s.name]): s.index for s in layout.slots}, compute_dtype=self.dtype,
+                                   spill=spill)
         # Exact with clipping and fp16 too: those steps speculate and are settled once the norm is known.
         self.overlap_step = zero.overlap_step_with_backward
         parts = OptimizerParts(layout, placement, self.tiers, self.compute, self.reducer, self.copies,

@@ -19,6 +19,11 @@ Routes (nothing pageable and nothing synchronous inside the backward hook):
 * ``HOST_RING``: each micro-batch's slice is copied down into a pinned ring
   buffer and a worker adds it into the host accumulator, off the hook.
 
+Slices the host-memory budget cannot hold (:attr:`Placement.nvme_grads_from`: the last sub-groups') rest on NVMe
+between backward and the step, whatever the route: the hook hands them to :class:`~infinity.grads.spill.GradSpill`,
+which writes them there (adding to the partial sum of the earlier micro-batches), and the optimizer reads them back
+with its states (``slices`` then ends where they begin).
+
 A split optimizer (:attr:`Placement.device_sub_groups`) steps its first sub-groups on the device: their
 slices (``device_slices``, the trainable flat space up to :attr:`Placement.device_numel`) are reduced
 ``IN_PLACE`` in device memory and never cross; the route applies to the others (``slices`` then holds the
@@ -35,12 +40,13 @@ from typing import Protocol
 import torch
 
 from infinity.grads.norm import sq_norm_fp64
+from infinity.grads.spill import GradSpill
 from infinity.placement.copies import Copies, CopyDone
 from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup
 from infinity.placement.placement import RING_SLICES, GradRoute, Placement
 from infinity.placement.tiers import Tiers
 from infinity.runtime.comm import Collectives
-from infinity.storage import HostBufferPool
+from infinity.storage import HostBufferPool, IOHandle
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,11 @@ class FinalGradSink(Protocol):
 
 class GradReducer:
     def __init__(self, layout: ShardLayout, placement: Placement, tiers: Tiers, copies: Copies, comm: Collectives,
-                 slot_of_param: dict[int, int], *, grad_dtype: torch.dtype, compute_dtype: torch.dtype):
+                 slot_of_param: dict[int, int], *, compute_dtype: torch.dtype, spill: GradSpill | None = None):
+        """Gradient slices keep ``compute_dtype`` where the placement says they are lossless, else they are fp32;
+        ``spill`` holds those of the sub-groups from :attr:`Placement.nvme_grads_from` on (None: no slice is on
+        NVMe)."""
+        grad_dtype = compute_dtype if placement.grads_lossless else torch.float32
         self.layout = layout
         self.route = placement.grad_route
         self._tiers = tiers
@@ -63,9 +73,14 @@ class GradReducer:
         self._slot_of_param = slot_of_param
         self._slices_tier = "device" if placement.grads.tier == "device" else "host"
         self._split = placement.device_numel  # a split optimizer's device slices end here (0: no split)
-        self.slices = tiers.empty(self._slices_tier, layout.trainable_numel - self._split, grad_dtype,
+        self.spill = spill
+        self._memory_end = (layout.trainable_numel if placement.nvme_grads_from is None
+                            else layout.sub_groups[placement.nvme_grads_from].start)  # NVMe's slices begin here
+        self.slices = tiers.empty(self._slices_tier, self._memory_end - self._split, grad_dtype,
                                   pinned=placement.grads.pinned)
-        """The optimizer's gradient slices, in the trainable flat space (from ``device_numel`` on when split)."""
+        """The optimizer's gradient slices in memory, in the trainable flat space (from ``device_numel`` on when
+        split, up to where those on NVMe begin)."""
+        self._spill_coef = 1.0  # what the spilled slices are to be scaled by as the optimizer reads them (scale)
         self.slices.zero_()
         self.device_slices: torch.Tensor | None = None
         """A split optimizer's device sub-groups' slices, reduced in place (the flat space up to ``device_numel``)."""
@@ -86,7 +101,7 @@ class GradReducer:
         if self.route is GradRoute.DEVICE_THEN_HOST:
             self._device_acc = tiers.empty("device", layout.trainable_numel - self._split, torch.float32)
             self._device_acc.zero_()
-        elif self.route is GradRoute.HOST_RING:
+        elif self.route is GradRoute.HOST_RING and self._memory_end > self._split:
             slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
             self._ring = HostBufferPool(RING_SLICES * max(slice_nbytes, 4096), pin=placement.grads.pinned,
                                         stats=tiers.stats["host"], pinner=tiers.pinner)
@@ -99,6 +114,9 @@ class GradReducer:
         overwrite the slices, else add) and whether they are the step's last (``boundary``); ``final_sink``
         (the overlapped step) is told of each slot whose gradient is then final."""
         self._fresh, self._boundary, self._final_sink = fresh, boundary, final_sink
+        if fresh:
+            # the last step's updates (those behind the forward too) have landed: its coefficient is spent
+            self._spill_coef = 1.0
 
     def abort_backward(self) -> bool:
         """The backward raised: nothing more is final for anyone, and the next backward starts a fresh
@@ -120,21 +138,32 @@ class GradReducer:
             return
         shard = self._reduce(grad, slot)
         first = self._fresh and slot.index not in self.received
-        target = self._view(slot.offset, slot.end)
-        if self._route_of(slot) is GradRoute.IN_PLACE:
-            target.copy_(shard) if first else target.add_(shard)
-        elif self.route is GradRoute.DEVICE_THEN_HOST:
+        if self.route is GradRoute.DEVICE_THEN_HOST and slot.offset >= self._split:
             acc = self._device_acc[slot.offset - self._split:slot.end - self._split]
             acc.copy_(shard) if first else acc.add_(shard)
             if self._boundary:
                 self._cross_accumulated(slot)
+        elif self._spilled(slot):
+            self.spill.submit(slot, shard, add=not first, final=self._boundary)
+        else:
+            self._to_memory(slot, shard, first)
+        self.received.add(slot.index)
+        if self._final_sink is not None:
+            self._final_sink.slot_final(slot)
+
+    def _spilled(self, slot: ParamSlot) -> bool:
+        """``slot``'s gradient slices rest on NVMe between backward and the step."""
+        return slot.offset >= self._memory_end
+
+    def _to_memory(self, slot: ParamSlot, shard: torch.Tensor, first: bool) -> None:
+        """A slot whose slices are in memory: ``shard`` goes (or is added) into them by the route."""
+        target = self._view(slot.offset, slot.end)
+        if self._route_of(slot) is GradRoute.IN_PLACE:
+            target.copy_(shard) if first else target.add_(shard)
         elif self.route is GradRoute.DIRECT_TO_HOST:
             self._copy_down(slot, shard, target, first)
         else:
             self._landing[slot.index] = self._adder.submit(shard, target, add=not first)
-        self.received.add(slot.index)
-        if self._final_sink is not None:
-            self._final_sink.slot_final(slot)
 
     def _route_of(self, slot: ParamSlot) -> GradRoute:
         """A split optimizer's device sub-groups are reduced in place; the others take the placement's route."""
@@ -162,8 +191,11 @@ class GradReducer:
     def _cross_accumulated(self, slot: ParamSlot) -> None:
         """DEVICE_THEN_HOST: the slot's accumulated gradient goes down, once this step."""
         split = self._split
-        self._landing[slot.index] = self._copies.to_host(self._device_acc[slot.offset - split:slot.end - split],
-                                                         self._view(slot.offset, slot.end))
+        accumulated = self._device_acc[slot.offset - split:slot.end - split]
+        if self._spilled(slot):
+            self.spill.submit(slot, accumulated, add=False, final=True)
+        else:
+            self._landing[slot.index] = self._copies.to_host(accumulated, self._view(slot.offset, slot.end))
         self._crossed.add(slot.index)
 
     def _copy_down(self, slot: ParamSlot, shard: torch.Tensor, target: torch.Tensor, first: bool) -> None:
@@ -188,6 +220,10 @@ class GradReducer:
             for slot in self.layout.slots:
                 if slot.trainable and slot.index not in self.received:
                     self._zero_slot(slot)
+        elif self._boundary and self.spill is not None and self.route is not GradRoute.DEVICE_THEN_HOST:
+            for slot in self.layout.slots:  # their final gradient is the earlier micro-batches' sum, on NVMe
+                if slot.trainable and slot.index not in self.received and self._spilled(slot):
+                    self.spill.finalize(slot)
         if self._boundary and self.route is GradRoute.DEVICE_THEN_HOST:
             for slot in self.layout.slots:
                 if slot.trainable and slot.index not in self._crossed and slot.offset >= self._split:
@@ -197,13 +233,42 @@ class GradReducer:
     def _zero_slot(self, slot: ParamSlot) -> None:
         if self._route_of(slot) is GradRoute.DEVICE_THEN_HOST:
             self._device_acc[slot.offset - self._split:slot.end - self._split].zero_()
+        elif self._spilled(slot):
+            self.spill.submit(slot, None, add=False, final=self._boundary)
         else:
             # no crossing into this slot is pending: it received nothing since the last step
             self._view(slot.offset, slot.end).zero_()
 
     # -- the optimizer's side ---------------------------------------------------
+    def on_nvme(self, group: SubGroup) -> bool:
+        """``group``'s slices rest on NVMe: the optimizer reads them with :meth:`read_spilled`."""
+        return group.start >= self._memory_end and group.numel > 0
+
+    def read_spilled(self, group: SubGroup, out: torch.Tensor) -> list[IOHandle]:
+        """Read a spilled sub-group's slices into ``out`` once written; returns the reads in flight. What they read
+        is still to be scaled by :attr:`spill_coef` (see :meth:`scale`)."""
+        return self.spill.read(group, out)
+
+    @property
+    def spill_coef(self) -> float:
+        """The coefficient :meth:`scale` gave this step, still to be applied to the spilled slices as read."""
+        return self._spill_coef
+
+    def scale(self, coef: float) -> None:
+        """A step nothing will undo any more scales its gradients by ``coef``: the slices in memory in place, once
+        landed; those on NVMe as the optimizer reads them."""
+        # Kept until the next step's first backward: the updates behind the next forward read the spilled slices.
+        self._spill_coef = coef
+        if coef == 1.0:
+            return
+        for slices in self.wait_all():
+            slices.mul_(coef)
+
     def wait_sub_group(self, group: SubGroup) -> torch.Tensor:
-        """The sub-group's slices, once every crossing into them has landed (any thread may call this)."""
+        """The sub-group's slices, once every crossing into them has landed (any thread may call this); not for a
+        spilled sub-group (:meth:`read_spilled`)."""
+        if self.on_nvme(group):
+            raise RuntimeError(f"internal error: sub-group {group.index}'s gradient slices rest on NVMe")
         for slot in group.slots:
             landing = self._landing.pop(slot.index, None)
             if isinstance(landing, CopyDone):
@@ -214,6 +279,8 @@ class GradReducer:
 
     def sub_group_sq_norm(self, group: SubGroup) -> float:
         """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
+        if self.on_nvme(group):
+            return self.spill.sq_norm(group)  # taken as each slice was written
         return sq_norm_fp64(self.wait_sub_group(group))
 
     def sq_norm(self) -> float:
@@ -226,7 +293,10 @@ class GradReducer:
         """Every slice, landed (before the global norm or the overflow check reads them all): the flat tensors
         that hold them (the device's and the host's with a split optimizer)."""
         for group in self.layout.sub_groups:
-            self.wait_sub_group(group)
+            if self.on_nvme(group):
+                self.spill.wait_group(group)
+            else:
+                self.wait_sub_group(group)
         return (self.slices,) if self.device_slices is None else (self.device_slices, self.slices)
 
     def zero(self) -> None:
@@ -236,8 +306,13 @@ class GradReducer:
         self.received.clear()
         self._crossed.clear()
         self._landing.clear()
+        if self.spill is not None:
+            self.spill.step_done()
 
     def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
         if self._adder is not None:
             self._adder.close()
             self._adder = None

@@ -154,9 +154,12 @@ class OffloadOptimizer:
                                          largest_numel=layout.largest_sub_group_numel,
                                          set_count=max(2, staging_sets) if pipelined else 1,
                                          compute_dtype=parts.compute.dtype,
-                                         compute_pinned=self.delivery.scratch_pinned)
+                                         compute_pinned=self.delivery.scratch_pinned,
+                                         grad_dtype=parts.grads.slices.dtype if parts.grads.spill else None)
             room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
-            self._keep_in_host(offloaded, 0 if room is None else room - reserve_nbytes,
+            # a sub-group whose gradient slices rest on NVMe is updated from a staging set: its states rest there too
+            self._keep_in_host([g for g in offloaded if not placement.grads_on_nvme(g.index)],
+                               0 if room is None else room - reserve_nbytes,
                                zero.overlap_step_with_backward, offload.max_in_cpu)
         else:
             self._memory.allocate(offloaded)
@@ -277,21 +280,22 @@ class OffloadOptimizer:
 
     def scale_grads(self, grad_coef: float) -> None:
         """Scale every gradient slice in place, once they have landed (a step nothing will undo any more)."""
-        if grad_coef != 1.0:
-            for slices in self._grads.wait_all():
-                slices.mul_(grad_coef)
+        self._grads.scale(grad_coef)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None",
-                at: UpdateAt, *, grad_coef: float = 1.0) -> list[IOHandle]:
-        """Adam over one sub-group, once its gradient slices have landed; the new compute shards go straight
-        to their flat buffer when it is in the optimizer's memory, else through a scratch buffer to their
-        tier. ``grad_coef`` scales the gradients on the way in (the slices themselves are left as they are).
-        Returns the NVMe writes still in flight."""
+                at: UpdateAt, *, grad_coef: float = 1.0, staging: StagingSet | None = None) -> list[IOHandle]:
+        """Adam over one sub-group, once its gradient slices have landed (read from NVMe into ``staging`` where
+        they rest there); the new compute shards go straight to their flat buffer when it is in the optimizer's
+        memory, else through a scratch buffer to their tier. ``grad_coef`` scales the gradients on the way in
+        (the slices themselves are left as they are). Returns the NVMe writes still in flight."""
         cfg = self.config
         states = group_states(self.state_dtype, group, states)
-        grads = self._grads.wait_sub_group(group)
-        if grad_coef != 1.0:
-            grads = self._scaled_grads(group, grads, grad_coef)
+        if staging is not None and self._grads.on_nvme(group):
+            grads = self._spilled_grads(group, staging, grad_coef)
+        else:
+            grads = self._grads.wait_sub_group(group)
+            if grad_coef != 1.0:
+                grads = self._scaled_grads(group, grads, grad_coef)
         out = self.delivery.out(group, scratch)  # None when the master is the compute shards
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
@@ -307,6 +311,27 @@ class OffloadOptimizer:
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
         return self.delivery.updated(group, out, states["master"])
 
+    def _read_grads(self, group: SubGroup, staging: StagingSet) -> None:
+        """Start reading a spilled sub-group's gradient slices into ``staging`` (all its slices are final)."""
+        staging.grads_of = group.index
+        staging.grad_reads = self._grads.read_spilled(group, staging.grads)
+
+    def _spilled_grads(self, group: SubGroup, staging: StagingSet, grad_coef: float) -> torch.Tensor:
+        """A spilled sub-group's gradient slices in ``staging`` (read now unless read ahead), scaled by the step's
+        coefficient: this copy is the update's own (the slices on NVMe stay as they are, should it be undone)."""
+        if staging.grads_of != group.index:
+            for handle in staging.grad_reads:
+                handle.wait()  # reads for another sub-group: their buffer is overwritten next
+            self._read_grads(group, staging)
+        reads, staging.grad_reads, staging.grads_of = staging.grad_reads, [], None  # used once: scaled below
+        for handle in reads:
+            handle.wait()  # the kernel reads them next
+        grads = staging.grads[:group.numel]
+        coef = grad_coef * self._grads.spill_coef
+        if coef != 1.0:
+            grads.mul_(coef)
+        return grads
+
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
         self.delivery.finish_copies()
@@ -320,7 +345,7 @@ class OffloadOptimizer:
             # The last step's write-behind may still be reading this set (the set of its last sub-groups):
             # the first read must not land in it before those writes are done.
             sets[0].wait_writes()
-            reads[0] = self.read_states(groups[0], sets[0], step=at.step)
+            reads[0] = self.read_states(groups[0], sets[0], step=at.step, with_grads=True)
         for group in in_memory:
             self._update_in_memory(group, at)
         for i, group in enumerate(groups):
@@ -330,12 +355,12 @@ class OffloadOptimizer:
             following = sets[(i + 1) % len(sets)]
             if i + 1 < len(groups) and following is not staging:
                 following.wait_writes()
-                reads[i + 1] = self.read_states(groups[i + 1], following, step=at.step)
-            staging.writes.extend(self._update(group, staging.states, staging.compute, at))
+                reads[i + 1] = self.read_states(groups[i + 1], following, step=at.step, with_grads=True)
+            staging.writes.extend(self._update(group, staging.states, staging.compute, at, staging=staging))
             self._write_states(group, staging, other_side=False)
             if i + 1 < len(groups) and following is staging:  # one buffer set: no read-ahead
                 staging.wait_writes()
-                reads[i + 1] = self.read_states(groups[i + 1], staging, step=at.step)
+                reads[i + 1] = self.read_states(groups[i + 1], staging, step=at.step, with_grads=True)
         # Write-behind: the last sub-groups' writes finish while the next forward runs. The store orders
         # operations on one key, so a later read of a state or compute shard sees its write; a staging
         # set is reused only after its writes are done; flush() waits for all of them.
@@ -445,7 +470,8 @@ class OffloadOptimizer:
     def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
         """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
         may not stand, the new states go to the other side of its keys."""
-        staging.writes.extend(self._update(group, staging.states, staging.compute, at, grad_coef=check.grad_coef))
+        staging.writes.extend(self._update(group, staging.states, staging.compute, at, grad_coef=check.grad_coef,
+                                           staging=staging))
         self._write_states(group, staging, other_side=check.needs_norm)
 
     def _write_states(self, group: SubGroup, staging: StagingSet, *, other_side: bool) -> None:
@@ -463,10 +489,16 @@ class OffloadOptimizer:
         for handle in self._update(group, self.memory_of(group).views(group), None, at, grad_coef=grad_coef):
             handle.wait()
 
-    def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True) -> list[IOHandle]:
-        """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight."""
+    def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True,
+                    with_grads: bool = False) -> list[IOHandle]:
+        """Read a swapped sub-group's states for step ``step`` into ``staging``; returns the reads in flight.
+        ``with_grads``: its gradients are final, and where they rest on NVMe they are read too (waited on by the
+        update)."""
         self.delivery.will_overwrite(staging)  # the shards it held are read from NVMe from now on
-        return self.swapped.read(group, staging, step=step, urgent=urgent)
+        reads = self.swapped.read(group, staging, step=step, urgent=urgent)
+        if with_grads and self._grads.on_nvme(group):
+            self._read_grads(group, staging)
+        return reads
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------
     def read_master(self, group: SubGroup, out: torch.Tensor) -> None:

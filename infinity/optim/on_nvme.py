@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,11 +30,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StagingSet:
-    """Host buffers for one swapped sub-group in flight: its states and its new compute shards."""
+    """Host buffers for one swapped sub-group in flight: its states and its new compute shards (and its gradient
+    slices, where they rest on NVMe)."""
 
     states: dict[str, torch.Tensor]
     compute: torch.Tensor
     writes: list[IOHandle]
+    grads: torch.Tensor | None = None
+    """A spilled sub-group's gradient slices, read beside its states (None: no slice rests on NVMe)."""
+    grads_of: int | None = None
+    """The sub-group whose slices ``grads`` holds or is reading (``grad_reads``), not yet used by an update."""
+    grad_reads: list[IOHandle] = field(default_factory=list)
 
     def wait_writes(self) -> None:
         """Wait for every write; the list is emptied even when one failed (its error is raised once)."""
@@ -58,7 +64,8 @@ class SwappedStates:
     """The staging sets (host tier) and the swap keys of the sub-groups whose states rest on NVMe."""
 
     def __init__(self, store, tiers: Tiers, state_dtype: str, *, largest_numel: int, set_count: int,
-                 compute_dtype: torch.dtype, compute_pinned: bool):
+                 compute_dtype: torch.dtype, compute_pinned: bool, grad_dtype: torch.dtype | None = None):
+        """``grad_dtype``: each set also holds a sub-group of gradient slices read from NVMe (some rest there)."""
         self._store = store
         self._tiers = tiers
         self.state_dtype = state_dtype
@@ -68,7 +75,8 @@ class SwappedStates:
             states = {t.name: tiers.empty("host", t.numel, t.dtype)
                       for t in kernels.state_layout(state_dtype, largest_numel)}
             compute = tiers.empty("host", largest_numel, compute_dtype, pinned=compute_pinned)
-            self.sets.append(StagingSet(states, compute, []))
+            grads = None if grad_dtype is None else tiers.empty("host", largest_numel, grad_dtype)
+            self.sets.append(StagingSet(states, compute, [], grads))
 
     # -- keys ---------------------------------------------------------------
     def key(self, name: str, group: SubGroup, *, other_side: bool = False) -> str:
@@ -165,6 +173,10 @@ class SwappedStates:
             for tensor in staging.states.values():
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)
+            for handle in staging.grad_reads:
+                handle.wait()
+            if staging.grads is not None:
+                self._tiers.free("host", staging.grads)
         self.sets.clear()
 
 

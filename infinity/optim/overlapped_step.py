@@ -308,8 +308,10 @@ class OverlappedStep:
             if staging is None:
                 return  # the rest hold shards the forward reads first: on_read says when they are read
             group = self._optimizer.layout.sub_groups[index]
+            # after the norm every gradient is final: spilled ones are read ahead with the states
             self._read_ahead[index] = (staging, self._optimizer.read_states(group, staging, urgent=False,
-                                                                            step=self.step))
+                                                                            step=self.step,
+                                                                            with_grads=bool(self._after_norm)))
 
     def _take_set(self, *, leave_unread: bool = False) -> "StagingSet | None":
         """The first free set that holds no unread compute shards; else, unless ``leave_unread``, the first."""

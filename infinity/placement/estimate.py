@@ -61,6 +61,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_OF_OFFLOAD, TIERS
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
+from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_shards
 from infinity.placement.estimate_split import apply_optimizer_split
 from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
                                             state_nbytes, transient_reserve_nbytes)
@@ -177,6 +178,7 @@ def estimate(
                            if i >= cached_count and n <= param_persistence_threshold]
         persistent_host = packed_offsets(persistent_left)[1]
         persistent_off_nvme = sum(_round_up(s, ALIGN_NUMEL) for s in persistent_left)
+        persistent_all = packed_offsets([s for n, s in zip(numels, shards) if n <= param_persistence_threshold])[1]
     elif num_params is not None:
         num_params = int(num_params)
         shard_numel = flat_numel = math.ceil(num_params / world_size)
@@ -186,7 +188,7 @@ def estimate(
         sub_groups = [largest_sub_group] * (flat_numel // largest_sub_group) + (
             [flat_numel % largest_sub_group] if largest_sub_group and flat_numel % largest_sub_group else [])
         host_cached = min(max_in_cpu, flat_numel)
-        persistent_host = persistent_off_nvme = 0
+        persistent_host = persistent_off_nvme = persistent_all = 0
     else:
         raise ValueError("give num_params or param_numels")
     if num_params <= 0:
@@ -213,7 +215,8 @@ def estimate(
     # gradients stay in compute precision when nothing accumulates in them (one micro-batch a step, no fp16
     # unscaling); else fp32
     lossless = gradient_accumulation_steps == 1 and precision != "fp16" and not (gpu and offload_optimizer == "none")
-    tiers[optim_memory]["gradients"] += train_numel * (cbytes if lossless else 4)
+    gbytes = cbytes if lossless else 4
+    tiers[optim_memory]["gradients"] += train_numel * gbytes
     if gpu and offload_optimizer != "none" and gradient_accumulation_steps > 1:
         tiers["device"]["gradients"] += train_numel * 4  # the fp32 accumulator; one copy down per step
     swapped_in = offload_param == "nvme" and host_cached < flat_numel  # fetches start with an NVMe read
@@ -244,11 +247,32 @@ def estimate(
     if gpu and offload_optimizer == "none" and offload_param != "none":
         tiers["device"]["optimizer_staging"] += largest_sub_group * cbytes  # new compute shards on their way down
     tiers["device"]["activations"] += int(activation_nbytes)
+    keepable = len(sub_groups)
+    if host_memory_budget is not None and offload_optimizer == "nvme":
+        # the engine's minimum working set (infinity.placement.host_budget): slices, shards, two staging sets,
+        # the largest gathered module where the device is the host, streaming buffers; and the reserve kept free
+        # beside it (those two again, and a scratch sub-group)
+        min_shards = {"cpu": flat_numel, "nvme": persistent_all, "none": 0 if gpu else flat_numel}[offload_param]
+        largest_shard = math.ceil(largest / world_size)
+        gathered_and_streaming = ((0 if gpu else 2 * largest_shard * world_size * cbytes)
+                                  + transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes))
+        minimum = (train_numel * gbytes + min_shards * cbytes + 2 * gathered_and_streaming
+                   + 2 * (state_nbytes(state_dtype, largest_sub_group) + largest_sub_group * cbytes)
+                   + largest_sub_group * cbytes)
+        groups = (sub_group_shards(shards, sub_group_size) if param_numels is not None and trainable_params is None
+                  else [[n] for n in sub_groups])
+        spill = plan_grad_spill(minimum, host_memory_budget, groups=groups, grad_itemsize=gbytes,
+                                accumulates=not lossless, staging_sets=sets)
+        if spill.first_group is not None:
+            tiers["host"]["gradients"] -= spill.host_nbytes
+            tiers["nvme"]["gradients"] += spill.nvme_nbytes
+            tiers["host"]["optimizer_staging"] += spill.staging_nbytes
+            keepable = spill.first_group  # sub-groups whose states the budget may keep in host memory
     if host_memory_budget is not None:
         _plan_within_budget(tiers, host_memory_budget, gpu=gpu, cbytes=cbytes, sub_groups=sub_groups,
                             largest_shard=math.ceil(largest / world_size), offload_param=offload_param,
                             offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
-                            overlap_step=overlap_step, state_dtype=state_dtype)
+                            overlap_step=overlap_step, state_dtype=state_dtype, keepable=keepable)
 
     if step_undo:
         _add_step_undo(tiers, host_memory_budget, gpu=gpu, optim_memory=optim_memory)
@@ -376,9 +400,10 @@ def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
 
 def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub_groups: list[int], largest_shard: int,
                         offload_param: str, offload_optimizer: str, optimizer_max_in_cpu: int | None,
-                        overlap_step: bool, state_dtype: str = "fp32") -> None:
+                        overlap_step: bool, state_dtype: str = "fp32", keepable: int | None = None) -> None:
     """The engine's plan (``infinity.placement.host_budget``): what exceeds the budget of the parameter cache goes back
-    to NVMe, then optimizer sub-groups on NVMe come to host memory while they fit."""
+    to NVMe, then optimizer sub-groups on NVMe (of the first ``keepable``: those whose gradient slices are in
+    memory) come to host memory while they fit."""
     largest_sub_group = max(sub_groups, default=0)
     reserve = transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes) + largest_sub_group * cbytes
 
@@ -390,7 +415,8 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
     if offload_optimizer == "nvme" and optimizer_max_in_cpu != 0:
         room = budget - _charged_to_host_budget(tiers, gpu=gpu) - reserve
         kept = kept_nbytes = 0
-        for numel in (reversed(sub_groups) if overlap_step else sub_groups):
+        candidates = sub_groups[:keepable]
+        for numel in (reversed(candidates) if overlap_step else candidates):
             nbytes = state_nbytes(state_dtype, numel)
             fits = kept_nbytes + nbytes <= room
             if fits and (optimizer_max_in_cpu is None or kept + numel <= optimizer_max_in_cpu):

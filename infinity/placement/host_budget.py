@@ -10,7 +10,12 @@ allocation past it fails. Within it, the engine plans in this order:
    persistent parameters' shards too, where the others are on NVMe), two
    staging sets, the largest gathered module (where the device is the host),
    and a reserve for transient buffers (checkpoint and state-dict streaming).
-   A budget below it is refused before any work, naming what to change;
+   Where it does not fit and the optimizer's states are on NVMe, the gradient
+   slices of as few of the last sub-groups as make it fit rest on NVMe between
+   backward and the step (:attr:`Placement.nvme_grads_from`; 2 bytes an element
+   written and read a step for bf16 slices, and a small pool of buffers instead of
+   the slices). A budget below the smallest working set is refused before any
+   work, naming what to change;
 2. staging: sized from the budget and the largest shard, whatever
    ``sub_group_size`` and ``buffer_count`` say (staging beyond
    :data:`MAX_STAGED_SUB_GROUP_NUMEL` elements a set buys no bandwidth);
@@ -20,6 +25,7 @@ allocation past it fails. Within it, the engine plans in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -30,7 +36,7 @@ import torch
 from infinity.config.sections import ZeroConfig
 from infinity.kernels import state_bytes_per_element, state_nbytes as nbytes
 from infinity.placement.layout import packed_offsets
-from infinity.placement.placement import RING_SLICES, GradRoute
+from infinity.placement.placement import RING_SLICES, GradRoute, Placement
 from infinity.storage.stats import format_nbytes
 
 logger = logging.getLogger(__name__)
@@ -43,6 +49,17 @@ MAX_STAGED_SUB_GROUP_NUMEL = 100_000_000
 
 STATE_BYTES = 12
 """fp32 master and both moments, per element (``state_dtype`` fp32; :func:`state_nbytes` for any)."""
+
+GRAD_SPILL_SLICES = 2
+"""Buffers of the largest spilled shard the gradient spill passes slices through (:mod:`infinity.grads.spill`): backward
+waits only when the disk is that far behind."""
+
+
+def spill_pool_nbytes(largest_shard_numel: int, grad_itemsize: int, *, accumulates: bool) -> int:
+    """Host memory the gradient spill takes: its buffers, and where slices accumulate (fp32 slices: several
+    micro-batches, or fp16) the buffer partial sums are read back into."""
+    return (GRAD_SPILL_SLICES + (1 if accumulates else 0)) * largest_shard_numel * grad_itemsize
+
 
 def state_nbytes(state_dtype: str, numel: int) -> int:
     """Bytes of the optimizer states of ``numel`` elements in ``state_dtype`` (12, 6 or ~4.03 an element)."""
@@ -148,10 +165,12 @@ class HostMemoryPlan:
                         _format(self.budget_nbytes))
         return size
 
-    def settle(self, layout, placement) -> None:
-        """With the layout and the placement known: refuse a budget below the minimum working set, and take
-        fewer staging sets (down to two) where the budget is tight."""
+    def settle(self, layout, placement: Placement) -> Placement:
+        """With the layout and the placement known: put the gradient slices the budget cannot hold on NVMe,
+        refuse a budget below the minimum working set, and take fewer staging sets (down to two) where the budget
+        is tight. Returns the placement, with :attr:`~Placement.nvme_grads_from` set where slices rest on NVMe."""
         self.layout, self.placement = layout, placement
+        self.placement = self._spill_gradients()
         check_budget(self.budget_nbytes, self.minimum_working_set())
         configured = self.staging_sets
         if placement.master.tier == "nvme":
@@ -160,7 +179,28 @@ class HostMemoryPlan:
         if self.staging_sets < configured:
             logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
                         configured, self.staging_sets, _format(self.budget_nbytes))
+        return self.placement
 
+    def _spill_gradients(self) -> Placement:
+        """The placement with the fewest last sub-groups' gradient slices on NVMe that leaves the reserve free
+        beside the minimum working set, as the states kept in host memory must (all the offloaded ones when none
+        does: the error then names the smallest); as it was when everything fits, or where the slices cannot go
+        to NVMe (states not there)."""
+        placement, layout = self.placement, self.layout
+        if (self._with_reserve_nbytes() <= self.budget_nbytes or placement.master.tier != "nvme"
+                or placement.grads.tier != "host" or not layout.sub_groups):
+            return placement
+        first_offloaded = placement.device_sub_groups
+        candidate = placement
+        for first in range(len(layout.sub_groups) - 1, first_offloaded - 1, -1):
+            self.placement = candidate = dataclasses.replace(placement, nvme_grads_from=first)
+            if self._with_reserve_nbytes() <= self.budget_nbytes:
+                break
+        spilled = layout.trainable_numel - layout.sub_groups[candidate.nvme_grads_from].start
+        logger.info("gradient slices of sub-groups %d-%d (%d elements) rest on NVMe between backward and the step: "
+                    "the host-memory budget of %s cannot hold them", candidate.nvme_grads_from,
+                    len(layout.sub_groups) - 1, spilled, _format(self.budget_nbytes))
+        return candidate
     def minimum_working_set(self, staging_sets: int = 2) -> WorkingSet:
         """What host memory must hold whatever the budget."""
         layout, placement, itemsize = self.layout, self.placement, self.itemsize
@@ -169,7 +209,9 @@ class HostMemoryPlan:
         # a split optimizer's device sub-groups (gradients and states) are host memory only where the device is
         offloaded_numel = layout.trainable_numel - placement.device_numel
         device_numel = placement.device_numel if "device" in charged else 0
-        grads = (offloaded_numel * grad_bytes if placement.grads.tier in charged else 0) + device_numel * grad_bytes
+        spilled_numel, spill_buffers = self._spilled_gradients(grad_bytes)
+        grads = (((offloaded_numel - spilled_numel) * grad_bytes + spill_buffers if placement.grads.tier in charged
+                  else 0) + device_numel * grad_bytes)
         if placement.compute_shard.tier in charged:
             shards = layout.total_numel * itemsize
         elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
@@ -182,12 +224,28 @@ class HostMemoryPlan:
         staging = 0
         if placement.master.tier == "nvme":
             largest = layout.largest_sub_group_numel
-            staging = staging_sets * (state_nbytes(self.state_dtype, largest) + largest * itemsize)
+            staging = staging_sets * (state_nbytes(self.state_dtype, largest) + largest * itemsize
+                                      + (largest * grad_bytes if spilled_numel else 0))  # + spilled slices read back
         gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
         reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
         return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
                            (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
                            ("streaming buffers", reserve)))
+
+    def _with_reserve_nbytes(self) -> int:
+        """The minimum working set and the reserve the planner keeps free beside it (gathered parameters beyond
+        the minimum's, streaming, scratch): what must fit before any gradient slice is kept in memory."""
+        return self.minimum_working_set().nbytes + self.reserve_nbytes()
+
+    def _spilled_gradients(self, grad_bytes: int) -> tuple[int, int]:
+        """Elements of gradient slices on NVMe, and the host bytes of the pool they pass through."""
+        first = self.placement.nvme_grads_from
+        if first is None:
+            return 0, 0
+        groups = self.layout.sub_groups[first:]
+        largest = max((s.shard_numel for g in groups for s in g.slots), default=0)
+        return (self.layout.trainable_numel - groups[0].start,
+                spill_pool_nbytes(largest, grad_bytes, accumulates=not self.placement.grads_lossless))
 
     def reserve_nbytes(self, read_pool_nbytes: int = 0) -> int:
         """Host memory kept free for buffers made later or for a moment: what the planner never hands to

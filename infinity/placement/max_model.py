@@ -26,7 +26,8 @@ def host_floor_nbytes(result: dict) -> int:
     and states that rest in host memory by the placement (not the ones the budget only lets stay there), two
     staging sets of the largest sub-group, the streaming reserve, and where the device is the host the largest
     gathered module twice. ``result`` should be made with ``max_in_cpu=0`` and ``optimizer_max_in_cpu=0``, so no
-    cache counts."""
+    cache counts. Gradient slices the budget put on NVMe count as what they take in host memory (a few buffers,
+    and a sub-group of them in each staging set)."""
     s, tiers = result["setting"], result["tiers"]
     cbytes = _COMPUTE_BYTES[s["precision"]]
     host = tiers["host"]
@@ -35,6 +36,9 @@ def host_floor_nbytes(result: dict) -> int:
     floor = sum(n for kind, n in host.items() if kind not in ("optimizer_staging", "step_undo"))
     if s["offload_optimizer"] == "nvme":
         floor += 2 * (state_nbytes(s["state_dtype"], largest_sub_group) + largest_sub_group * cbytes)
+        if tiers["nvme"]["gradients"]:  # spilled slices are read back into each staging set
+            lossless = s["gradient_accumulation_steps"] == 1 and s["precision"] != "fp16"
+            floor += 2 * largest_sub_group * (cbytes if lossless else 4)
     else:
         floor += host["optimizer_staging"]
     floor += transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes)

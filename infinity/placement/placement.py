@@ -98,6 +98,10 @@ class Placement:
     device_numel: int = 0
     """A split optimizer: elements of its device sub-groups, where the offloaded ones begin in the trainable
     flat space (0: no split)."""
+    nvme_grads_from: int | None = None
+    """The first sub-group whose gradient slices rest on NVMe between backward and the step (they and all after it;
+    None: every slice is in memory). Set by the host-memory plan where the budget cannot hold the slices
+    (:meth:`~infinity.placement.host_budget.HostMemoryPlan.settle`); only sub-groups whose states are on NVMe."""
 
     @classmethod
     def decide(cls, config: InfinityConfig, device: torch.device, *, distinct: bool,
@@ -165,6 +169,11 @@ class Placement:
         """Sub-group ``group_index``'s states rest in device memory and the device optimizer steps it."""
         return self.optimizer_on_device or group_index < self.device_sub_groups
 
+    def grads_on_nvme(self, group_index: int) -> bool:
+        """Sub-group ``group_index``'s gradient slices are written to NVMe as backward makes them, and read back by
+        its update (:mod:`infinity.grads.spill`)."""
+        return self.nvme_grads_from is not None and group_index >= self.nvme_grads_from
+
     def compute_shard_in_memory_of(self, group_index: int) -> bool:
         """The optimizer can write sub-group ``group_index``'s new compute shards in place."""
         memory = Memory.DEVICE if self.stepped_on_device(group_index) and self.distinct else self.optimizer_memory
@@ -176,15 +185,17 @@ class Placement:
             pinned = ", pinned" if p.pinned else ""
             return f"{p.tier}{pinned}"
         where = "device" if self.optimizer_on_device else "host (fused CPU kernel)"
+        spilled = ("" if self.nvme_grads_from is None else
+                   f"; gradient slices of sub-groups {self.nvme_grads_from} and after on NVMe between backward and the step")
         mode = "" if self.device.type != "cpu" or not self.distinct else f" [{DISTINCT_DEVICE_ENV}=1]"
         if self.split:
             return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; optimizer split: "
                     f"sub-groups 0-{self.device_sub_groups - 1} ({self.device_numel} elements) on the device, "
                     f"stepped there, gradients in place; the rest: master+moments {state(self.master)}, gradients "
-                    f"{state(self.grads)} ({self.grad_route.value}), stepped on the host (fused CPU kernel)")
+                    f"{state(self.grads)} ({self.grad_route.value}), stepped on the host (fused CPU kernel){spilled}")
         return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; "
                 f"master+moments {state(self.master)}; gradients {state(self.grads)} ({self.grad_route.value}); "
-                f"optimizer runs on the {where}")
+                f"optimizer runs on the {where}{spilled}")
 
 
 def compute_device(setting: str, comm) -> torch.device:
