@@ -64,13 +64,13 @@ class GradReducer:
         self._slices_tier = "device" if placement.grads.tier == "device" else "host"
         self._split = placement.device_numel  # a split optimizer's device slices end here (0: no split)
         self.slices = tiers.empty(self._slices_tier, layout.trainable_numel - self._split, grad_dtype,
-                                  pinned=placement.grads.pinned)
+                                  pinned=placement.grads.pinned, optimizer_share=True)
         """The optimizer's gradient slices, in the trainable flat space (from ``device_numel`` on when split)."""
         self.slices.zero_()
         self.device_slices: torch.Tensor | None = None
         """A split optimizer's device sub-groups' slices, reduced in place (the flat space up to ``device_numel``)."""
         if self._split:
-            self.device_slices = tiers.empty("device", self._split, grad_dtype)
+            self.device_slices = tiers.empty("device", self._split, grad_dtype, optimizer_share=True)
             self.device_slices.zero_()
         self.received: set[int] = set()  # slots with a gradient this micro-batch
         # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
@@ -245,10 +245,10 @@ class GradReducer:
             self._tiers.free("device", self._device_acc)
             self._device_acc = None
         if self.slices is not None:
-            self._tiers.free(self._slices_tier, self.slices)
+            self._tiers.free(self._slices_tier, self.slices, optimizer_share=True)
             self.slices = None
         if self.device_slices is not None:
-            self._tiers.free("device", self.device_slices)
+            self._tiers.free("device", self.device_slices, optimizer_share=True)
             self.device_slices = None
 
 
