@@ -41,6 +41,7 @@ from infinity.models.gpt import get_preset
 from infinity.placement.estimate import estimate_for_config, estimate_settings, gpt_activation_nbytes
 from infinity.placement.max_model import max_gpt
 from infinity.placement.report import format_estimated_split, format_max_gpt, format_table, parse_count
+from infinity.placement.split_choice import step_shape_of
 from infinity.placement.step_time import format_prediction, predict_from_estimate
 from infinity.runtime.machine_figures import cache_path, load_cached
 
@@ -226,12 +227,13 @@ def run(args: argparse.Namespace) -> int:
     config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     micro_batch = config.micro_batch_size or 1
     seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
+    shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len) if gpt_cfg is not None else None
 
     def figures(config: InfinityConfig) -> dict:
         activations = 0 if gpt_cfg is None else gpt_activation_nbytes(gpt_cfg, micro_batch=micro_batch,
                                                                         seq_len=seq_len, precision=config.precision)
         result = estimate_for_config(config, **model, world_size=args.world_size, gpu=not args.cpu,
-                                     activation_nbytes=activations, trainable_params=trainable)
+                                     activation_nbytes=activations, trainable_params=trainable, step_shape=shape)
         if gpt_cfg is not None:
             result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len)
         return result

@@ -31,7 +31,7 @@ from infinity.commands.hf_model import save_pretrained_with_tokenizer
 from infinity.commands.train_checkpoints import engine_has_checkpoints, save, stop_on_nonfinite, stop_on_signal
 from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
 from infinity.commands.train_checks import check_memory, check_nvme_room
-from infinity.commands.train_estimate import estimate_for
+from infinity.commands.train_estimate import estimate_for, run_step_shape
 from infinity.commands.train_monitor import peak_rss_bytes, print_summary
 from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
@@ -46,7 +46,8 @@ from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
 from infinity.models.transformers_lm import causal_lm_loss
-from infinity.placement.report import format_bytes, format_optimizer_split
+from infinity.placement.report import (format_bytes, format_device_budget, format_optimizer_split,
+                                      format_split_choice)
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out
@@ -261,11 +262,16 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say(f"  {prediction_line}")
 
     _init_distributed(plan, cleanup)
-    engine = initialize(model, plan.config, weights=plan.hf_model)
+    engine = initialize(model, plan.config, weights=plan.hf_model, step_shape=run_step_shape(plan, model))
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
+    metrics = engine.step_metrics()
     if engine.placement.split:
-        say(f"  {format_optimizer_split(engine.step_metrics()['optimizer_states'])}")
+        say(f"  {format_optimizer_split(metrics['optimizer_states'])}")
+    if "optimizer_split" in metrics:
+        split = metrics["optimizer_split"]
+        say(f"  optimizer split: {split['device_sub_groups']} of {split['sub_groups']} sub-groups on the device, "
+            f"{format_split_choice(split)}; {format_device_budget(split)}")
 
     start_step = 0
     losses: list[float] = []

@@ -9,8 +9,9 @@ import torch
 from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
 from infinity.placement.estimate import estimate_for_config, gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
+from infinity.placement.split_choice import StepShape, step_shape_of
 
-__all__ = ["estimate_for", "model_numels"]
+__all__ = ["estimate_for", "model_numels", "run_step_shape"]
 
 
 def model_numels(model) -> tuple[list[int], int]:
@@ -21,6 +22,12 @@ def model_numels(model) -> tuple[list[int], int]:
     numels = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return numels, largest
+
+
+def run_step_shape(plan, model) -> StepShape | None:
+    """The run's model shape and micro-batch for the step-time model (the estimate's and the engine's alike, so
+    that both choose the same split)."""
+    return step_shape_of(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len)
 
 
 def estimate_for(plan, model) -> dict:
@@ -34,4 +41,4 @@ def estimate_for(plan, model) -> dict:
     return estimate_for_config(plan.config, param_numels=numels, largest_layer_params=largest,
                                world_size=plan.world_size,
                                gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
-                               activation_nbytes=activations)
+                               activation_nbytes=activations, step_shape=run_step_shape(plan, model))

@@ -18,7 +18,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
-from infinity.engine.step_metrics import StepMeter, optimizer_states_by_tier
+from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.grads.spill import GradSpill
@@ -34,9 +34,10 @@ from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam
 from infinity.placement.copies import Copies
 from infinity.placement.host_budget import HostMemoryPlan
 from infinity.placement.layout import ShardLayout
-from infinity.placement.optimizer_split import decide_split, device_working_set_nbytes
+from infinity.placement.engine_split import engine_split
 from infinity.placement.placement import (Placement, compute_device, device_memory_is_distinct,
                                           grad_accumulator_fits_device)
+from infinity.placement.split_choice import StepShape
 from infinity.placement.tiers import Tiers
 from infinity.runtime.allocator import keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
@@ -52,22 +53,25 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
-               process_group=None, weights=None, param_init: ParamInit | None = None) -> "Engine":
+               process_group=None, weights=None, param_init: ParamInit | None = None,
+               step_shape: StepShape | None = None) -> "Engine":
     """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says.
 
     ``weights``: a Hugging Face model folder (or ``.safetensors`` file) whose tensors are streamed
     straight into this rank's shards instead of initializing. ``param_init(module)``: initializes
     each module of a model built on the meta device (see :mod:`infinity.engine.materialize`).
+    ``step_shape``: the run's model shape and micro-batch, for the step-time model that chooses how many
+    sub-groups ``offload_optimizer.device: auto`` keeps on the device (default: the model's own).
     """
     return Engine(model, InfinityConfig.load(config), process_group=process_group, weights=weights,
-                  param_init=param_init)
+                  param_init=param_init, step_shape=step_shape)
 
 
 class Engine:
     """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None, weights=None,
-                 param_init: ParamInit | None = None):
+                 param_init: ParamInit | None = None, step_shape: StepShape | None = None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self._initializer = Initializer(model, param_init)
@@ -101,19 +105,20 @@ class Engine:
         self.host_budget = HostMemoryPlan(zero, self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
         self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        lossless = config.gradient_accumulation_steps == 1 and config.precision != "fp16"
-        split = decide_split(config, self.layout, self.device, grad_itemsize=itemsize if lossless else 4,
-                             working_set_nbytes=device_working_set_nbytes(config, self.layout, itemsize))
+        distinct = device_memory_is_distinct(self.device)
+        self.optimizer_split = engine_split(config, self.layout, self.device, distinct=distinct, model=model,
+                                            step_shape=step_shape)
+        """Which sub-groups rest on the device, how that was chosen, and the device budget enforced for them."""
         self.placement = Placement.decide(
-            config, self.device, distinct=device_memory_is_distinct(self.device),
+            config, self.device, distinct=distinct,
             grad_accumulator_fits_device=grad_accumulator_fits_device(self.device, self.layout.trainable_numel),
-            split=split)
+            split=self.optimizer_split)
         # refuses a budget below the minimum working set; puts gradient slices it cannot hold on NVMe
         self.placement = self.host_budget.settle(self.layout, self.placement)
         logger.info("%s", self.placement.describe())
         self.copies = Copies(self.placement)
-        self.tiers = Tiers(config.aio, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes)
+        self.tiers = Tiers(config.aio, self.placement, self.timeline, host_budget_nbytes=self.host_budget.budget_nbytes,
+                           device_optimizer_budget_nbytes=self.optimizer_split.budget_nbytes)
         self._closed = False
         self._save_dirs: set[str] = set()
         try:
@@ -183,6 +188,8 @@ class Engine:
                                loss_scaler=self.loss_scaler, params=self.params)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer))
+        if config.zero.offload_optimizer.splits:
+            self.meter.metrics["optimizer_split"] = optimizer_split_metrics(self.optimizer_split, self.tiers)
         self._apply_lr_schedule()
 
     def _step_may_be_undone(self) -> bool:

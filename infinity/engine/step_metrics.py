@@ -5,7 +5,10 @@ each tier read and wrote with its live and peak bytes, the bytes of each
 collective and of each host⇄device crossing, the compute-shard bytes copied
 from a staging set instead of read from NVMe, seconds of compute and of the
 whole step, and the timeline's summary; ``optimizer_states`` says where the optimizer's states rest
-(sub-groups and bytes on the device, in host memory and on NVMe).
+(sub-groups and bytes on the device, in host memory and on NVMe), and ``optimizer_split`` (a split optimizer:
+``offload_optimizer.device: auto`` or a ``ratio``) how many sub-groups rest on the device, how that count was
+chosen (for ``auto`` by the step-time model: the predicted step of the chosen count and with every sub-group
+offloaded), the device budget and the bytes its share holds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from infinity.kernels import state_nbytes
 from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.params.staging import StagedShards
 from infinity.placement.copies import Copies
+from infinity.placement.optimizer_split import OptimizerSplit
 from infinity.placement.tiers import Tiers
 from infinity.runtime.comm import Collectives
 from infinity.runtime.trace import Timeline
@@ -83,3 +87,12 @@ def optimizer_states_by_tier(optimizer: OffloadOptimizer) -> dict[str, dict[str,
         where["sub_groups"] += 1
         where["nbytes"] += state_nbytes(optimizer.state_dtype, group.numel)
     return out
+
+
+def optimizer_split_metrics(split: OptimizerSplit, tiers: Tiers) -> dict:
+    """``optimizer_split``: the split's sub-groups, how its count was chosen, the device budget enforced for the
+    optimizer's states and gradient slices on the device (None: none) and the bytes that share holds."""
+    share = tiers.device_optimizer
+    return {"device_sub_groups": split.device_sub_groups, "sub_groups": split.sub_groups,
+            "device_numel": split.device_numel, **(split.choice or {}), "budget_nbytes": split.budget_nbytes,
+            "device_share_nbytes": share.live_nbytes, "device_share_peak_nbytes": share.peak_nbytes}

@@ -77,7 +77,7 @@ class GradReducer:
         self._memory_end = (layout.trainable_numel if placement.nvme_grads_from is None
                             else layout.sub_groups[placement.nvme_grads_from].start)  # NVMe's slices begin here
         self.slices = tiers.empty(self._slices_tier, self._memory_end - self._split, grad_dtype,
-                                  pinned=placement.grads.pinned)
+                                  pinned=placement.grads.pinned, optimizer_share=True)
         """The optimizer's gradient slices in memory, in the trainable flat space (from ``device_numel`` on when
         split, up to where those on NVMe begin)."""
         self._spill_coef = 1.0  # what the spilled slices are to be scaled by as the optimizer reads them (scale)
@@ -85,7 +85,7 @@ class GradReducer:
         self.device_slices: torch.Tensor | None = None
         """A split optimizer's device sub-groups' slices, reduced in place (the flat space up to ``device_numel``)."""
         if self._split:
-            self.device_slices = tiers.empty("device", self._split, grad_dtype)
+            self.device_slices = tiers.empty("device", self._split, grad_dtype, optimizer_share=True)
             self.device_slices.zero_()
         self.received: set[int] = set()  # slots with a gradient this micro-batch
         # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
@@ -320,10 +320,10 @@ class GradReducer:
             self._tiers.free("device", self._device_acc)
             self._device_acc = None
         if self.slices is not None:
-            self._tiers.free(self._slices_tier, self.slices)
+            self._tiers.free(self._slices_tier, self.slices, optimizer_share=True)
             self.slices = None
         if self.device_slices is not None:
-            self._tiers.free("device", self.device_slices)
+            self._tiers.free("device", self.device_slices, optimizer_share=True)
             self.device_slices = None
 
 

@@ -62,10 +62,10 @@ from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
 from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_shards
-from infinity.placement.estimate_split import apply_optimizer_split
 from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
                                             state_nbytes, transient_reserve_nbytes)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
+from infinity.placement.split_choice import StepShape, apply_optimizer_split
 
 __all__ = [
     "TIERS",
@@ -353,13 +353,15 @@ def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool)
 
 def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
                         num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
-                        gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None) -> dict:
+                        gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None,
+                        step_shape: StepShape | None = None) -> dict:
     """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`; a split optimizer's device
-    sub-groups then moved to the device): ``infinity train`` and ``infinity estimate`` both come here."""
+    sub-groups then moved to the device, ``auto``'s count chosen by the step-time model for ``step_shape``):
+    ``infinity train``, ``infinity estimate`` and the engine's ``initialize`` all come here."""
     est = estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
                    activation_nbytes=activation_nbytes, trainable_params=trainable_params,
                    **estimate_settings(config, world_size=world_size, gpu=gpu))
-    return apply_optimizer_split(est, config) if config.zero.offload_optimizer.splits else est
+    return apply_optimizer_split(est, config, shape=step_shape) if config.zero.offload_optimizer.splits else est
 
 
 def _trainable_part(trainable_params: int | None, num_params: int, world_size: int, flat_numel: int,

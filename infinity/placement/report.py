@@ -114,6 +114,30 @@ def format_optimizer_split(states: dict) -> str:
     return "optimizer states: " + ", ".join(parts)
 
 
+def format_split_choice(split: dict) -> str:
+    """How a split's count was chosen (``step_metrics()["optimizer_split"]`` or the estimate's ``optimizer_split``),
+    as one clause: the step-time model's predicted step of the chosen count against every sub-group offloaded, or
+    the rule that chose without it."""
+    chosen_by = split.get("chosen_by")
+    if chosen_by == "step-time model":
+        return (f"chosen by the step-time model among 0-{split['fitting_sub_groups']} sub-groups that fit the "
+                f"device budget: predicted step {split['predicted_step_s']:.3g} s against "
+                f"{split['all_offloaded_step_s']:.3g} s with every sub-group offloaded (bound by {split['bound_by']})")
+    if chosen_by == "offload_optimizer.ratio":
+        return "chosen by offload_optimizer.ratio"
+    return (f"the longest run of first sub-groups within zero_optimization.device_memory_budget "
+            f"({split.get('fitting_sub_groups')}; no machine figures for the step-time model)")
+
+
+def format_device_budget(split: dict) -> str:
+    """``step_metrics()["optimizer_split"]``'s device budget and the bytes its share holds, as one clause."""
+    budget = split.get("budget_nbytes")
+    held = format_bytes(split["device_share_nbytes"])
+    if budget is None:
+        return f"device optimizer share {held} (no device budget)"
+    return f"device optimizer share {held} of zero_optimization.device_memory_budget {format_bytes(budget)}"
+
+
 def format_estimated_split(est: dict) -> str | None:
     """The estimate's split optimizer as one line (None without a split)."""
     split = est.get("optimizer_split")
@@ -122,4 +146,4 @@ def format_estimated_split(est: dict) -> str | None:
     nbytes = split["nbytes"]
     return (f"optimizer split: {split['device_sub_groups']} of {split['sub_groups']} sub-groups on the device "
             f"({format_bytes(nbytes['device'])} of states), the rest offloaded (host {format_bytes(nbytes['host'])}, "
-            f"nvme {format_bytes(nbytes['nvme'])})")
+            f"nvme {format_bytes(nbytes['nvme'])}); {format_split_choice(split)}")

@@ -5,6 +5,12 @@ On a machine without a GPU the device is the CPU; device bytes are still
 counted apart from host bytes, so a budget for each means the same thing on
 every machine. In the test mode (``INFINITY_DISTINCT_DEVICE=1``) device
 allocations are ordinary tensors apart from the host tier's aligned buffers.
+
+The optimizer's share of device memory (its states and gradient slices resting there) is counted apart too,
+within the device tier: ``zero_optimization.device_memory_budget`` is what that share may hold, and an
+allocation past it is refused with the key named. What a step takes on the device besides (gathered
+parameters, prefetched ones, scratch, the accumulator of offloaded gradients, the copy that undoes a
+speculative update) counts in the device tier, outside the budget: the budget is the optimizer's.
 """
 
 from __future__ import annotations
@@ -20,16 +26,22 @@ from infinity.placement.placement import Placement
 from infinity.runtime.trace import TracedStore
 from infinity.storage import AsyncIO, BackgroundPinner, SwapStore, TierStats, aligned_empty
 from infinity.storage.pinning import Pinner
+from infinity.storage.stats import format_nbytes
 
 logger = logging.getLogger(__name__)
+
+DEVICE_BUDGET_KEY = "zero_optimization.device_memory_budget"
 
 
 class Tiers:
     """Owns the accounting of every tier and the swap stores; closed once, by the engine."""
 
     def __init__(self, aio: AioConfig, placement: Placement, timeline=None, *,
-                 host_budget_nbytes: int | None = None, pinner: Pinner | None = None):
-        """``aio``: how the swap stores' asynchronous I/O runs (the config's ``aio`` section)."""
+                 host_budget_nbytes: int | None = None, pinner: Pinner | None = None,
+                 device_optimizer_budget_nbytes: int | None = None):
+        """``aio``: how the swap stores' asynchronous I/O runs (the config's ``aio`` section);
+        ``device_optimizer_budget_nbytes``: what the optimizer's share of device memory may hold (the split's
+        resolved ``device_memory_budget``; None: no budget)."""
         self.placement = placement
         self.device = placement.device
         self._timeline = timeline
@@ -37,6 +49,9 @@ class Tiers:
         self.host_memory = TierStats("host memory", host_budget_nbytes)
         self.stats = {Tier.DEVICE: TierStats("device", within=None if placement.distinct else self.host_memory),
                       Tier.HOST: TierStats("host", within=self.host_memory)}
+        self.device_optimizer = TierStats("device (optimizer states and gradient slices)",
+                                          device_optimizer_budget_nbytes, within=self.stats[Tier.DEVICE])
+        """The optimizer's share of the device tier, within it: charged by :meth:`empty` with ``optimizer_share``."""
         self._io: AsyncIO | None = None
         self._stores: dict[str, SwapStore] = {}
         self._aio = aio
@@ -45,19 +60,39 @@ class Tiers:
         self.pinner = pinner if pinner is not None else _background_pinner(placement)
 
     # -- memory ---------------------------------------------------------------
-    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False) -> torch.Tensor:
+    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False,
+              optimizer_share: bool = False) -> torch.Tensor:
         """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`.
 
-        ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for)."""
+        ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for);
+        ``optimizer_share``: optimizer states or gradient slices, which in device memory are charged to the
+        optimizer's share and its budget (a ``ValueError`` naming ``zero_optimization.device_memory_budget``
+        when the allocation would pass it)."""
         nbytes = numel * _itemsize(dtype)
-        self.stats[tier].allocate(nbytes)
+        if tier == Tier.DEVICE and optimizer_share:
+            self._charge_optimizer_share(nbytes)
+        else:
+            self.stats[tier].allocate(nbytes)
         if tier == Tier.DEVICE and self.placement.distinct:
             return torch.empty(numel, dtype=dtype, device=self.device)
         # Host tensors are aligned so that they can go to NVMe without a bounce.
         return aligned_empty(numel, dtype, pin=pinned and tier == Tier.HOST, pinner=self.pinner)
 
-    def free(self, tier: str, tensor: torch.Tensor) -> None:
-        self.stats[tier].free(tensor.numel() * tensor.element_size())
+    def free(self, tier: str, tensor: torch.Tensor, *, optimizer_share: bool = False) -> None:
+        """Give back what :meth:`empty` counted (with the same ``optimizer_share``)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        (self.device_optimizer if tier == Tier.DEVICE and optimizer_share else self.stats[tier]).free(nbytes)
+
+    def _charge_optimizer_share(self, nbytes: int) -> None:
+        share = self.device_optimizer
+        budget = share.budget_nbytes
+        if budget is not None and share.live_nbytes + nbytes > budget:
+            raise ValueError(
+                f"{DEVICE_BUDGET_KEY} is {budget} bytes ({format_nbytes(budget)}) for the optimizer's states and "
+                f"gradient slices on the device; {share.live_nbytes} bytes ({format_nbytes(share.live_nbytes)}) "
+                f"are in use and {nbytes} more bytes ({format_nbytes(nbytes)}) were asked: raise the budget, or "
+                f"keep fewer sub-groups on the device")
+        share.allocate(nbytes)  # within the device tier: counted there too
 
     # -- nvme -----------------------------------------------------------------
     def swap_store(self, nvme_path: str) -> SwapStore:

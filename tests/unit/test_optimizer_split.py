@@ -17,6 +17,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.kernels import state_nbytes
 from infinity.placement.layout import ShardLayout
 from infinity.placement.optimizer_split import decide_split
+from infinity.placement import split_choice
 from infinity.placement.placement import DISTINCT_DEVICE_ENV
 
 STEPS, LR, CLIP = 10, 3e-3, 1.0
@@ -27,6 +28,13 @@ COPY_DELAY_S = 0.0005  # every copy lands late: values read without a wait would
 @pytest.fixture(autouse=True)
 def distinct_device(monkeypatch):
     monkeypatch.setenv(DISTINCT_DEVICE_ENV, "1")
+
+
+@pytest.fixture(autouse=True)
+def no_machine_figures(monkeypatch):
+    """The budget's rule alone (the longest run that fits), whatever figures this machine has cached: the
+    step-time model's choice is tested in test_split_choice.py on figures made by hand."""
+    monkeypatch.setattr(split_choice, "split_figures", lambda: None)
 
 
 @pytest.fixture(scope="module")
