@@ -119,11 +119,13 @@ def rank_slice(batch, rank: int, world_size: int):
 
 
 def reference_train(model: nn.Module, batches, *, steps: int, accum: int, clip: float, lr: float,
-                    weight_decay: float = 0.01, adamw: bool = True):
-    """Plain PyTorch in one process: the losses of every micro-batch and the final parameters."""
+                    weight_decay: float = 0.01, adamw: bool = True, param_groups=None):
+    """Plain PyTorch in one process: the losses of every micro-batch and the final parameters.
+    ``param_groups(model)``: the optimizer's param groups of the reference's copy of the model."""
     model = copy.deepcopy(model)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = opt_cls(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    params = model.parameters() if param_groups is None else param_groups(model)
+    opt = opt_cls(params, lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
     losses = []
     it = iter(batches)
     for _ in range(steps):
@@ -220,13 +222,16 @@ def optimizer_states(engine) -> dict:
     return out
 
 
-def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None, after_step=None):
+def engine_steps(model: nn.Module, config: dict, batches, *, steps: int, accum: int, setup=None, after_step=None,
+                 param_groups=None):
     """One process, whole batches: every micro-batch's loss, the full state dict, each step's metrics and the
     placement. ``setup(engine)`` runs before the first step (to make copies late, say), ``after_step(engine,
-    step)`` after each (to set the next learning rate, say)."""
+    step)`` after each (to set the next learning rate, say); ``param_groups(model)``: the engine's param groups
+    of its copy of the model."""
     import infinity
 
-    engine = infinity.initialize(copy.deepcopy(model), config)
+    model = copy.deepcopy(model)
+    engine = infinity.initialize(model, config, param_groups=None if param_groups is None else param_groups(model))
     if setup is not None:
         setup(engine)
     losses, metrics, it = [], [], iter(batches)

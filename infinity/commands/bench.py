@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sys
 import tempfile

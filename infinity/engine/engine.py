@@ -24,6 +24,7 @@ from infinity.grads.reducer import GradReducer
 from infinity.grads.spill import GradSpill
 from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
 from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
+from infinity.optim.param_groups import decay_of_tiles, weight_decay_by_name
 from infinity.optim.speculation import StepCheck
 from infinity.optim.step_cycle import StepCycle
 from infinity.params.compute_shards import ComputeShards
@@ -54,7 +55,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | None" = None, *,
                process_group=None, weights=None, param_init: ParamInit | None = None,
-               step_shape: StepShape | None = None) -> "Engine":
+               step_shape: StepShape | None = None, param_groups=None) -> "Engine":
     """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says.
 
     ``weights``: a Hugging Face model folder (or ``.safetensors`` file) whose tensors are streamed
@@ -62,18 +63,23 @@ def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | No
     each module of a model built on the meta device (see :mod:`infinity.engine.materialize`).
     ``step_shape``: the run's model shape and micro-batch, for the step-time model that chooses how many
     sub-groups ``offload_optimizer.device: auto`` keeps on the device (default: the model's own).
+    ``param_groups``: ``[{"params": [...], "weight_decay": 0.0}, ...]`` as ``torch.optim`` takes them, for a
+    weight decay per group (see :mod:`infinity.optim.param_groups`); without them, the config's
+    ``weight_decay`` applies to every trainable parameter.
     """
     return Engine(model, InfinityConfig.load(config), process_group=process_group, weights=weights,
-                  param_init=param_init, step_shape=step_shape)
+                  param_init=param_init, step_shape=step_shape, param_groups=param_groups)
 
 
 class Engine:
     """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
     def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None, weights=None,
-                 param_init: ParamInit | None = None, step_shape: StepShape | None = None):
+                 param_init: ParamInit | None = None, step_shape: StepShape | None = None, param_groups=None):
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        # by name: a meta parameter is replaced by a new one below
+        weight_decay = None if param_groups is None else weight_decay_by_name(model, param_groups, config.optimizer)
         self._initializer = Initializer(model, param_init)
         self._weights = None
         if weights is not None:
@@ -104,7 +110,10 @@ class Engine:
         zero = config.zero
         self.host_budget = HostMemoryPlan(zero, self.dtype)
         sub_group_size = self.host_budget.sub_group_size(named, self.comm.world_size)
-        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size)
+        if weight_decay is not None:
+            weight_decay = decay_of_tiles(weight_decay, [name for name, _ in named], self.tiling_plan)
+        self.layout = ShardLayout(named, world_size=self.comm.world_size, sub_group_size=sub_group_size,
+                                  weight_decay=weight_decay)
         distinct = device_memory_is_distinct(self.device)
         self.optimizer_split = engine_split(config, self.layout, self.device, distinct=distinct, model=model,
                                             step_shape=step_shape)

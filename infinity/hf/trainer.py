@@ -10,6 +10,8 @@ crossings with the optimizer are ours:
 * the forward is the engine's (the model's own arguments and ``ModelOutput``), in training and in evaluation;
 * backward and the step are the engine's: the Trainer's accumulation, loss scaling for accumulation and
   clipping (``max_grad_norm``) are honoured by the engine, and the logged ``grad_norm`` is the engine's;
+* weight decay is the stock Trainer's: ``weight_decay`` on the parameters ``get_decay_parameter_names`` names,
+  none on biases and norms (the engine's param groups, :mod:`infinity.optim.param_groups`);
 * the optimizer the Trainer steps is a stand-in (:class:`EngineOptimizer`) whose learning rate the
   Trainer's own scheduler sets, and which hands it to the engine before each step;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
@@ -192,20 +194,17 @@ class InfinityTrainerMixin:
         super().__init__(**kwargs)
         config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
-        self._warn_uniform_weight_decay(model, config.optimizer.weight_decay)
-        self.engine = initialize(model, config, weights=weights)
+        self.engine = initialize(model, config, weights=weights, param_groups=self._decay_groups(model))
         self._engine_module = EngineModule(self.engine)
         self.model_wrapped = self._engine_module
 
-    def _warn_uniform_weight_decay(self, model: nn.Module, weight_decay: float) -> None:
-        if not weight_decay:
-            return
-        exempt = [n for n, p in model.named_parameters()
-                  if p.requires_grad and n not in set(self.get_decay_parameter_names(model))]
-        if exempt:
-            logger.warning("weight_decay=%g applies to every trainable parameter here (as DeepSpeed's optimizer "
-                           "does), also to the %d the stock Trainer exempts (biases and norms, e.g. %s)",
-                           weight_decay, len(exempt), exempt[0])
+    def _decay_groups(self, model: nn.Module) -> list[dict]:
+        """The stock ``create_optimizer``'s groups: ``weight_decay`` on the parameters ``get_decay_parameter_names``
+        names, none on the others (biases, norms)."""
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        return [{"params": [p for name, p in trainable if name in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
 
     # -- the model and its optimizer -------------------------------------------------------
     def _move_model_to_device(self, model, device):

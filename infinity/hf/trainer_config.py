@@ -18,6 +18,9 @@ key                                       from ``TrainingArguments``
 ``bf16.enabled`` / ``fp16.enabled``       ``bf16`` / ``fp16``
 ========================================  ==============================================================
 
+``weight_decay`` goes where the stock Trainer puts it: the Trainer hands the engine its param groups, none on
+biases and norms (:meth:`~infinity.hf.trainer.InfinityTrainerMixin._decay_groups`).
+
 A key set to ``"auto"`` or left out takes the argument's value; a key set to another value must agree
 with the argument, else a ``ValueError`` lists every disagreement (as the stock integration does). The
 ZeRO sizes that DeepSpeed derives from the model's hidden size are filled as ``"auto"`` asks

@@ -213,6 +213,11 @@ class OffloadOptimizer:
         """The stochastic-rounding seed of one sub-group: its own on every rank, the same in a resumed run."""
         return (self._rank << 32) | group.index
 
+    def weight_decay_of(self, group: SubGroup) -> float:
+        """``group``'s weight decay: its parameters' own (a param group's; the layout gives each sub-group one),
+        else the config's ``weight_decay``."""
+        return self.config.weight_decay if group.weight_decay is None else group.weight_decay
+
     def in_memory(self, group: SubGroup) -> bool:
         return self.memory_of(group) is not None
 
@@ -298,7 +303,7 @@ class OffloadOptimizer:
                 grads = self._scaled_grads(group, grads, grad_coef)
         out = self.delivery.out(group, scratch)  # None when the master is the compute shards
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, adamw=cfg.adamw, bias_correction=cfg.bias_correction,
+                     weight_decay=self.weight_decay_of(group), adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
         adam = self._device_adam if self.stepped_on_device(group) else self._adam
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():

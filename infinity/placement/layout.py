@@ -10,12 +10,16 @@ prefix, so one offset names a parameter's place in all of them.
 
 Sub-groups cut the trainable prefix into runs of whole parameters of at most
 ``sub_group_size`` elements (a larger parameter is a sub-group alone); the
-optimizer updates and swaps one sub-group at a time.
+optimizer updates and swaps one sub-group at a time. Where parameters have
+weight decays of their own (param groups), a sub-group also ends where the
+decay changes, so each sub-group has one; with one decay for all the cuts are
+those of the size alone.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,8 @@ class ParamSlot:
     """Start of this rank's shard in the flat spaces (elements)."""
     trainable: bool
     world_size: int
+    weight_decay: float | None = None
+    """This parameter's own weight decay (a param group's); None: the optimizer's one ``weight_decay``."""
 
     @property
     def padded_numel(self) -> int:
@@ -61,18 +67,28 @@ class SubGroup:
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def weight_decay(self) -> float | None:
+        """The weight decay of every parameter in it (None: the optimizer's one ``weight_decay``)."""
+        return self.slots[0].weight_decay
+
 
 class ShardLayout:
     """This rank's shards of all managed parameters, in one flat space."""
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int, sub_group_size: int):
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, world_size: int, sub_group_size: int,
+                 weight_decay: Mapping[str, float] | None = None):
+        """``weight_decay``: each trainable parameter's own decay by name (param groups); None: the optimizer's one
+        ``weight_decay`` for all."""
         self.world_size = world_size
+        decay_of = weight_decay or {}
         ordered = [np for np in named_params if np[1].requires_grad] + [np for np in named_params if not np[1].requires_grad]
         slots, offset = [], 0
         for index, (name, param) in enumerate(ordered):
             numel = param.numel()
             shard_numel = math.ceil(numel / world_size) if numel else 0
-            slots.append(ParamSlot(index, name, param.shape, numel, shard_numel, offset, param.requires_grad, world_size))
+            slots.append(ParamSlot(index, name, param.shape, numel, shard_numel, offset, param.requires_grad, world_size,
+                                   decay_of.get(name) if param.requires_grad else None))
             offset += _round_up(shard_numel, ALIGN_NUMEL)
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
         self.total_numel = offset
@@ -108,7 +124,8 @@ def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[Su
             current.clear()
 
     for slot in trainable:
-        if current and _round_up(slot.end, ALIGN_NUMEL) - current[0].offset > sub_group_size:
+        too_large = current and _round_up(slot.end, ALIGN_NUMEL) - current[0].offset > sub_group_size
+        if too_large or (current and slot.weight_decay != current[0].weight_decay):
             close()
         current.append(slot)
     close()

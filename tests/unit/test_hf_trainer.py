@@ -145,6 +145,34 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(runs):
     assert logged(again, "grad_norm") == logged(runs["ours"], "grad_norm")
 
 
+def test_weight_decay_spares_biases_and_norms_as_the_stock_trainers_does(tmp_path):
+    """weight_decay=0.1 on the parameters get_decay_parameter_names names, none on the RMSNorm weights; parameters
+    and optimizer states on NVMe, against the stock Trainer (its losses, gradient norms and final parameters)."""
+    args = dict(weight_decay=0.1, save_strategy="no")
+    data = dataset()
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", **args),
+                                 train_dataset=data, data_collator=collate)
+    stock.train()
+    ours = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ours", **args), train_dataset=data,
+                   data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    assert (ours.engine.compute.tier, ours.engine.optimizer.tier) == ("nvme", "nvme")
+    ours.train()
+    decays = {slot.name: slot.weight_decay for slot in ours.engine.layout.slots}
+    assert decays["model.norm.weight"] == decays["model.layers.0.input_layernorm.weight"] == 0.0
+    assert decays["model.layers.0.self_attn.q_proj.weight"] == decays["model.embed_tokens.weight"] == 0.1
+    assert all(len({s.weight_decay for s in g.slots}) == 1 for g in ours.engine.layout.sub_groups)
+    assert len(logged(stock)) == STEPS == len(logged(ours))
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(logged(ours, "grad_norm")), torch.tensor(logged(stock, "grad_norm")),
+                               rtol=1e-5, atol=0)
+    state = ours.engine.full_state_dict()
+    stock_state = stock.model.state_dict()
+    assert set(state) == set(stock_state)
+    for name, value in stock_state.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+    ours.engine.close()
+
+
 class CountingTrainer(InfinityTrainerMixin, transformers.Trainer):
     """A user's own subclass of the stock Trainer, given the engine by the mixin."""
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import infinity
-from helpers import TinyGPT, engine_config, engine_train, gpt_batches, train_batches
+from helpers import TinyGPT, engine_config, gpt_batches, train_batches
 from infinity.placement.host_budget import MAX_STAGED_SUB_GROUP_NUMEL, resolve_host_budget, staged_sub_group_numel
 from infinity.config.units import parse_host_memory
 

@@ -4,7 +4,6 @@ and loads through it (that the checkpoint wing imports none of the engine's part
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
