@@ -341,6 +341,9 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     largest_shard = math.ceil(s["largest_layer_params"] / s["world_size"]) * cbytes if offload_param != "none" else 0
 
     state_nvme = tiers["nvme"]["master"] + tiers["nvme"]["moments"]
+    # gradient slices resting on NVMe: written every micro-batch, read back by each after the first and by the
+    # step; counted with the states' (the disk's time is one budget; the writes run beside backward)
+    grads_nvme = tiers["nvme"]["gradients"] * accum
     # compute shards resting on NVMe are written back after the step, unless they are read from a bf16 master
     shards_written = nvme_shard if offload_param == "nvme" and s["state_dtype"] == "fp32" else 0
     host_optimizer = offload_optimizer != "none"
@@ -368,7 +371,7 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         **shape, tokens=tokens, precision=s["precision"], recompute=recompute, micro_batches=accum,
         fetch_h2d_nbytes=fetch_h2d, fetch_nvme_read_nbytes=fetch_read, first_fetch_nbytes=largest_shard,
         grad_d2h_nbytes=grad_d2h, shards_h2d_nbytes=shards_h2d, shards_d2h_nbytes=shards_d2h,
-        state_read_nbytes=state_nvme, state_write_nbytes=state_nvme + shards_written,
+        state_read_nbytes=state_nvme + grads_nvme, state_write_nbytes=state_nvme + shards_written + grads_nvme,
         cpu_adam_elements=shard - device_elements if host_optimizer else 0,
         device_adam_elements=device_elements if host_optimizer else shard,
         state_dtype=s["state_dtype"], sub_groups=groups, prefetch=prefetch,
