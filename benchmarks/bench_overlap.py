@@ -20,7 +20,14 @@ prediction of the overlapped step (``infinity.placement.step_time``), from the
 machine's cached figures (``infinity bench --machine``; measured here when
 there are none) with the disk's bandwidth measured in this run, for a block of
 ``--block`` steps timed with its fill and drain; ``measured_over_predicted`` is
-the median of the per-round ratios.
+the median of the per-round ratios. ``predicted_now_s`` predicts each round's
+step again from figures measured around it (the block's throughput at the
+model's width before and after it, the CPU Adam and the disk before it), so that on a machine
+other work shares the step and its figures see the same load;
+``measured_over_predicted_now`` is the median of those rounds' ratios.
+``measured_busy_s`` holds each resource's busy seconds from the overlapped
+engine's timelines (compute, optimizer, reads and writes in flight, the disk
+either way), beside ``step_resources``, the model's.
 
 With ``--gradient-clipping C`` the overlapped and sequential engines clip (the
 overlapped step speculates and is settled once the norm is known), and a fourth
@@ -112,7 +119,8 @@ def predicted(cfg: GPTConfig, batch: int, sub_group_size: int, block: int, *, fi
 
 def figures_now(base, cfg: GPTConfig, batch: int, nvme: str):
     """``base`` (the cached figures) with what a step leans on measured again now, between a round's engines: the
-    block's throughput at the model's width on its batch (the median of three, not the best), the fused CPU Adam
+    block's throughput at the model's width on its batch (the median of three, not the best; measured again after
+    the step by :func:`with_block_after`), the fused CPU Adam
     over fp32 states, and the disk (256 MiB, the write overwriting). On a machine that other work shares, a step
     and the figures it is predicted from then see the same load."""
     precision = PRECISION["name"]
@@ -122,6 +130,16 @@ def figures_now(base, cfg: GPTConfig, batch: int, nvme: str):
     adam = dict(base.cpu_adam_elements_per_s, fp32=measure_cpu_adam("fp32", budget_s=0.0))
     return dataclasses.replace(base, block_tflops={precision: {str(cfg.d_model): rate}}, cpu_adam_elements_per_s=adam,
                                nvme_read_GBps=disk.read_GBps, nvme_write_GBps=disk.write_GBps)
+
+
+def with_block_after(before, cfg: GPTConfig, batch: int):
+    """``before`` (:func:`figures_now`'s, measured before a step) with the block's throughput measured again after
+    the step and the two averaged over their seconds: the step's load, sampled on both sides of it."""
+    precision, width = PRECISION["name"], str(cfg.d_model)
+    overhead = before.block_overhead_s.get(precision, next(iter(before.block_overhead_s.values())))
+    after = measure_block_now(cfg.d_model, batch, cfg.seq_len, precision, overhead_s=overhead)
+    rate = 2 / (1 / before.block_tflops[precision][width] + 1 / after)
+    return dataclasses.replace(before, block_tflops={precision: {width: rate}})
 
 
 def _busy_seconds(metrics: dict) -> dict:
@@ -234,6 +252,8 @@ def main() -> None:
                 if name == "on" and i >= args.warmup:  # the figures as the machine is now, just before the step
                     round_figures.append(figures_now(cached, cfg, args.batch, nvme))
                 elapsed, block_metrics = one_block(engine, batch, args.block)
+                if name == "on" and i >= args.warmup:  # and the block's throughput again just after it
+                    round_figures[-1] = with_block_after(round_figures[-1], cfg, args.batch)
                 if i >= args.warmup:
                     times[name].append(elapsed)
                     metrics_on = block_metrics[-1] if name == "on" else metrics_on
@@ -252,7 +272,7 @@ def main() -> None:
     in_run = dataclasses.replace(cached, nvme_read_GBps=read_GBps, nvme_write_GBps=write_GBps)
     model = predicted(cfg, args.batch, args.sub_group_size, args.block, figures=in_run)
     floor_model = predicted(cfg, args.batch, args.sub_group_size, args.block, figures=in_run, offloaded=False)
-    # Each round's step over the model's step from the figures measured just before it (the same load)
+    # Each round's step over the model's step from the figures measured around it (the same load)
     per_round = [predicted(cfg, args.batch, args.sub_group_size, args.block, figures=f) for f in round_figures]
     floor_per_round = [predicted(cfg, args.batch, args.sub_group_size, args.block, figures=f, offloaded=False)
                        for f in round_figures]
@@ -328,7 +348,7 @@ def main() -> None:
           f"{busy['cpu_adam']:.2f} s ({res['cpu_adam']:.2f}), disk {busy['disk']:.2f} s "
           f"({res['nvme_read'] + res['nvme_write']:.2f}: reads {res['nvme_read']:.2f}, writes {res['nvme_write']:.2f}); "
           f"{busy['staged_nbytes'] / 1e9:.2f} GB of compute shards from staging")
-    print(f"step-time model, figures measured before each round's step: predicted "
+    print(f"step-time model, figures measured around each round's step: predicted "
           f"{', '.join(f'{p:.2f}' for p in result['predicted_now_s'])} s; measured / predicted "
           f"{result['measured_over_predicted_now']:.2f} (median of per-round ratios); floor "
           f"{result['floor_measured_over_predicted_now']:.2f}")

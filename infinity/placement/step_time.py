@@ -35,7 +35,14 @@ the same cores, one after another, while NVMe transfers overlap them. The step i
 the I/O it leaves exposed.
 
 ``timed_alone`` (a step timed on its own, as ``bench_overlap.py``'s blocks of one step are) adds what a run
-of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind.
+of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind. Both are
+the disk's bytes too, so they lengthen the path of the work that waits on them (the cores, on a CPU device),
+never the disk's own time.
+
+The bytes (:func:`traffic_from_estimate`): with the optimizer's states on NVMe, an update leaves each
+sub-group's new compute shards in its staging set, and the next forward copies the last sets' worth from there
+instead of reading them (:mod:`infinity.params.staging`). The disk's write figure is an overwrite, as a steady
+step's write-back overwrites the extents its keys already have.
 """
 
 from __future__ import annotations
