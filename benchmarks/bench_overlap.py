@@ -20,7 +20,14 @@ prediction of the overlapped step (``infinity.placement.step_time``), from the
 machine's cached figures (``infinity bench --machine``; measured here when
 there are none) with the disk's bandwidth measured in this run, for a block of
 ``--block`` steps timed with its fill and drain; ``measured_over_predicted`` is
-the median of the per-round ratios.
+the median of the per-round ratios. ``predicted_now_s`` predicts each round's
+step again from figures measured around it (the block's throughput at the
+model's width before and after it, the CPU Adam and the disk before it), so that on a machine
+other work shares the step and its figures see the same load;
+``measured_over_predicted_now`` is the median of those rounds' ratios.
+``measured_busy_s`` holds each resource's busy seconds from the overlapped
+engine's timelines (compute, optimizer, reads and writes in flight, the disk
+either way), beside ``step_resources``, the model's.
 
 With ``--gradient-clipping C`` the overlapped and sequential engines clip (the
 overlapped step speculates and is settled once the norm is known), and a fourth
@@ -51,7 +58,7 @@ import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
 from infinity.placement.estimate import estimate_gpt  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_step, traffic_from_estimate  # noqa: E402
-from infinity.runtime.machine_figures import machine_figures  # noqa: E402
+from infinity.runtime.machine_figures import machine_figures, measure_block_now, measure_cpu_adam  # noqa: E402
 from infinity.storage.bench import check_free_space, measure_nvme  # noqa: E402
 
 
@@ -93,11 +100,10 @@ def build(cfg: GPTConfig, config: dict):
     return infinity.initialize(model, config)
 
 
-def predicted(cfg: GPTConfig, batch: int, sub_group_size: int, block: int, *, read_GBps: float, write_GBps: float,
-              overlap: bool = True, offloaded: bool = True) -> dict:
+def predicted(cfg: GPTConfig, batch: int, sub_group_size: int, block: int, *, figures, overlap: bool = True,
+              offloaded: bool = True) -> dict:
     """The step-time model's step for an engine of this run (``engine_config``'s settings): a steady step, plus
-    the fill and drain a block of ``block`` steps pays once."""
-    figures = dataclasses.replace(machine_figures(), nvme_read_GBps=read_GBps, nvme_write_GBps=write_GBps)
+    the fill and drain a block of ``block`` steps pays once. ``figures``: the machine's."""
     offload = "nvme" if offloaded else "none"
     est = estimate_gpt(cfg, micro_batch=batch, precision=PRECISION["name"], offload_param=offload,
                        offload_optimizer=offload, max_in_cpu=0, optimizer_max_in_cpu=0, sub_group_size=sub_group_size,
@@ -106,7 +112,44 @@ def predicted(cfg: GPTConfig, batch: int, sub_group_size: int, block: int, *, re
     traffic = traffic_from_estimate(est, shape=gpt_shape(cfg), overlap_step_with_backward=overlap, crossings=False)
     steady = predict_step(figures, traffic)
     alone = predict_step(figures, traffic, timed_alone=True)
-    return dict(steady.as_dict(), predicted_s=steady.predicted_s + (alone.predicted_s - steady.predicted_s) / block)
+    return dict(steady.as_dict(), predicted_s=steady.predicted_s + (alone.predicted_s - steady.predicted_s) / block,
+                read_nbytes=traffic.fetch_nvme_read_nbytes + traffic.state_read_nbytes,
+                written_nbytes=traffic.state_write_nbytes)
+
+
+def figures_now(base, cfg: GPTConfig, batch: int, nvme: str):
+    """``base`` (the cached figures) with what a step leans on measured again now, between a round's engines: the
+    block's throughput at the model's width on its batch (the median of three, not the best; measured again after
+    the step by :func:`with_block_after`), the fused CPU Adam
+    over fp32 states, and the disk (256 MiB, the write overwriting). On a machine that other work shares, a step
+    and the figures it is predicted from then see the same load."""
+    precision = PRECISION["name"]
+    overhead = base.block_overhead_s.get(precision, next(iter(base.block_overhead_s.values())))
+    rate = measure_block_now(cfg.d_model, batch, cfg.seq_len, precision, overhead_s=overhead)
+    disk = measure_nvme(nvme, nbytes=256 << 20, block_size=1 << 20, queue_depth=32, rewrite=True)
+    adam = dict(base.cpu_adam_elements_per_s, fp32=measure_cpu_adam("fp32", budget_s=0.0))
+    return dataclasses.replace(base, block_tflops={precision: {str(cfg.d_model): rate}}, cpu_adam_elements_per_s=adam,
+                               nvme_read_GBps=disk.read_GBps, nvme_write_GBps=disk.write_GBps)
+
+
+def with_block_after(before, cfg: GPTConfig, batch: int):
+    """``before`` (:func:`figures_now`'s, measured before a step) with the block's throughput measured again after
+    the step and the two averaged over their seconds: the step's load, sampled on both sides of it."""
+    precision, width = PRECISION["name"], str(cfg.d_model)
+    overhead = before.block_overhead_s.get(precision, next(iter(before.block_overhead_s.values())))
+    after = measure_block_now(cfg.d_model, batch, cfg.seq_len, precision, overhead_s=overhead)
+    rate = 2 / (1 / before.block_tflops[precision][width] + 1 / after)
+    return dataclasses.replace(before, block_tflops={precision: {width: rate}})
+
+
+def _busy_seconds(metrics: dict) -> dict:
+    """A step's measured busy seconds by the model's resources, from its timeline: compute (forward and backward,
+    less their waits on I/O), the optimizer's updates, reads and writes each in flight, and the disk busy either
+    way. A step's write-behind is counted in the next step's timeline, so a run's median is a steady step's."""
+    tl = metrics["timeline"]
+    return {"compute": tl["compute_s"], "cpu_adam": tl["optimizer_s"], "nvme_read": tl["nvme_read_s"],
+            "nvme_write": tl["nvme_write_s"], "disk": tl["io_s"],
+            "staged_nbytes": metrics.get("compute_shards_from_staging_nbytes", 0)}
 
 
 def one_block(engine, batch, steps: int) -> tuple[float, list[dict]]:
@@ -180,10 +223,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-overlap-") as nvme:
         check_free_space(nvme, 2 * numel * 14 + (1 << 30))
-        bw = [measure_nvme(nvme, nbytes=1 << 30, block_size=1 << 20, queue_depth=32) for _ in range(3)]
+        # the write overwrites written blocks, as the step's write-back overwrites its keys' extents
+        bw = [measure_nvme(nvme, nbytes=1 << 30, block_size=1 << 20, queue_depth=32, rewrite=True) for _ in range(3)]
         read_GBps = statistics.median(r.read_GBps for r in bw)
         write_GBps = statistics.median(r.write_GBps for r in bw)
-        print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write {write_GBps:.2f} GB/s, "
+        print(f"nvme bandwidth (infinity bench, 1 GiB, 1 MiB blocks, QD 32): write (overwriting) {write_GBps:.2f} GB/s, "
               f"read {read_GBps:.2f} GB/s")
 
         clip, size = args.gradient_clipping, args.sub_group_size
@@ -199,13 +243,22 @@ def main() -> None:
                                                           behind_forward=False))
         times = {name: [] for name in engines}
         metrics_on = None
+        busy_on: list[dict] = []
+        cached = machine_figures()
+        round_figures = []
         outcomes: dict[str, int] = {}
         for i in range(args.warmup + args.steps):
             for name, engine in engines.items():  # alternate, so the machine's noise hits all alike
+                if name == "on" and i >= args.warmup:  # the figures as the machine is now, just before the step
+                    round_figures.append(figures_now(cached, cfg, args.batch, nvme))
                 elapsed, block_metrics = one_block(engine, batch, args.block)
+                if name == "on" and i >= args.warmup:  # and the block's throughput again just after it
+                    round_figures[-1] = with_block_after(round_figures[-1], cfg, args.batch)
                 if i >= args.warmup:
                     times[name].append(elapsed)
                     metrics_on = block_metrics[-1] if name == "on" else metrics_on
+                    if name == "on":
+                        busy_on += [_busy_seconds(m) for m in block_metrics]
                 if name == "on":
                     for metrics in block_metrics:
                         outcome = metrics.get("overlapped_step", "none")
@@ -216,9 +269,13 @@ def main() -> None:
             engine.close()
         compute_times = times["floor"]
 
-    model = predicted(cfg, args.batch, args.sub_group_size, args.block, read_GBps=read_GBps, write_GBps=write_GBps)
-    floor_model = predicted(cfg, args.batch, args.sub_group_size, args.block, read_GBps=read_GBps,
-                            write_GBps=write_GBps, offloaded=False)
+    in_run = dataclasses.replace(cached, nvme_read_GBps=read_GBps, nvme_write_GBps=write_GBps)
+    model = predicted(cfg, args.batch, args.sub_group_size, args.block, figures=in_run)
+    floor_model = predicted(cfg, args.batch, args.sub_group_size, args.block, figures=in_run, offloaded=False)
+    # Each round's step over the model's step from the figures measured around it (the same load)
+    per_round = [predicted(cfg, args.batch, args.sub_group_size, args.block, figures=f) for f in round_figures]
+    floor_per_round = [predicted(cfg, args.batch, args.sub_group_size, args.block, figures=f, offloaded=False)
+                       for f in round_figures]
     nvme_tier = metrics_on["tiers"]["nvme"]
     io_floor = nvme_tier["bytes_read"] / (read_GBps * 1e9) + nvme_tier["bytes_written"] / (write_GBps * 1e9)
     result = {
@@ -233,11 +290,25 @@ def main() -> None:
         "write_GBps": write_GBps,
         "timeline": metrics_on["timeline"],
     }
+    # Each resource's measured busy seconds (median over the overlapped engine's steps) beside the model's: less
+    # sensitive to other work on the machine than the step's wall time, and they say which part of the model errs.
+    result["measured_busy_s"] = {key: statistics.median(b[key] for b in busy_on) for key in busy_on[0]}
     result.update(predicted_step_s=model["predicted_s"], step_bound_by=model["bound_by"],
                   step_resources=model["resources"], predicted_floor_s=floor_model["predicted_s"],
+                  predicted_bytes_read_per_step=model["read_nbytes"],
+                  predicted_bytes_written_per_step=model["written_nbytes"],
                   measured_over_predicted=statistics.median(t / model["predicted_s"] for t in times["on"]),
                   floor_measured_over_predicted=statistics.median(t / floor_model["predicted_s"]
                                                                   for t in times["floor"]))
+    result.update(
+        predicted_now_s=[round(p["predicted_s"], 4) for p in per_round],
+        predicted_now_resources=[p["resources"] for p in per_round],
+        measured_over_predicted_now=statistics.median(t / p["predicted_s"] for t, p in zip(times["on"], per_round)),
+        floor_measured_over_predicted_now=statistics.median(
+            t / p["predicted_s"] for t, p in zip(times["floor"], floor_per_round)),
+        figures_now=[{"block_tflops": f.block_tflops[PRECISION["name"]][str(cfg.d_model)],
+                      "cpu_adam_fp32": f.cpu_adam_elements_per_s["fp32"], "nvme_read_GBps": f.nvme_read_GBps,
+                      "nvme_write_GBps": f.nvme_write_GBps} for f in round_figures])
     # The floor engine ran beside the overlapped one in every round: on a shared machine both slow down alike, so
     # the measured on / floor over the predicted on / floor is the part of the model the load leaves alone.
     result["over_floor_measured_over_predicted"] = statistics.median(
@@ -272,6 +343,15 @@ def main() -> None:
           f"measured / predicted {result['measured_over_predicted']:.2f} (median of per-round ratios); floor "
           f"predicted {result['predicted_floor_s']:.2f} s, measured / predicted {result['floor_measured_over_predicted']:.2f}; "
           f"(on / floor) measured / predicted {result['over_floor_measured_over_predicted']:.2f}")
+    busy, res = result["measured_busy_s"], model["resources"]
+    print(f"busy, measured (predicted): compute {busy['compute']:.2f} s ({res['gpu']:.2f}), optimizer "
+          f"{busy['cpu_adam']:.2f} s ({res['cpu_adam']:.2f}), disk {busy['disk']:.2f} s "
+          f"({res['nvme_read'] + res['nvme_write']:.2f}: reads {res['nvme_read']:.2f}, writes {res['nvme_write']:.2f}); "
+          f"{busy['staged_nbytes'] / 1e9:.2f} GB of compute shards from staging")
+    print(f"step-time model, figures measured around each round's step: predicted "
+          f"{', '.join(f'{p:.2f}' for p in result['predicted_now_s'])} s; measured / predicted "
+          f"{result['measured_over_predicted_now']:.2f} (median of per-round ratios); floor "
+          f"{result['floor_measured_over_predicted_now']:.2f}")
     print(f"compute floor    : {result['compute_floor_s']:.2f} s")
     print(f"I/O floor        : {result['io_floor_s']:.2f} s  ({nvme_tier['bytes_read'] / 1e9:.2f} GB read, "
           f"{nvme_tier['bytes_written'] / 1e9:.2f} GB written per step)")

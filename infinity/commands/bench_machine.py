@@ -34,7 +34,7 @@ def format_figures(figures: MachineFigures) -> str:
         f"host->device {rate(figures.h2d_GBps)}, device->host {rate(figures.d2h_GBps)} ({figures.copy_path}); "
         f"within device memory {rate(figures.device_memory_GBps)}",
         f"fused CPU Adam, billion elements/s on {figures.cpu_threads} threads: {adam}",
-        f"disk (O_DIRECT): read {rate(figures.nvme_read_GBps)}, write {rate(figures.nvme_write_GBps)} "
+        f"disk (O_DIRECT): read {rate(figures.nvme_read_GBps)}, write (overwriting) {rate(figures.nvme_write_GBps)} "
         f"({figures.nvme_path})",
         f"measured in {figures.measured_s:.1f} s",
     ])  # fmt: skip

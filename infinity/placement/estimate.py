@@ -293,6 +293,7 @@ def estimate(
             "param_persistence_threshold": int(param_persistence_threshold),
             "sub_group_size": sub_group_size,
             "buffer_count": buffer_count,
+            "optimizer_staging_sets": sets if offload_optimizer == "nvme" else 0,
             "buffer_size": int(buffer_size),
             "max_in_cpu": max_in_cpu,
             "pipeline": pipeline,

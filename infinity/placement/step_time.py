@@ -35,7 +35,14 @@ the same cores, one after another, while NVMe transfers overlap them. The step i
 the I/O it leaves exposed.
 
 ``timed_alone`` (a step timed on its own, as ``bench_overlap.py``'s blocks of one step are) adds what a run
-of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind.
+of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind. Both are
+the disk's bytes too, so they lengthen the path of the work that waits on them (the cores, on a CPU device),
+never the disk's own time.
+
+The bytes (:func:`traffic_from_estimate`): with the optimizer's states on NVMe, an update leaves each
+sub-group's new compute shards in its staging set, and the next forward copies the last sets' worth from there
+instead of reading them (:mod:`infinity.params.staging`). The disk's write figure is an overwrite, as a steady
+step's write-back overwrites the extents its keys already have.
 """
 
 from __future__ import annotations
@@ -249,13 +256,16 @@ def predict_step(figures, traffic: StepTraffic, *, timed_alone: bool = False) ->
         # longer; not overlapped, the step's reads and writes after backward are pipelined with the updates only.
         copies_s = resources["h2d"] + resources["d2h"]
         cores = resources["gpu"] + resources["cpu_adam"] + copies_s
+        # Timed alone, the cores wait for the first fetch before the forward, and the last sub-group's write-back
+        # follows their last update; the disk's own time already holds those bytes, so they add to the cores'
+        # path, not to the disk's.
         if traffic.overlap_step_with_backward:
-            path = max(cores, disk_s)
+            path = max(fill + cores + drain, disk_s)
         else:
             fetches = [p["compute"] + p["device_adam"] + p["fetch_h2d"], p["fetch_read"]]
             fetch_phase = max(fetches) if traffic.prefetch else sum(fetches)
-            path = fetch_phase + _pipeline([p["state_read"], p["cpu_adam"] + p["grad_d2h"], p["state_write"]], depth)
-        path += fill + drain
+            path = fill + fetch_phase + drain + _pipeline(
+                [p["state_read"], p["cpu_adam"] + p["grad_d2h"], p["state_write"]], depth)
         critical = {"cores": cores, "disk": disk_s}
     else:
         fetches = [p["compute"], p["fetch_h2d"], p["fetch_read"]]
@@ -313,6 +323,20 @@ def model_shape(est: dict) -> dict:
             "head_params": min(50304 * width, max(0, n - layers * 12 * width * width))}
 
 
+def _staged_shard_nbytes(est: dict, cbytes: int) -> float:
+    """Compute-shard bytes a step's first forward copies from the optimizer's staging sets instead of reading
+    them from NVMe (:mod:`infinity.params.staging`): with its states on NVMe, an update leaves each sub-group's
+    new shards in its staging set, and the next forward finds there the last sets' worth, the first sub-groups
+    (backward's order updates them last); those the host keeps anyway (``max_in_cpu``) are no reads either way."""
+    sets = est["setting"].get("optimizer_staging_sets", 0)
+    if not sets:
+        return 0.0
+    numels = est.get("sub_group_numels") or []
+    in_sets = sum(numels[:sets]) * cbytes
+    host_kept = est["tiers"]["host"]["compute_shard"]
+    return float(min(est["tiers"]["nvme"]["compute_shard"], max(0, in_sets - host_kept)))
+
+
 def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len: int | None = None,
                           overlap_step_with_backward: bool = True, recompute: bool = False,
                           crossings: bool | None = None, shape: dict | None = None) -> StepTraffic:
@@ -336,9 +360,13 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     fetches = accum * (1.0 + refetched)
     nvme_shard = tiers["nvme"]["compute_shard"]
     host_shard = tiers["host"]["compute_shard"]
-    fetch_read = nvme_shard * fetches if offload_param == "nvme" else 0.0
+    split = est.get("optimizer_split")  # a split optimizer: its first sub-groups are stepped on the device
+    staged = _staged_shard_nbytes(est, cbytes) if offload_param == "nvme" and not split else 0.0
+    fetch_read = max(0.0, nvme_shard * fetches - staged) if offload_param == "nvme" else 0.0
     fetch_h2d = (host_shard + nvme_shard) * fetches if crossings and offload_param != "none" else 0.0
     largest_shard = math.ceil(s["largest_layer_params"] / s["world_size"]) * cbytes if offload_param != "none" else 0
+    if staged:
+        largest_shard = 0  # the forward's first layers are in a staging set: it starts without a read
 
     state_nvme = tiers["nvme"]["master"] + tiers["nvme"]["moments"]
     # gradient slices resting on NVMe: written every micro-batch, read back by each after the first and by the
@@ -347,7 +375,6 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     # compute shards resting on NVMe are written back after the step, unless they are read from a bf16 master
     shards_written = nvme_shard if offload_param == "nvme" and s["state_dtype"] == "fp32" else 0
     host_optimizer = offload_optimizer != "none"
-    split = est.get("optimizer_split")  # a split optimizer: its first sub-groups are stepped on the device
     device_elements = min(shard, split["device_numel"]) if split and host_optimizer else 0
     host_share = (shard - device_elements) / shard if shard else 1.0
     grad_d2h = shards_h2d = shards_d2h = 0.0

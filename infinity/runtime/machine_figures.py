@@ -9,7 +9,9 @@
 * the fused CPU Adam's throughput (:mod:`infinity.kernels`) for each optimizer-state dtype, with gradients
   and the new parameter copy in bf16, as an offloaded step calls it;
 * NVMe read and write bandwidth with O_DIRECT (:mod:`infinity.storage.bench`), where a path that takes
-  O_DIRECT is at hand.
+  O_DIRECT is at hand; the write overwrites blocks written before, as a step's write-back overwrites the
+  extents its keys already have (a first write into preallocated blocks can be far slower, and a steady run
+  makes none).
 
 ``infinity bench --machine`` measures and writes them to ``$XDG_CACHE_HOME/zero-infinity/machine-<host>.json``
 (beside the built kernels; ``~/.cache/zero-infinity`` without ``XDG_CACHE_HOME``); ``infinity estimate``, ``infinity train`` and the
@@ -38,12 +40,13 @@ from infinity.runtime.hardware import fast_precision, machine_description
 from infinity.storage.bench import measure_nvme
 from infinity.storage.swap_store import direct_io_problem
 
-__all__ = ["FORMAT", "MachineFigures", "cache_path", "load_cached", "machine_figures", "measure_machine", "save"]
+__all__ = ["FORMAT", "MachineFigures", "cache_path", "load_cached", "machine_figures", "measure_block_now", "measure_cpu_adam",
+           "measure_machine", "save"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
-"""The cache file's format; a file of another format is measured again."""
+FORMAT = 2
+"""The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite)."""
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -88,7 +91,8 @@ class MachineFigures:
     nvme_read_GBps: float | None
     """NVMe read bandwidth with O_DIRECT (None where no path took O_DIRECT)."""
     nvme_write_GBps: float | None
-    """NVMe write bandwidth with O_DIRECT (None where no path took O_DIRECT)."""
+    """NVMe write bandwidth with O_DIRECT, overwriting written blocks as a steady step's write-back does (None
+    where no path took O_DIRECT)."""
     nvme_path: str | None
     """The directory the disk figures were measured in, or why none was (``not measured: ...``)."""
     measured_s: float
@@ -242,6 +246,23 @@ def _block_seconds(width: int, batch: int, seq: int, precision: str, device: tor
     return 1.0 / _best_rate(_block_run(width, batch, seq, precision, device), 1.0, budget_s=budget_s, min_reps=4)
 
 
+def measure_block_now(width: int, batch: int, seq: int, precision: str, *, overhead_s: float, tries: int = 3,
+                      device: torch.device | None = None) -> float:
+    """A block's TFLOP/s beyond ``overhead_s`` as the machine runs it now: the median of ``tries`` forwards and
+    backwards (after a warm-up), not the best. For a benchmark that sets its step beside the machine's figures
+    on a machine other work shares: the figures then describe the machine the step ran on."""
+    device = device or torch.device("cpu")
+    run = _block_run(width, batch, seq, precision, device)
+    run()  # warm-up: first calls pick kernels and allocate
+    times = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    return block_flops(width, batch * seq, seq) / max(seconds - overhead_s, seconds / 2) / 1e12
+
+
 def measure_blocks(device: torch.device, precision: str, *, rounds: int = 6) -> tuple[dict, float, int]:
     """({width: TFLOP/s beyond the overhead}, the overhead in seconds, tokens) of a block's forward and backward.
 
@@ -333,7 +354,8 @@ def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float 
 
 
 def measure_disk(directory: str | None, *, nbytes: int = 256 << 20) -> tuple[float | None, float | None, str]:
-    """(read, write) GB/s with O_DIRECT in ``directory`` (default: a temporary folder), or (None, None, why not)."""
+    """(read, write) GB/s with O_DIRECT in ``directory`` (default: a temporary folder), or (None, None, why not);
+    the write overwrites the file's written blocks, as a step's write-back does."""
     made = None
     try:
         if directory is None:
@@ -341,7 +363,8 @@ def measure_disk(directory: str | None, *, nbytes: int = 256 << 20) -> tuple[flo
         problem = direct_io_problem(directory)
         if problem is not None:
             return None, None, f"not measured: {problem}"
-        results = [measure_nvme(directory, nbytes=nbytes, block_size=1 << 20, queue_depth=32) for _ in range(2)]
+        results = [measure_nvme(directory, nbytes=nbytes, block_size=1 << 20, queue_depth=32, rewrite=True)
+                   for _ in range(2)]
         return (statistics.median(r.read_GBps for r in results), statistics.median(r.write_GBps for r in results),
                 directory)
     except OSError as err:

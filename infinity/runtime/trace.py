@@ -79,7 +79,9 @@ class Timeline:
 
     # -- a step's summary ----------------------------------------------------------
     def close_step(self) -> dict:
-        """Seconds of compute, of I/O, and of I/O hidden behind nothing, since the last call."""
+        """Seconds of compute, of I/O (and of reads, of writes, each in flight), and of I/O hidden behind nothing,
+        since the last call. A request's span runs from its submission to its completion, so reads and writes
+        queued together each count the time they share."""
         self._collect_io()
         with self._lock:
             step, self._step = self._step, {t: [] for t in TRACKS}
@@ -89,6 +91,7 @@ class Timeline:
         io = _union(step["nvme read"] + step["nvme write"])
         return {"compute_s": _length(compute), "optimizer_s": _length(_union(step["optimizer"])),
                 "io_s": _length(io), "io_exposed_s": _length(_subtract(io, busy)),
+                "nvme_read_s": _length(_union(step["nvme read"])), "nvme_write_s": _length(_union(step["nvme write"])),
                 "collectives_s": _length(_union(step["collectives"]))}
 
     # -- the file ------------------------------------------------------------------

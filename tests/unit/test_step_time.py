@@ -142,6 +142,18 @@ def test_a_step_timed_alone_pays_the_first_fetch_and_the_last_write():
     assert math.isclose(alone.predicted_s, 4.0 + 0.1 + 0.1)
 
 
+def test_a_disk_bound_step_timed_alone_pays_no_fill_or_drain_beyond_the_disks_own_time():
+    # cores 3 + 1 = 4 s; the disk: 2 GB of shards (1 s) and 4 GB of states (2 s) read, 4 GB written (4 s): 7 s.
+    # Alone, the cores wait 0.1 s for the first fetch and the last sub-group's 0.4 s write follows them (4.5 s),
+    # but those bytes are in the disk's 7 s already: the step stays 7 s
+    cpu = figures(device="cpu")
+    t = traffic(crossings=False, state_read_nbytes=4e9, state_write_nbytes=4e9, fetch_nvme_read_nbytes=2e9,
+                first_fetch_nbytes=2e8)
+    assert math.isclose(predict_step(cpu, t).predicted_s, 7.0)
+    alone = predict_step(cpu, t, timed_alone=True)
+    assert math.isclose(alone.predicted_s, 7.0) and alone.bound_by == "nvme_write"
+
+
 def test_the_device_optimizer_runs_on_the_device():
     # 1e9 elements, 30 bytes each (reads 4 + 4 + 8, writes 12 + 2) at 1000 GB/s: 0.03 s on the GPU after backward
     p = predict_step(figures(), traffic(grad_d2h_nbytes=0, shards_h2d_nbytes=0, cpu_adam_elements=0,
@@ -176,15 +188,59 @@ def test_traffic_follows_the_estimates_bytes():
     again = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", max_reuse_distance=0,
                      prefetch_bucket_size=0)
     assert traffic_from_estimate(again).fetch_h2d_nbytes == 4 * n
-    # everything on NVMe, fp32 states: 12 B an element read and written, plus the compute shard written back
+    # everything on NVMe, fp32 states: 12 B an element read and written, plus the compute shard written back;
+    # the one sub-group's new shards wait in a staging set, so the next forward reads none from NVMe
     nvme = estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0, gpu=False)
     t = traffic_from_estimate(nvme)
-    assert t.state_read_nbytes == 12 * n and t.state_write_nbytes == 14 * n and t.fetch_nvme_read_nbytes == 2 * n
-    assert not t.crossings
+    assert t.state_read_nbytes == 12 * n and t.state_write_nbytes == 14 * n and t.fetch_nvme_read_nbytes == 0
+    assert t.first_fetch_nbytes == 0 and not t.crossings
     # bf16 states: the compute shards come from the master, nothing written for them
     t = traffic_from_estimate(estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0,
                                        state_dtype="bf16"))
     assert t.state_read_nbytes == t.state_write_nbytes == 6 * n
+
+
+def test_the_forward_reads_from_staging_what_the_last_updates_left_there():
+    n = 10_000_000
+    nvme = dict(num_params=n, offload_param="nvme", offload_optimizer="nvme", gpu=False, sub_group_size=n // 8)
+    # 8 sub-groups, 4 staging sets: the first 4 sub-groups' shards (n / 2 elements, n bytes) come from memory,
+    # the other n bytes from NVMe, and the first layer is in memory: no read before the forward
+    t = traffic_from_estimate(estimate(**nvme, max_in_cpu=0))
+    assert (t.fetch_nvme_read_nbytes, t.first_fetch_nbytes, t.sub_groups) == (n, 0, 8)
+    # fetched again for backward (no reuse): that second pass reads every shard from NVMe
+    again = estimate(**nvme, max_in_cpu=0, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert traffic_from_estimate(again).fetch_nvme_read_nbytes == 4 * n - n
+    # the host keeps the first 3 sub-groups' shards (max_in_cpu): of the staged 4, only the 4th was on NVMe
+    kept = traffic_from_estimate(estimate(**nvme, max_in_cpu=3 * n // 8))
+    assert kept.fetch_nvme_read_nbytes == 2 * (5 * n // 8) - 2 * (n // 8)
+    # two staging sets (optimizer_buffer_count): two sub-groups' shards from memory
+    two = traffic_from_estimate(estimate(**nvme, max_in_cpu=0, optimizer_buffer_count=2))
+    assert two.fetch_nvme_read_nbytes == 2 * n - 2 * 2 * (n // 8)
+    # the states in host memory: no staging sets, every shard read
+    host_states = dict(nvme, offload_optimizer="cpu")
+    assert traffic_from_estimate(estimate(**host_states, max_in_cpu=0)).fetch_nvme_read_nbytes == 2 * n
+
+
+def test_a_cpu_only_step_from_its_estimate_each_resource_by_hand():
+    # 3e8 elements on NVMe, fp32 states, 8 sub-groups on 4 staging sets, one block of width 1000 on 1000 tokens
+    n = 300_000_000
+    est = estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0, gpu=False,
+                   sub_group_size=n // 8)
+    shape = {"layers": 1, "width": 1000, "seq_len": 1000, "head_params": 0}
+    t = traffic_from_estimate(est, micro_batch=1, shape=shape)
+    cpu = figures(device="cpu")
+    p = predict_step(cpu, t)
+    # compute 3 s; Adam 3e8 / 1e9 = 0.3 s; reads: 12 B states (3.6 GB) and half the 2 B shards (0.3 GB) at 2 GB/s
+    # = 1.95 s; writes: 14 B (4.2 GB) at 1 GB/s = 4.2 s; nothing crosses
+    assert p.resources == {"gpu": 3.0, "h2d": 0.0, "d2h": 0.0, "cpu_adam": 0.3, "nvme_read": 1.95, "nvme_write": 4.2}
+    # the cores' 3.3 s hide behind the disk's 1.95 + 4.2 s (reads and writes share it)
+    assert math.isclose(p.predicted_s, 6.15) and p.bound_by == "nvme_write"
+    # timed alone: no first read (staged), the last sub-group's 0.525 s write after the cores' 3.3 s: the disk binds
+    assert math.isclose(predict_step(cpu, t, timed_alone=True).predicted_s, 6.15)
+    # a faster disk: the cores bind, and alone they pay the last write-back after their last update
+    fast = figures(device="cpu", nvme_read_GBps=20.0, nvme_write_GBps=10.0)
+    assert math.isclose(predict_step(fast, t).predicted_s, 3.3)
+    assert math.isclose(predict_step(fast, t, timed_alone=True).predicted_s, 3.3 + 4.2e9 / 8 / 10e9)
 
 
 # --------------------------------------------------------------------------- the figures' cache and the commands

@@ -53,3 +53,25 @@ def test_a_read_back_that_differs_is_an_error_and_the_files_go(bench_dir, monkey
         measure_nvme_sustained(bench_dir, nbytes=2 << 20, file_nbytes=1 << 20, backend="threads",
                                buffers=BenchBuffers(huge_pages=False))
     assert list(bench_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_a_rewrite_writes_the_file_once_before_the_timed_pass(bench_dir, monkeypatch, rewrite):
+    # 3 MiB through 1 MiB buffers: three writes a pass; with rewrite the timed pass is the second over the file
+    from infinity.storage import bench as bench_module
+
+    writes = []
+
+    class Counting(bench_module.AsyncIO):
+        def pwrite(self, fd, buf, offset):
+            writes.append(offset)
+            return super().pwrite(fd, buf, offset)
+
+    monkeypatch.setattr(bench_module, "_MAX_BUFFER_NBYTES", 1 << 20)
+    monkeypatch.setattr(bench_module, "AsyncIO", Counting)
+    result = bench_module.measure_nvme(bench_dir, nbytes=3 << 20, block_size=256 << 10, queue_depth=4,
+                                       backend="threads", buffers=BenchBuffers(huge_pages=False), rewrite=rewrite)
+    offsets = [0, 1 << 20, 2 << 20]
+    assert writes == offsets * (2 if rewrite else 1)
+    assert result.rewrite is rewrite and min(result.write_s, result.read_s) > 0
+    assert list(bench_dir.iterdir()) == []

@@ -24,3 +24,15 @@ def test_waits_of_the_main_thread_and_of_autograds_thread_count_and_workers_do_n
     timeline.add("compute", "backward", 0.0, 2.0)
     summary = timeline.close_step()
     assert summary["compute_s"] == 2.0 - 0.25 - 0.5
+
+
+def test_reads_and_writes_each_count_their_time_in_flight():
+    # reads in flight over [0, 2] and [3, 4], writes over [1, 3.5]: 3 s of reads, 2.5 s of writes, the disk
+    # busy either way over [0, 4]
+    timeline = Timeline()
+    timeline.add("nvme read", "a", 0.0, 1.5)
+    timeline.add("nvme read", "b", 1.0, 2.0)
+    timeline.add("nvme read", "c", 3.0, 4.0)
+    timeline.add("nvme write", "d", 1.0, 3.5)
+    summary = timeline.close_step()
+    assert (summary["nvme_read_s"], summary["nvme_write_s"], summary["io_s"]) == (3.0, 2.5, 4.0)
