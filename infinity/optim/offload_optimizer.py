@@ -296,7 +296,7 @@ class OffloadOptimizer:
         cfg = self.config
         states = group_states(self.state_dtype, group, states)
         if staging is not None and self._grads.on_nvme(group):
-            grads = self._spilled_grads(group, staging, grad_coef)
+            grads = staging.take_grads(group, self._grads, grad_coef)
         else:
             grads = self._grads.wait_sub_group(group)
             if grad_coef != 1.0:
@@ -315,27 +315,6 @@ class OffloadOptimizer:
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
         return self.delivery.updated(group, out, states["master"])
-
-    def _read_grads(self, group: SubGroup, staging: StagingSet) -> None:
-        """Start reading a spilled sub-group's gradient slices into ``staging`` (all its slices are final)."""
-        staging.grads_of = group.index
-        staging.grad_reads = self._grads.read_spilled(group, staging.grads)
-
-    def _spilled_grads(self, group: SubGroup, staging: StagingSet, grad_coef: float) -> torch.Tensor:
-        """A spilled sub-group's gradient slices in ``staging`` (read now unless read ahead), scaled by the step's
-        coefficient: this copy is the update's own (the slices on NVMe stay as they are, should it be undone)."""
-        if staging.grads_of != group.index:
-            for handle in staging.grad_reads:
-                handle.wait()  # reads for another sub-group: their buffer is overwritten next
-            self._read_grads(group, staging)
-        reads, staging.grad_reads, staging.grads_of = staging.grad_reads, [], None  # used once: scaled below
-        for handle in reads:
-            handle.wait()  # the kernel reads them next
-        grads = staging.grads[:group.numel]
-        coef = grad_coef * self._grads.spill_coef
-        if coef != 1.0:
-            grads.mul_(coef)
-        return grads
 
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""
@@ -502,7 +481,7 @@ class OffloadOptimizer:
         self.delivery.will_overwrite(staging)  # the shards it held are read from NVMe from now on
         reads = self.swapped.read(group, staging, step=step, urgent=urgent)
         if with_grads and self._grads.on_nvme(group):
-            self._read_grads(group, staging)
+            staging.read_grads(group, self._grads)
         return reads
 
     # -- reading and writing states (full_state_dict, checkpoints) -----------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity import kernels
+from infinity.grads.reducer import GradReducer
 from infinity.placement.layout import SubGroup
 from infinity.placement.tiers import Tiers
 from infinity.storage import IOHandle
@@ -41,6 +42,31 @@ class StagingSet:
     grads_of: int | None = None
     """The sub-group whose slices ``grads`` holds or is reading (``grad_reads``), not yet used by an update."""
     grad_reads: list[IOHandle] = field(default_factory=list)
+
+    def read_grads(self, group: SubGroup, reducer: GradReducer) -> None:
+        """Start reading a spilled sub-group's gradient slices (all final) into ``grads``."""
+        self.land_grad_reads()  # reads still landing in the buffer are over before new ones start
+        self.grads_of = group.index
+        self.grad_reads = reducer.read_spilled(group, self.grads)
+
+    def take_grads(self, group: SubGroup, reducer: GradReducer, grad_coef: float) -> torch.Tensor:
+        """A spilled sub-group's gradient slices (read now unless read ahead), scaled by ``grad_coef`` and the
+        step's own coefficient: this copy is the update's (the slices on NVMe stay as they are, should it be
+        undone), used once."""
+        if self.grads_of != group.index:
+            self.read_grads(group, reducer)
+        self.grads_of = None  # scaled below: a second update must read them again
+        self.land_grad_reads()  # the kernel reads them next
+        grads = self.grads[:group.numel]
+        coef = grad_coef * reducer.spill_coef
+        if coef != 1.0:
+            grads.mul_(coef)
+        return grads
+
+    def land_grad_reads(self) -> None:
+        reads, self.grad_reads = self.grad_reads, []
+        for handle in reads:
+            handle.wait()
 
     def wait_writes(self) -> None:
         """Wait for every write; the list is emptied even when one failed (its error is raised once)."""
@@ -173,8 +199,7 @@ class SwappedStates:
             for tensor in staging.states.values():
                 self._tiers.free("host", tensor)
             self._tiers.free("host", staging.compute)
-            for handle in staging.grad_reads:
-                handle.wait()
+            staging.land_grad_reads()
             if staging.grads is not None:
                 self._tiers.free("host", staging.grads)
         self.sets.clear()

@@ -61,7 +61,7 @@ from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_OF_OFFLOAD, TIERS
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
-from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_shards
+from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_numel, sub_group_shards
 from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
                                             state_nbytes, transient_reserve_nbytes)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
@@ -170,7 +170,8 @@ def estimate(
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
-        sub_groups = _sub_group_numels(shards, sub_group_size)
+        shard_groups = sub_group_shards(shards, sub_group_size)
+        sub_groups = [sub_group_numel(group) for group in shard_groups]
         largest_sub_group = max(sub_groups, default=0)
         host_cached, cached_count = _prefix_within(shards, max_in_cpu)
         # persistent shards past the cache rest in host memory too, packed (infinity.params.compute_shards)
@@ -189,6 +190,7 @@ def estimate(
             [flat_numel % largest_sub_group] if largest_sub_group and flat_numel % largest_sub_group else [])
         host_cached = min(max_in_cpu, flat_numel)
         persistent_host = persistent_off_nvme = persistent_all = 0
+        shard_groups = None
     else:
         raise ValueError("give num_params or param_numels")
     if num_params <= 0:
@@ -259,7 +261,7 @@ def estimate(
         minimum = (train_numel * gbytes + min_shards * cbytes + 2 * gathered_and_streaming
                    + 2 * (state_nbytes(state_dtype, largest_sub_group) + largest_sub_group * cbytes)
                    + largest_sub_group * cbytes)
-        groups = (sub_group_shards(shards, sub_group_size) if param_numels is not None and trainable_params is None
+        groups = (shard_groups if shard_groups is not None and trainable_params is None
                   else [[n] for n in sub_groups])
         spill = plan_grad_spill(minimum, host_memory_budget, groups=groups, grad_itemsize=gbytes,
                                 accumulates=not lossless, staging_sets=sets)
@@ -389,16 +391,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
     """Runs of whole aligned shards of at most ``sub_group_size`` elements (one shard alone may exceed it)."""
-    groups, start, offset, count = [], 0, 0, 0
-    for n in shards:
-        end = _round_up(offset + n, ALIGN_NUMEL)
-        if count and end - start > sub_group_size:
-            groups.append(_round_up(offset, ALIGN_NUMEL) - start)
-            start, count = offset, 0
-        offset, count = end, count + 1
-    if count:
-        groups.append(offset - start)
-    return groups
+    return [sub_group_numel(group) for group in sub_group_shards(shards, sub_group_size)]
 
 
 def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub_groups: list[int], largest_shard: int,

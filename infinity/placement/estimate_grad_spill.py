@@ -36,7 +36,7 @@ def sub_group_shards(shards: Sequence[int], sub_group_size: int) -> list[list[in
     current: list[int] = []
     start = offset = 0
     for n in shards:
-        end = _round_up(offset + n, ALIGN_NUMEL)
+        end = round_up(offset + n, ALIGN_NUMEL)
         if current and end - start > sub_group_size:
             groups.append(current)
             current, start = [], offset
@@ -47,6 +47,11 @@ def sub_group_shards(shards: Sequence[int], sub_group_size: int) -> list[list[in
     return groups
 
 
+def sub_group_numel(shards: Sequence[int]) -> int:
+    """Elements of a sub-group of ``shards`` in the flat space: each shard starts aligned."""
+    return sum(round_up(n, ALIGN_NUMEL) for n in shards)
+
+
 def plan_grad_spill(minimum_nbytes: int, budget_nbytes: int, *, groups: list[list[int]], grad_itemsize: int,
                     accumulates: bool, staging_sets: int) -> GradSpillPlan:
     """``minimum_nbytes``: the engine's minimum working set with every slice in host memory (two staging sets) and
@@ -55,7 +60,7 @@ def plan_grad_spill(minimum_nbytes: int, budget_nbytes: int, *, groups: list[lis
     budget, naming the smallest)."""
     if minimum_nbytes <= budget_nbytes or not groups:
         return GradSpillPlan(None)
-    sizes = [sum(_round_up(n, ALIGN_NUMEL) for n in g) for g in groups]  # each shard starts aligned
+    sizes = [sub_group_numel(g) for g in groups]
     largest_group = max(sizes)
     first = len(groups) - 1
     for first in range(len(groups) - 1, -1, -1):
@@ -74,6 +79,3 @@ def plan_grad_spill(minimum_nbytes: int, budget_nbytes: int, *, groups: list[lis
         nvme_nbytes=sum(round_up(n * grad_itemsize) for g in groups[first:] for n in g),
         staging_nbytes=staging_sets * largest_group * grad_itemsize)
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple

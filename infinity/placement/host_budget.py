@@ -10,9 +10,9 @@ allocation past it fails. Within it, the engine plans in this order:
    persistent parameters' shards too, where the others are on NVMe), two
    staging sets, the largest gathered module (where the device is the host),
    and a reserve for transient buffers (checkpoint and state-dict streaming).
-   Where it does not fit and the optimizer's states are on NVMe, the gradient
-   slices of as few of the last sub-groups as make it fit rest on NVMe between
-   backward and the step (:attr:`Placement.nvme_grads_from`; 2 bytes an element
+   Where it does not fit beside the reserve kept free (below) and the optimizer's
+   states are on NVMe, the gradient slices of as few of the last sub-groups as
+   make it fit rest on NVMe between backward and the step (:attr:`Placement.nvme_grads_from`; 2 bytes an element
    written and read a step for bf16 slices, and a small pool of buffers instead of
    the slices). A budget below the smallest working set is refused before any
    work, naming what to change;
@@ -201,6 +201,7 @@ class HostMemoryPlan:
                     "the host-memory budget of %s cannot hold them", candidate.nvme_grads_from,
                     len(layout.sub_groups) - 1, spilled, _format(self.budget_nbytes))
         return candidate
+
     def minimum_working_set(self, staging_sets: int = 2) -> WorkingSet:
         """What host memory must hold whatever the budget."""
         layout, placement, itemsize = self.layout, self.placement, self.itemsize
