@@ -13,7 +13,16 @@ steps with finite losses, the last below the first, within ``--max-rss``.
     python benchmarks/bench_scale.py --presets 350m --steps 3 --host-memory 1GiB --disk-bench-size 4GiB   # a look
 
 ``max`` is the largest GPT of our presets' shape that ``infinity estimate --max-params`` says fits the budget and
-the free disk (less ``--disk-slack``). ``--precision auto`` (the default) computes in bf16 where the CPU or GPU has
+the free disk (less ``--disk-slack``). ``--above N`` then checks that answer against the machine: it runs the same
+shape one layer deeper, then two, ... (at most N), until one fails, each without the estimate's own disk check
+(``INFINITY_NO_ROOM_CHECK=1``), so the disk and the host budget themselves say whether it trains. The largest that
+trained and the smallest that did not bracket the true largest; on a disk of its own (a small filesystem, say,
+so the run is short) the disk is the bound:
+
+    truncate -s 16G /tmp/disk16.img && mkfs.ext4 -q -m 0 /tmp/disk16.img && mkdir -p /mnt/disk16 \
+        && mount -o loop /tmp/disk16.img /mnt/disk16
+    python benchmarks/bench_scale.py --presets max --above 3 --optimizer-state-dtype int8 --steps 3 --lr 1e-6 \
+        --host-memory 7GiB --max-rss 8GiB --nvme-path /mnt/disk16 --disk-bench-size 4GiB --disk-slack 0 ``--precision auto`` (the default) computes in bf16 where the CPU or GPU has
 bf16 units and in fp32 where it would emulate them (an AVX2-only CPU runs a bf16 matmul several times slower).
 
 The last line is one JSON object: the largest passing run's ``num_params``, ``losses``, ``step_s`` (median of the
@@ -44,12 +53,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
+from infinity.commands.train_checks import ROOM_CHECK_ENV
 from infinity.config.units import parse_host_memory
-from infinity.models.gpt import PRESETS, GPTConfig, get_preset
+from infinity.models.gpt import PRESETS, GPTConfig, count_params, get_preset
 from infinity.placement.estimate import estimate_gpt
 from infinity.placement.max_model import max_gpt
 from infinity.placement.host_budget import resolve_host_budget
@@ -93,6 +103,9 @@ def parse_args(argv=None):
     p.add_argument("--disk-bench-size", default="32GiB",
                    help="the disk benchmark's file set (at most 80%% of the free room; 0 skips it, and no floor)")
     p.add_argument("--disk-slack", default="4GiB", help="free disk 'max' leaves to others")
+    p.add_argument("--above", type=int, default=0, metavar="N",
+                   help="after 'max', run its shape 1, 2, ... N layers deeper until one fails, without the estimate's "
+                        "disk check: how close the estimate is to the largest that trains")
     p.add_argument("--trace", default=None, help="write each run's Chrome trace here (PRESET is replaced by its name)")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     return p.parse_args(argv)
@@ -145,12 +158,15 @@ def nvme_share(cfg: GPTConfig, args, precision: str) -> int:
     return planned["totals"]["nvme"] - planned["tiers"]["nvme"]["step_undo"]
 
 
-def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, disk: dict | None) -> dict:
+def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, disk: dict | None, *,
+              probe: bool = False) -> dict:
+    """``cfg`` trained by ``infinity train`` in its own process; skipped where the estimate says the disk has not
+    room for it, unless ``probe``: then the estimate's checks are off and the run finds out."""
     nvme = tempfile.mkdtemp(prefix=f"scale-{name}-", dir=nvme_root)
     work = tempfile.mkdtemp(prefix=f"scale-{name}-run-")
     needed = nvme_share(cfg, args, precision)
     free = shutil.disk_usage(nvme).free
-    if needed > free:
+    if needed > free and not probe:
         shutil.rmtree(nvme, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         return {"preset": name, "skipped": f"needs ~{needed / 1e9:.0f} GB on NVMe, {free / 1e9:.0f} GB free"}
@@ -169,16 +185,33 @@ def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, d
         cmd += ["--lr", args.lr] if args.lr else []
         cmd += ["--trace", args.trace.replace("PRESET", name)] if args.trace else []
         start = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({ROOM_CHECK_ENV: "1"} if probe else {})}
+        returncode, stdout, stderr, disk_used = _run_watching_disk(cmd, env, nvme)
         wall = time.perf_counter() - start
-        if out.returncode != 0:
-            return {"preset": name, "failed": out.stderr.strip().splitlines()[-3:] or [f"exit {out.returncode}"]}
-        summary = json.loads(out.stdout.strip().splitlines()[-1])
+        if returncode != 0:
+            return {"preset": name, "num_params": count_params(cfg), "config": asdict(cfg), "disk_used_peak_bytes":
+                    disk_used, "failed": stderr.strip().splitlines()[-3:] or [f"exit {returncode}"]}
+        summary = json.loads(stdout.strip().splitlines()[-1])
         steps = _metrics(summary.get("metrics_file"))
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    return _row(name, cfg, summary, steps, wall, disk, args)
+    return {**_row(name, cfg, summary, steps, wall, disk, args), "disk_used_peak_bytes": disk_used}
+
+
+def _run_watching_disk(cmd: list[str], env: dict, folder: str) -> tuple[int, str, str, int]:
+    """Run ``cmd``; its exit status, output, and the most the filesystem of ``folder`` held above what it held at
+    the start (sampled each second: what the run's files really took on the disk)."""
+    base = shutil.disk_usage(folder).used
+    peak = 0
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=1.0)
+            break
+        except subprocess.TimeoutExpired:
+            peak = max(peak, shutil.disk_usage(folder).used - base)
+    return proc.returncode, stdout, stderr, max(peak, 0)
 
 
 def _metrics(path: str | None) -> list[dict]:
@@ -227,6 +260,43 @@ def _row(name: str, cfg: GPTConfig, summary: dict, steps: list[dict], wall: floa
     return row
 
 
+def _trained(row: dict) -> bool:
+    """The run trained every step with finite losses within ``--max-rss`` (whether a few steps' losses fall says
+    how it learns, not whether it fits)."""
+    return bool(row.get("within_max_rss")) and all(math.isfinite(x) for x in row.get("losses") or [math.nan])
+
+
+def _report(row: dict, max_rss: int) -> dict:
+    """One line for ``row`` (marked ``within_max_rss``), and ``row``."""
+    name = row["preset"]
+    if "losses" not in row:
+        print(f"{name:>10}  {row.get('skipped') or row.get('failed')}", flush=True)
+        return row
+    row["within_max_rss"] = row["peak_rss_bytes"] <= max_rss
+    floor = f"{row['io_floor_s']:8.1f}" if "io_floor_s" in row else f"{'-':>8}"
+    print(f"{name:>10} {row['num_params']:>14,} {row['peak_rss_bytes'] / 2**30:8.2f} GiB "
+          f"{row['nvme_bytes_per_step'] / 1e9:13.1f} {row['step_s']:8.1f} {floor}  "
+          f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}", flush=True)
+    return row
+
+
+def _max_params_check(estimated: dict, rows: list[dict], probes: list[dict]) -> dict:
+    """The estimate against what trained: the largest run that trained (the estimate's own or a deeper one) and
+    the smallest deeper one that did not bracket the true largest of this shape."""
+    trained = [r["num_params"] for r in rows + probes if _trained(r)]
+    failed = [r for r in probes if not _trained(r)]
+    largest = max(trained, default=None)
+    first_failed = failed[0]["num_params"] if failed else None
+    n = estimated["num_params"]
+    check = {"estimate_max_params": n, "estimate_trained": any(_trained(r) and r["num_params"] == n for r in rows),
+             "largest_trained_params": largest, "smallest_failed_params": first_failed,
+             "smallest_failed_why": (failed[0].get("failed") or failed[0].get("skipped")) if failed else None}
+    if largest and first_failed:  # the true largest lies in [largest, first_failed)
+        check["estimate_over_largest_trained"] = n / largest
+        check["true_largest_at_most_over_estimate"] = first_failed / n
+    return check
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -260,16 +330,16 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'model':>10} {'params':>14} {'peak RSS':>10} {'NVMe GB/step':>13} {'s/step':>8} {'floor s':>8}  loss")
     for name, cfg in models:
-        row = run_model(name, cfg, args, chosen.precision, nvme_root, disk)
-        rows.append(row)
-        if "losses" not in row:
-            print(f"{name:>10}  {row.get('skipped') or row.get('failed')}", flush=True)
-            continue
-        row["within_max_rss"] = row["peak_rss_bytes"] <= max_rss
-        floor = f"{row['io_floor_s']:8.1f}" if "io_floor_s" in row else f"{'-':>8}"
-        print(f"{name:>10} {row['num_params']:>14,} {row['peak_rss_bytes'] / 2**30:8.2f} GiB "
-              f"{row['nvme_bytes_per_step'] / 1e9:13.1f} {row['step_s']:8.1f} {floor}  "
-              f"{row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}", flush=True)
+        rows.append(_report(run_model(name, cfg, args, chosen.precision, nvme_root, disk), max_rss))
+    probes = []
+    if args.above and estimated is not None:
+        deepest = GPTConfig(**estimated["config"])
+        for extra in range(1, args.above + 1):
+            cfg = replace(deepest, n_layer=deepest.n_layer + extra)
+            name = f"max+{extra}-{count_params(cfg) / 1e9:.2f}b"
+            probes.append(_report(run_model(name, cfg, args, chosen.precision, nvme_root, disk, probe=True), max_rss))
+            if not _trained(probes[-1]):
+                break
     passed = [r for r in rows if r.get("within_max_rss") and r.get("loss_finite_and_falling")]
     top = max(passed, key=lambda r: r["num_params"], default={})
     line = {**{k: v for k, v in top.items() if k != "config"},
@@ -277,6 +347,9 @@ def main(argv=None) -> int:
             "host_memory": args.host_memory, "max_rss": args.max_rss,
             "disk": {k: v for k, v in disk.items() if k != "result"} if disk else None,
             "estimate_max_params": estimated["num_params"] if estimated else None, "rows": rows}
+    if probes:
+        line["max_params_check"] = _max_params_check(estimated, rows, probes)
+        line["rows_above"] = probes
     text = json.dumps(line)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

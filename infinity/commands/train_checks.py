@@ -22,7 +22,7 @@ from infinity.placement.report import format_bytes
 from infinity.storage.lock_file import remove_if_unheld
 from infinity.storage.swap_store import STALE_AFTER_S, direct_io_problem as by_filesystem, remove_dead_stores
 
-__all__ = ["TEMPORARY_SWAP_PATH", "nvme_offloads", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
+__all__ = ["ROOM_CHECK_ENV", "TEMPORARY_SWAP_PATH", "nvme_offloads", "check_disk_room", "check_memory", "check_model_file", "check_nvme_room", "check_output_folder",
            "check_writable", "config_number", "finite_positive", "remove_dead_swap_folders",
            "SwapLocation", "check_direct_io", "default_swap_location", "direct_io_problem"]
 
@@ -113,10 +113,20 @@ def nvme_offloads(config: InfinityConfig) -> list:
             if b.device == OffloadDevice.NVME or (b.device == OffloadDevice.AUTO and b.nvme_path)]
 
 
+ROOM_CHECK_ENV = "INFINITY_NO_ROOM_CHECK"
+"""Set to 1, ``infinity train`` skips :func:`check_nvme_room` (the estimate's bytes against the disk's room), so
+the disk itself says whether a model fits: the engine's own reservations at start (swap keys laid out with
+``posix_fallocate``) still fail before any step. For probing a disk's true limit (``bench_scale.py --above``),
+where a refusal by the estimate would only repeat the estimate."""
+
+
 def check_nvme_room(plan) -> None:
     """The estimate's NVMe bytes (for every rank on this machine) against the free room of the disk; the second
     side of a speculative step's states is left out: the engine takes it only where the disk has room for it
-    (``SwappedStates.reserve_other_sides``), and steps overlap less without it."""
+    (``SwappedStates.reserve_other_sides``), and steps overlap less without it. Skipped where
+    :data:`ROOM_CHECK_ENV` is 1."""
+    if os.environ.get(ROOM_CHECK_ENV) == "1":
+        return
     temporary = plan.swap.parent if getattr(plan, "swap", None) else tempfile.gettempdir()
     paths = {temporary if b.nvme_path in (None, TEMPORARY_SWAP_PATH) else b.nvme_path
              for b in nvme_offloads(plan.config)}
