@@ -125,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", metavar="SIZE", default=None,
                    help="with --max-params: device memory per rank (default: no bound on it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the GPT recomputes each block in backward: a block keeps only its input (with --preset "
+                        "or --max-params)")
 
 
 def add_trainable_argument(p: argparse.ArgumentParser) -> None:
@@ -230,12 +233,14 @@ def run(args: argparse.Namespace) -> int:
     shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len) if gpt_cfg is not None else None
 
     def figures(config: InfinityConfig) -> dict:
-        activations = 0 if gpt_cfg is None else gpt_activation_nbytes(gpt_cfg, micro_batch=micro_batch,
-                                                                        seq_len=seq_len, precision=config.precision)
+        activations = 0 if gpt_cfg is None else gpt_activation_nbytes(
+            gpt_cfg, micro_batch=micro_batch, seq_len=seq_len, precision=config.precision,
+            activation_checkpointing=args.activation_checkpointing)
         result = estimate_for_config(config, **model, world_size=args.world_size, gpu=not args.cpu,
                                      activation_nbytes=activations, trainable_params=trainable, step_shape=shape)
         if gpt_cfg is not None:
-            result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len)
+            result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len,
+                                     activation_checkpointing=args.activation_checkpointing)
         return result
 
     chosen = figures(config)
@@ -296,7 +301,8 @@ def _run_max_params(args: argparse.Namespace, settings: dict, *, micro_batch: in
     if isinstance(device, float):
         raise ValueError(f"--device-memory must be a size (80GiB), not a fraction: {args.device_memory!r}")
     found = max_gpt(host_memory_nbytes=host, nvme_nbytes=disk, device_memory_nbytes=device,
-                    micro_batch=micro_batch, seq_len=args.seq_len, **settings)
+                    micro_batch=micro_batch, seq_len=args.seq_len,
+                    activation_checkpointing=args.activation_checkpointing, **settings)
     if args.json:
         print(json.dumps(dict(found, host_memory_nbytes=host, disk_free_nbytes=disk, nvme_path=nvme_path)))
     else:

@@ -103,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="swap through the page cache where --nvme-path does not take O_DIRECT (tmpfs); config "
                           "aio.buffered_fallback")
     eng.add_argument("--trace", metavar="PATH", help="write a Chrome trace of compute, I/O and collectives")
+    eng.add_argument("--activation-checkpointing", action="store_true",
+                     help="recompute each block in backward instead of keeping its activations (the model's "
+                          "activation_checkpointing_enable(), as Hugging Face's): long sequences take less memory")
     out = p.add_argument_group("checkpoints and output")
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
@@ -198,6 +201,19 @@ def _build_model(plan: Plan, seed: int):
     return GPT(cfg)
 
 
+def _with_activation_checkpointing(model):
+    """``model`` recomputing its blocks in backward: its own ``activation_checkpointing_enable()`` (ours and
+    Hugging Face's), or ``gradient_checkpointing_enable()`` (Hugging Face's older name)."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, name, None)
+        if callable(enable):
+            enable()
+            return model
+    raise ValueError(f"--activation-checkpointing: the model ({type(model).__name__}) has no "
+                     f"activation_checkpointing_enable() or gradient_checkpointing_enable() to call; give it one "
+                     f"(wrapping its blocks in torch.utils.checkpoint.checkpoint), or leave out the flag")
+
+
 def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     if plan.world_size == 1:
         return
@@ -228,6 +244,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
 
     model = _build_model(plan, args.seed)
+    if plan.activation_checkpointing:
+        _with_activation_checkpointing(model)
     num_params = sum(p.numel() for p in model.parameters())
     if plan.estimate is None:  # a user's model: its size is known once built
         plan.estimate = estimate_for(plan, model)

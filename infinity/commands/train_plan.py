@@ -94,6 +94,8 @@ class Plan:
     """--save-dir, --keep-last and the checkpoint to resume from."""
     swap: SwapLocation | None = None
     """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
+    activation_checkpointing: bool = False
+    """--activation-checkpointing: the model recomputes its blocks in backward instead of keeping their activations."""
 
     @property
     def not_applicable(self) -> tuple[str, ...]:
@@ -227,7 +229,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 world_size=world_size, local_world_size=local_world_size, monitor=monitor,
                 precision_said=precision_said, precision_warning=precision_warning,
                 offload_note=offload_note, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
-                swap=swap)
+                swap=swap, activation_checkpointing=args.activation_checkpointing)
 
 
 def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,

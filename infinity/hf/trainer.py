@@ -10,6 +10,8 @@ crossings with the optimizer are ours:
 * the forward is the engine's (the model's own arguments and ``ModelOutput``), in training and in evaluation;
 * backward and the step are the engine's: the Trainer's accumulation, loss scaling for accumulation and
   clipping (``max_grad_norm``) are honoured by the engine, and the logged ``grad_norm`` is the engine's;
+* ``activation_checkpointing`` is the stock Trainer's: it asks the model to recompute its layers in backward, and
+  the engine's hooks fetch a recomputed layer's parameters again and release them after its backward;
 * weight decay is the stock Trainer's: ``weight_decay`` on the parameters ``get_decay_parameter_names`` names,
   none on biases and norms (the engine's param groups, :mod:`infinity.optim.param_groups`);
 * the optimizer the Trainer steps is a stand-in (:class:`EngineOptimizer`) whose learning rate the
@@ -69,9 +71,6 @@ def refusals(args, *, model_init, optimizers, optimizer_cls_and_kwargs) -> list[
     checks = [
         ("fsdp", bool(args.fsdp), "the engine partitions the model itself"),
         ("torch_compile", args.torch_compile, "the engine's fetch hooks run eagerly"),
-        ("activation_checkpointing (gradient_checkpointing)",
-         getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False),
-         "recomputing the forward inside backward is not supported by the engine's fetch hooks yet"),
         ("auto_find_batch_size", args.auto_find_batch_size, "the engine is built once for one batch size"),
         ("use_liger_kernel", getattr(args, "use_liger_kernel", False), "it patches the model's modules"),
         ("fp16_full_eval", args.fp16_full_eval, "evaluation runs in the engine's compute precision"),

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from infinity.models.transformers_lm import transformers_lm_from_config_file
 
@@ -162,7 +163,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """``forward(input_ids, targets=None)``: mean cross-entropy if ``targets`` is given, else logits."""
+    """``forward(input_ids, targets=None)``: mean cross-entropy if ``targets`` is given, else logits.
+
+    :meth:`activation_checkpointing_enable` keeps only the blocks' inputs for backward and recomputes each block
+    there (as Hugging Face models' method of that name does), so activations grow with depth by one
+    ``(batch, seq, d_model)`` tensor a block instead of ~17."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -173,6 +178,22 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = None if cfg.tie_embeddings else _Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.checkpoint_every = 0
+        """Recompute every ``checkpoint_every``-th block in backward (0: none); set by
+        :meth:`activation_checkpointing_enable`."""
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1) -> None:
+        """Recompute every ``every_n_layers``-th block in backward instead of keeping its activations (in
+        training, with gradients on). ``activation_checkpointing_kwargs`` go to ``torch.utils.checkpoint``
+        (non-reentrant unless they say otherwise). Names as Hugging Face's, so its Trainer can call it."""
+        if not isinstance(every_n_layers, int) or every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be a positive integer, got {every_n_layers!r}")
+        self._checkpoint_kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        self.checkpoint_every = every_n_layers
+
+    def activation_checkpointing_disable(self) -> None:
+        self.checkpoint_every = 0
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -182,8 +203,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len={self.config.seq_len}")
         pos = torch.arange(t, device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        recompute = self.checkpoint_every and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.blocks):
+            if recompute and i % self.checkpoint_every == 0:
+                x = checkpoint(block, x, **self._checkpoint_kwargs)
+            else:
+                x = block(x)
         x = self.ln_f(x)
         logits = self.wte(x, unembed=True) if self.head is None else self.head(x)
         if targets is None:

@@ -60,14 +60,16 @@ def test_engine_trains_only_the_adapters_and_matches_plain_peft(tmp_path):
             assert torch.equal(state[name], value), name  # the base did not move
 
 
-def test_trainer_with_lora_matches_the_stock_trainer_and_saves_adapters_only(tmp_path):
+@pytest.mark.parametrize("setting", [{}, {"activation_checkpointing": True}], ids=["kept", "recomputed"])
+def test_trainer_with_lora_matches_the_stock_trainer_and_saves_adapters_only(tmp_path, setting):
+    """With the activations kept, and recomputed in backward (LoRA's usual companion), as the stock Trainer."""
     data = dataset()
-    stock = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock", save_strategy="no"),
+    stock = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock", save_strategy="no", **setting),
                                  train_dataset=data, data_collator=collate)
     stock.train()
     stock.save_model(tmp_path / "stock-adapter")
-    ours = Trainer(model=lora(), args=training_args(tmp_path / "ours", save_strategy="no"), train_dataset=data,
-                   data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    ours = Trainer(model=lora(), args=training_args(tmp_path / "ours", save_strategy="no", **setting),
+                   train_dataset=data, data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
     ours.train()
     ours.save_model(tmp_path / "adapter")
     ours.engine.close()

@@ -173,6 +173,35 @@ def test_weight_decay_spares_biases_and_norms_as_the_stock_trainers_does(tmp_pat
     ours.engine.close()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_trains_as_the_stock_trainers(tmp_path, reentrant):
+    """The Trainer's activation_checkpointing, parameters and states on NVMe: the layers are recomputed in
+    backward (the engine fetches their parameters again), and the run is the stock Trainer's with the same
+    setting."""
+    args = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": reentrant},
+                save_strategy="no", max_steps=4)
+    data = dataset()
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", **args),
+                                 train_dataset=data, data_collator=collate)
+    stock.train()
+    model = tiny_llama()
+    recomputed = []
+    for layer in model.model.layers:  # a module's forward inside backward is a recompute (transformers
+        # checkpoints a layer's forward, not its hooks: its modules' hooks run again)
+        layer.mlp.register_forward_pre_hook(lambda m, a: recomputed.append(torch._C._current_graph_task_id() != -1))
+    ours = Trainer(model=model, args=training_args(tmp_path / "ours", **args), train_dataset=data,
+                   data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    ours.train()
+    assert model.is_activation_checkpointing and recomputed.count(True) == recomputed.count(False) > 0
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(logged(ours, "grad_norm")), torch.tensor(logged(stock, "grad_norm")),
+                               rtol=1e-5, atol=0)
+    state, stock_state = ours.engine.full_state_dict(), stock.model.state_dict()
+    for name, value in stock_state.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+    ours.engine.close()
+
+
 class CountingTrainer(InfinityTrainerMixin, transformers.Trainer):
     """A user's own subclass of the stock Trainer, given the engine by the mixin."""
 
@@ -226,7 +255,6 @@ def test_an_epoch_that_ends_inside_an_accumulation_ends_with_a_short_step_as_the
 @pytest.mark.parametrize("overrides, named", [
     ({"optim": "sgd"}, "optim='sgd'"),
     ({"torch_compile": True}, "torch_compile"),
-    ({"activation_checkpointing": True}, "activation_checkpointing"),
     ({"auto_find_batch_size": True}, "auto_find_batch_size"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(tmp_path, overrides, named):

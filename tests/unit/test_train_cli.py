@@ -250,6 +250,37 @@ def test_a_users_model_file_trains(capsys, tmp_path):
     assert out["model"] == str(f) and out["preset"] is None and len(out["losses"]) == 2
 
 
+def test_activation_checkpointing_trains_the_same_bits_and_the_estimate_keeps_less(capsys, tmp_path):
+    pytest.importorskip("infinity.engine.engine")
+    argv = ["--steps", "3", "--seq-len", "128", "--offload-param", "cpu", "--offload-optimizer", "cpu"]
+    kept = _run_json(capsys, *argv)
+    recomputed = _run_json(capsys, *argv, "--activation-checkpointing")
+    assert recomputed["losses"] == kept["losses"]  # recomputing a block gives the same values
+    plan = train.make_plan(_args("--preset", "tiny", "--seq-len", "128", "--micro-batch", "8"))
+    full = train.estimate_for(plan, train.get_preset("tiny"))["tiers"]["device"]["activations"]
+    plan.activation_checkpointing = True
+    less = train.estimate_for(plan, train.get_preset("tiny"))["tiers"]["device"]["activations"]
+    assert 0 < less < full
+
+
+def test_activation_checkpointing_of_a_model_without_the_method_is_refused_by_name(capsys, tmp_path):
+    f = tmp_path / "plain.py"
+    f.write_text(
+        "import torch\n"
+        "class Plain(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(256, 8)\n"
+        "    def forward(self, ids, targets):\n"
+        "        return self.emb(ids).float().pow(2).mean()\n"
+        "def build_model():\n"
+        "    return Plain()\n"
+    )
+    err = _fails(capsys, "--model", str(f), "--activation-checkpointing", "--steps", "1",
+                 "--offload-param", "cpu", "--offload-optimizer", "cpu")
+    assert "--activation-checkpointing" in err and "Plain" in err and "activation_checkpointing_enable" in err
+
+
 def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
     if not train.engine_has_checkpoints():
         pytest.skip("the engine has no checkpoints yet")
