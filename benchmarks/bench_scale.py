@@ -106,6 +106,8 @@ def parse_args(argv=None):
     p.add_argument("--above", type=int, default=0, metavar="N",
                    help="after 'max', run its shape 1, 2, ... N layers deeper until one fails, without the estimate's "
                         "disk check: how close the estimate is to the largest that trains")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block in backward (infinity train's flag; 'max' counts activations so)")
     p.add_argument("--trace", default=None, help="write each run's Chrome trace here (PRESET is replaced by its name)")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
     return p.parse_args(argv)
@@ -139,7 +141,8 @@ def largest_that_fits(args, precision: str, nvme_root: str) -> dict:
     free = shutil.disk_usage(nvme_root).free - parse_size(args.disk_slack)
     found = max_gpt(host_memory_nbytes=host_budget(args), nvme_nbytes=max(0, free), micro_batch=args.micro_batch,
                     seq_len=args.seq_len, precision=precision, offload_param="nvme", offload_optimizer="nvme",
-                    gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype, max_in_cpu=0)
+                    gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype, max_in_cpu=0,
+                    activation_checkpointing=args.activation_checkpointing)
     if found["config"] is None:
         raise SystemExit(f"bench_scale: no GPT of our presets' shape fits {args.host_memory} and {free / 1e9:.0f} GB")
     return found
@@ -154,7 +157,8 @@ def nvme_share(cfg: GPTConfig, args, precision: str) -> int:
     side a speculative step takes only where the disk has room for it."""
     planned = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=args.seq_len, precision=precision,
                            offload_param="nvme", offload_optimizer="nvme", gpu=torch.cuda.is_available(),
-                           state_dtype=args.optimizer_state_dtype, host_memory_budget=host_budget(args))
+                           state_dtype=args.optimizer_state_dtype, host_memory_budget=host_budget(args),
+                           activation_checkpointing=args.activation_checkpointing)
     return planned["totals"]["nvme"] - planned["tiers"]["nvme"]["step_undo"]
 
 
@@ -183,6 +187,7 @@ def run_model(name: str, cfg: GPTConfig, args, precision: str, nvme_root: str, d
                "--host-memory", args.host_memory, "--optimizer-state-dtype", args.optimizer_state_dtype,
                "--run-dir", os.path.join(work, "run"), "--json"]
         cmd += ["--lr", args.lr] if args.lr else []
+        cmd += ["--activation-checkpointing"] if args.activation_checkpointing else []
         cmd += ["--trace", args.trace.replace("PRESET", name)] if args.trace else []
         start = time.perf_counter()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **({ROOM_CHECK_ENV: "1"} if probe else {})}
