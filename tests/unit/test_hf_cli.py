@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from infinity.cli import main  # noqa: E402
+from infinity.commands import train  # noqa: E402
 from infinity.config.schema import InfinityConfig  # noqa: E402
 from infinity.config.auto import fill_auto  # noqa: E402
 
@@ -116,3 +117,23 @@ def test_bytes_refused_when_the_vocabulary_cannot_take_them(tmp_path, capsys):
     assert main(["train", "--hf-model", str(model_dir), "--steps", "1", "--max-bytes", "100000"]) == 2
     err = capsys.readouterr().err
     assert "has no tokenizer" in err and "vocab_size=64 cannot take byte ids" in err
+
+
+def test_train_hf_model_with_activation_checkpointing_trains_the_same_bits(tmp_path, capsys, monkeypatch):
+    """--activation-checkpointing calls the model's own activation_checkpointing_enable(): its layers recomputed in
+    backward, the losses those of the run that keeps its activations."""
+    enabled, enable = [], train._with_activation_checkpointing
+    monkeypatch.setattr(train, "_with_activation_checkpointing",
+                        lambda model: enabled.append(enable(model).is_activation_checkpointing))
+    model_dir = tmp_path / "llama"
+    _tiny_llama(model_dir, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    losses = []
+    for flag in ([], ["--activation-checkpointing"]):
+        argv = ["train", "--hf-model", str(model_dir), "--data", str(data), "--steps", "3", "--micro-batch", "2",
+                "--seq-len", "32", "--precision", "fp32", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+                "--run-dir", str(tmp_path / f"run{len(losses)}"), "--json", *flag]
+        assert main(argv) == 0
+        losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"])
+    assert losses[0] == losses[1] and enabled == [True]
