@@ -442,7 +442,8 @@ class OffloadOptimizer:
         may be undone); the same rounding as scaling the slices in place."""
         tier = "device" if self._on_device or (self.stepped_on_device(group) and self._placement.distinct) else "host"
         if tier not in self._grad_scratch:
-            self._grad_scratch[tier] = self._tiers.empty(tier, self.layout.largest_sub_group_numel, grads.dtype)
+            self._grad_scratch[tier] = self._tiers.empty(tier, self.layout.largest_sub_group_numel, grads.dtype,
+                                                         owner="gradient scratch")
         return torch.mul(grads, grad_coef, out=self._grad_scratch[tier][:grads.numel()])
 
     def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:

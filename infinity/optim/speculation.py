@@ -65,7 +65,7 @@ class InMemoryUndo:
         self._tier = tier
         self._tiers = tiers
         self._views = views  # a sub-group's views of its state tensors (of the copy, given its tensors)
-        self._copy = {name: tiers.empty(tier, t.numel(), t.dtype) for name, t in states.items()}
+        self._copy = {name: tiers.empty(tier, t.numel(), t.dtype, owner="step undo copy") for name, t in states.items()}
 
     @classmethod
     def make(cls, states: dict[str, torch.Tensor], tier: str, tiers: Tiers, views) -> "InMemoryUndo | None":
