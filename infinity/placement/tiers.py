@@ -85,6 +85,11 @@ class Tiers:
             self._owner_of[tensor.data_ptr()] = owner
         return tensor
 
+    def charges_host_memory(self, tier: str) -> bool:
+        """Allocations in ``tier`` charge the host-memory budget (host buffers; device ones where the device is
+        the host)."""
+        return tier == Tier.HOST or not self.placement.distinct
+
     def free(self, tier: str, tensor: torch.Tensor, *, optimizer_share: bool = False) -> None:
         """Give back what :meth:`empty` counted (with the same ``optimizer_share``)."""
         nbytes = tensor.numel() * tensor.element_size()
