@@ -100,11 +100,13 @@ class HostBufferPool:
     """
 
     def __init__(self, budget_nbytes: int, *, pin: bool = False, stats: TierStats | None = None,
-                 pinner: Pinner | None = None) -> None:
+                 pinner: Pinner | None = None, owner: str = "host buffer pool") -> None:
+        """``owner``: what the pool's buffers are for, in the accounting of ``stats`` (by owner)."""
         if budget_nbytes < 0:
             raise ValueError(f"HostBufferPool: budget_nbytes must be >= 0, got {budget_nbytes}")
         self.budget_nbytes = int(budget_nbytes)
         self.pin = pin
+        self.owner = owner
         self._pinner = pinner
         self.stats = stats if stats is not None else TierStats("host", budget_nbytes)
         self._cond = threading.Condition()
@@ -148,7 +150,7 @@ class HostBufferPool:
             if buf is None:
                 self._evict(self._live_nbytes + self._cached_nbytes + rounded - self.budget_nbytes)
                 buf = None
-            self.stats.allocate(rounded)  # may raise if the tier's stats carry a tighter budget
+            self.stats.allocate(rounded, self.owner)  # may raise if the tier's stats carry a tighter budget
             self._live_nbytes += rounded
             self._peak_nbytes = max(self._peak_nbytes, self._live_nbytes)
         if buf is None:
@@ -157,7 +159,7 @@ class HostBufferPool:
             except BaseException:
                 with self._cond:
                     self._live_nbytes -= rounded
-                    self.stats.free(rounded)
+                    self.stats.free(rounded, self.owner)
                     self._cond.notify_all()
                 raise
         view = buf[:nbytes]
@@ -176,7 +178,7 @@ class HostBufferPool:
                 )
             flat, rounded = entry
             self._live_nbytes -= rounded
-            self.stats.free(rounded)
+            self.stats.free(rounded, self.owner)
             self._cached.setdefault(rounded, []).append(flat)
             self._cached_nbytes += rounded
             self._cond.notify_all()

@@ -26,6 +26,12 @@ def format_nbytes(nbytes: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+def _describe(live_by_owner: dict[str, int]) -> str:
+    """``'optimizer staging 4 MiB, gradient slices 1.8 MiB'``: the largest first."""
+    held = sorted(((n, owner) for owner, n in live_by_owner.items() if n), reverse=True)
+    return ", ".join(f"{owner} {format_nbytes(n)}" for n, owner in held) or "nothing"
+
+
 class TierStats:
     """Thread-safe byte and time accounting of one tier (``device``, ``host``, ``nvme``).
 
@@ -37,6 +43,9 @@ class TierStats:
     ``within`` is a budget this tier shares with others (the host memory that
     host buffers and, without a GPU, device buffers both take): every
     allocation is charged to it too, and refused when either budget would pass.
+
+    Each allocation names its ``owner`` (``"gathered parameters"``, ``"optimizer staging"``, ...): live bytes are
+    kept by owner too (one dict entry an allocation), so a refusal says what holds the tier.
     """
 
     def __init__(self, name: str, budget_nbytes: int | None = None, *, within: "TierStats | None" = None) -> None:
@@ -51,11 +60,13 @@ class TierStats:
         self._bytes_read = 0
         self._bytes_written = 0
         self._wait_s = 0.0
+        self._live_by_owner: dict[str, int] = {}
 
     # -- updates -------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> None:
-        """Count ``nbytes`` more as live; ``MemoryError`` if that would pass the budget."""
+    def allocate(self, nbytes: int, owner: str = "other") -> None:
+        """Count ``nbytes`` more as live, held by ``owner``; ``MemoryError`` if that would pass the budget (naming
+        what is live, by owner)."""
         if nbytes < 0:
             raise ValueError(f"tier {self.name!r}: cannot allocate a negative size ({nbytes} bytes)")
         with self._lock:
@@ -64,24 +75,27 @@ class TierStats:
                 raise MemoryError(
                     f"tier {self.name!r}: allocating {nbytes} bytes ({format_nbytes(nbytes)}) would make "
                     f"{live} bytes live, over the budget of {self._budget_nbytes} bytes "
-                    f"({format_nbytes(self._budget_nbytes)}); {self._live_nbytes} bytes are live now"
+                    f"({format_nbytes(self._budget_nbytes)}); {self._live_nbytes} bytes are live now "
+                    f"({_describe(self._live_by_owner)}), and {owner} asked"
                 )
             if self.within is not None:
-                self.within.allocate(nbytes)  # raises before this tier counts anything
+                self.within.allocate(nbytes, owner)  # raises before this tier counts anything
             self._live_nbytes = live
+            self._live_by_owner[owner] = self._live_by_owner.get(owner, 0) + nbytes
             if live > self._peak_nbytes:
                 self._peak_nbytes = live
 
-    def free(self, nbytes: int) -> None:
-        """Count ``nbytes`` fewer as live."""
+    def free(self, nbytes: int, owner: str = "other") -> None:
+        """Count ``nbytes`` fewer as live (given back by ``owner``, the one that allocated them)."""
         with self._lock:
             if nbytes < 0 or nbytes > self._live_nbytes:
                 raise ValueError(
                     f"tier {self.name!r}: freeing {nbytes} bytes but only {self._live_nbytes} bytes are live"
                 )
             self._live_nbytes -= nbytes
+            self._live_by_owner[owner] = self._live_by_owner.get(owner, 0) - nbytes
             if self.within is not None:
-                self.within.free(nbytes)
+                self.within.free(nbytes, owner)
 
     def record_read(self, nbytes: int) -> None:
         with self._lock:
@@ -113,6 +127,11 @@ class TierStats:
         shared = None if self.within is None else self.within.room_nbytes()
         rooms = [r for r in (own, shared) if r is not None]
         return min(rooms) if rooms else None
+
+    def live_by_owner(self) -> dict[str, int]:
+        """Live bytes by the owner that allocated them (owners holding nothing left out)."""
+        with self._lock:
+            return {owner: n for owner, n in self._live_by_owner.items() if n}
 
     @property
     def live_nbytes(self) -> int:

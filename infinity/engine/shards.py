@@ -138,7 +138,7 @@ class EngineShards:
         return self._compute.resident(self._targets[run.index])
 
     def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._tiers.empty("host", numel, dtype)
+        return self._tiers.empty("host", numel, dtype, owner="state streaming")
 
     def free_host(self, tensor: torch.Tensor) -> None:
         self._tiers.free("host", tensor)

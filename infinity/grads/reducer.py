@@ -77,7 +77,7 @@ class GradReducer:
         self._memory_end = (layout.trainable_numel if placement.nvme_grads_from is None
                             else layout.sub_groups[placement.nvme_grads_from].start)  # NVMe's slices begin here
         self.slices = tiers.empty(self._slices_tier, self._memory_end - self._split, grad_dtype,
-                                  pinned=placement.grads.pinned, optimizer_share=True)
+                                  owner="gradient slices", pinned=placement.grads.pinned, optimizer_share=True)
         """The optimizer's gradient slices in memory, in the trainable flat space (from ``device_numel`` on when
         split, up to where those on NVMe begin)."""
         self._spill_coef = 1.0  # what the spilled slices are to be scaled by as the optimizer reads them (scale)
@@ -85,7 +85,8 @@ class GradReducer:
         self.device_slices: torch.Tensor | None = None
         """A split optimizer's device sub-groups' slices, reduced in place (the flat space up to ``device_numel``)."""
         if self._split:
-            self.device_slices = tiers.empty("device", self._split, grad_dtype, optimizer_share=True)
+            self.device_slices = tiers.empty("device", self._split, grad_dtype, owner="gradient slices",
+                                             optimizer_share=True)
             self.device_slices.zero_()
         self.received: set[int] = set()  # slots with a gradient this micro-batch
         # What the StepCycle said of the running backward (begin_backward): its gradients start the step's
@@ -99,12 +100,13 @@ class GradReducer:
         self._ring: HostBufferPool | None = None
         self._adder: _HostAdder | None = None
         if self.route is GradRoute.DEVICE_THEN_HOST:
-            self._device_acc = tiers.empty("device", layout.trainable_numel - self._split, torch.float32)
+            self._device_acc = tiers.empty("device", layout.trainable_numel - self._split, torch.float32,
+                                           owner="gradient accumulator")
             self._device_acc.zero_()
         elif self.route is GradRoute.HOST_RING and self._memory_end > self._split:
             slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
             self._ring = HostBufferPool(RING_SLICES * max(slice_nbytes, 4096), pin=placement.grads.pinned,
-                                        stats=tiers.stats["host"], pinner=tiers.pinner)
+                                        stats=tiers.stats["host"], pinner=tiers.pinner, owner="gradient ring")
             self._adder = _HostAdder(copies, self._ring)
         logger.debug("gradient route: %s", self.route.value)
 

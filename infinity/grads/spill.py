@@ -56,8 +56,10 @@ class GradSpill:
         # A few buffers of the largest slice, made once and counted in the host tier from the start.
         self._free: "queue.Queue[torch.Tensor]" = queue.Queue()
         for _ in range(GRAD_SPILL_SLICES):
-            self._free.put(tiers.empty("host", largest, grad_dtype, pinned=placement.grads.pinned))
-        self._partial = None if placement.grads_lossless else tiers.empty("host", largest, grad_dtype)
+            self._free.put(tiers.empty("host", largest, grad_dtype, owner="gradient spill buffers",
+                                        pinned=placement.grads.pinned))
+        self._partial = None if placement.grads_lossless else tiers.empty("host", largest, grad_dtype,
+                                                                                 owner="gradient spill buffers")
         for group in self.groups:  # a disk without room for them fails here, before any work
             for slot in group.slots:
                 store.reserve(self.key(slot), slot.shard_numel * itemsize)
@@ -136,7 +138,8 @@ class GradSpill:
             # A lossless slice is added to only for a parameter in two graphs of one backward: rare, so its partial
             # sum gets a buffer of its own for the moment.
             partial = (self._partial[:slot.shard_numel] if self._partial is not None
-                       else self._tiers.empty("host", slot.shard_numel, self.grad_dtype))
+                       else self._tiers.empty("host", slot.shard_numel, self.grad_dtype,
+                                                 owner="gradient spill buffers"))
             self._store.read(self.key(slot), partial).wait()  # the sum so far: added to before it is written
             staged.add_(partial)
             if self._partial is None:

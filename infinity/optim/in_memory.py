@@ -44,7 +44,7 @@ class MemoryStates:
             blocks += kernels.compact.num_blocks(group.numel)
         for spec in kernels.state_layout(self._state_dtype, numel):
             self.tensors[spec.name] = self._tiers.empty(self.tier, blocks if spec.name in SCALE_NAMES else numel,
-                                                        spec.dtype, optimizer_share=True)
+                                                        spec.dtype, owner="optimizer states", optimizer_share=True)
             self.tensors[spec.name].zero_()
 
     def holds(self, group: SubGroup) -> bool:

@@ -172,7 +172,7 @@ class OffloadOptimizer:
         if zero.offload_param.compute_from_master:
             self._read_compute_from_masters()
         if step_undo:
-            self._make_room_to_undo()
+            self._make_room_to_undo(reserve_nbytes)
 
     def _keep_in_host(self, groups, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
         """NVMe as a spill tier: of the offloaded sub-groups ``groups``, those that fit in ``room_nbytes`` keep
@@ -399,17 +399,19 @@ class OffloadOptimizer:
             self.swapped.publish_other_side(swapped)
         self.delivery.committed(swapped)  # masters still staged are the compute shards' newest now
 
-    def _make_room_to_undo(self) -> None:
+    def _make_room_to_undo(self, reserve_nbytes: int) -> None:
         """Steps that may be undone (clipping, fp16) are overlapped: the second side of every swapped sub-group's
         keys is reserved on NVMe now, and an undo copy of the in-memory states is made where the budget has
-        room for it (else in-memory sub-groups wait for the norm). Made up front, so the tiers' peaks are
-        what ``estimate`` says and a full disk fails here, not mid-run."""
+        room for it beside the ``reserve_nbytes`` kept free for later buffers (else in-memory sub-groups wait for
+        the norm). Made up front, so the tiers' peaks are what ``estimate`` says and a full disk fails here, not
+        mid-run."""
         self.second_side_reserved = self.swapped is None or self.swapped.reserve_other_sides(self.swapped_groups)
         if self._states:
-            self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views)
+            self.undo = InMemoryUndo.make(self._states, self._memory.tier, self._tiers, self._memory.views,
+                                          reserve_nbytes=reserve_nbytes)
         if self.device_states is not None:
             self.device_undo = InMemoryUndo.make(self.device_states.tensors, "device", self._tiers,
-                                                 self.device_states.views)
+                                                 self.device_states.views, reserve_nbytes=reserve_nbytes)
 
     def _undo_of(self, group: SubGroup) -> InMemoryUndo | None:
         """What undoes a speculative update of the in-memory ``group`` (None: no room was found for it)."""
@@ -442,7 +444,8 @@ class OffloadOptimizer:
         may be undone); the same rounding as scaling the slices in place."""
         tier = "device" if self._on_device or (self.stepped_on_device(group) and self._placement.distinct) else "host"
         if tier not in self._grad_scratch:
-            self._grad_scratch[tier] = self._tiers.empty(tier, self.layout.largest_sub_group_numel, grads.dtype)
+            self._grad_scratch[tier] = self._tiers.empty(tier, self.layout.largest_sub_group_numel, grads.dtype,
+                                                         owner="gradient scratch")
         return torch.mul(grads, grad_coef, out=self._grad_scratch[tier][:grads.numel()])
 
     def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:

@@ -98,10 +98,12 @@ class SwappedStates:
         self._second_side: set[int] = set()  # sub-groups whose states live under their second keys
         self.sets: list[StagingSet] = []
         for _ in range(set_count):
-            states = {t.name: tiers.empty("host", t.numel, t.dtype)
+            states = {t.name: tiers.empty("host", t.numel, t.dtype, owner="optimizer staging")
                       for t in kernels.state_layout(state_dtype, largest_numel)}
-            compute = tiers.empty("host", largest_numel, compute_dtype, pinned=compute_pinned)
-            grads = None if grad_dtype is None else tiers.empty("host", largest_numel, grad_dtype)
+            compute = tiers.empty("host", largest_numel, compute_dtype, owner="optimizer staging",
+                                  pinned=compute_pinned)
+            grads = None if grad_dtype is None else tiers.empty("host", largest_numel, grad_dtype,
+                                                                          owner="optimizer staging")
             self.sets.append(StagingSet(states, compute, [], grads))
 
     # -- keys ---------------------------------------------------------------

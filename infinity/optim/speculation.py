@@ -65,13 +65,17 @@ class InMemoryUndo:
         self._tier = tier
         self._tiers = tiers
         self._views = views  # a sub-group's views of its state tensors (of the copy, given its tensors)
-        self._copy = {name: tiers.empty(tier, t.numel(), t.dtype) for name, t in states.items()}
+        self._copy = {name: tiers.empty(tier, t.numel(), t.dtype, owner="step undo copy") for name, t in states.items()}
 
     @classmethod
-    def make(cls, states: dict[str, torch.Tensor], tier: str, tiers: Tiers, views) -> "InMemoryUndo | None":
-        """The copy, where the tier's budget has room for it (else None: in-memory sub-groups wait for the norm)."""
+    def make(cls, states: dict[str, torch.Tensor], tier: str, tiers: Tiers, views, *,
+             reserve_nbytes: int = 0) -> "InMemoryUndo | None":
+        """The copy, where the tier's budget has room for it beside ``reserve_nbytes`` of the host-memory budget
+        kept free for buffers made later (else None: in-memory sub-groups wait for the norm)."""
         nbytes = sum(t.numel() * t.element_size() for t in states.values())
         room = tiers.stats[tier].room_nbytes()
+        if room is not None and tiers.charges_host_memory(tier):
+            room -= reserve_nbytes
         device = next(iter(states.values())).device
         if (room is not None and room < nbytes) or not fits_free_device_memory(device, nbytes):
             logger.info("overlapped step with clipping/fp16: no room in the %s memory (budget, or a quarter of "

@@ -68,7 +68,7 @@ class RestingStates:
             parts, buffers = {name: values.contiguous()}, {}
         else:  # converted into host buffers a chunk at a time (bounded temporaries)
             names = kernels.compact.state_parts(self._state_dtype, name)
-            parts = buffers = {spec.name: self._tiers.empty("host", spec.numel, spec.dtype)
+            parts = buffers = {spec.name: self._tiers.empty("host", spec.numel, spec.dtype, owner="state streaming")
                                for spec in self._layout(group) if spec.name in names}
         try:
             if buffers:
@@ -94,7 +94,7 @@ class RestingStates:
             for spec in self._layout(group):
                 if spec.name not in names:
                     continue
-                parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype)
+                parts[spec.name] = buffer = self._tiers.empty("host", spec.numel, spec.dtype, owner="state streaming")
                 self._read_part(spec.name, group, buffer)
         except BaseException:
             for tensor in parts.values():

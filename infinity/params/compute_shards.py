@@ -72,7 +72,8 @@ class ComputeShards:
         self._persistent_flat: torch.Tensor | None = None
         """On NVMe: the persistent shards the host cache left out, packed (tier ``host``)."""
         if self.tier != Tier.NVME:  # device or host: the whole flat buffer is resident
-            self._flat = tiers.empty(self.tier, layout.total_numel, dtype, pinned=place.pinned)
+            self._flat = tiers.empty(self.tier, layout.total_numel, dtype, owner="compute shards",
+                                     pinned=place.pinned)
             for slot in layout.slots:
                 self._resident[slot.index] = self._flat[slot.offset:slot.end]
         else:
@@ -91,7 +92,7 @@ class ComputeShards:
             return
         self._flat_tier = "host"
         end = cached[-1].offset + cached[-1].shard_numel
-        self._flat = self._tiers.empty("host", end, self.dtype, pinned=self.place.pinned)
+        self._flat = self._tiers.empty("host", end, self.dtype, owner="compute shards", pinned=self.place.pinned)
         for slot in cached:
             self._resident[slot.index] = self._flat[slot.offset:slot.end]
         logger.info("offload_param.max_in_cpu: %d of %d shards (%d elements) stay in host memory",
@@ -103,7 +104,8 @@ class ComputeShards:
         if not slots:
             return
         offsets, total = packed_offsets([slot.shard_numel for slot in slots])
-        self._persistent_flat = self._tiers.empty("host", total, self.dtype, pinned=self.place.pinned)
+        self._persistent_flat = self._tiers.empty("host", total, self.dtype, owner="compute shards",
+                                                 pinned=self.place.pinned)
         for slot, at in zip(slots, offsets):
             self._resident[slot.index] = self._persistent_flat[at:at + slot.shard_numel]
         logger.info("%d persistent shards (%d elements) rest in host memory, not on NVMe", len(slots),

@@ -103,7 +103,8 @@ class ComputeDelivery:
         numel = self._layout.largest_sub_group_numel
         if self._on_device(group):
             if self._device_scratch is None:
-                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype)
+                self._device_scratch = self._tiers.empty("device", numel, self._compute.dtype,
+                                                             owner="compute shard scratch")
             out = self._device_scratch
         else:
             out = scratch if scratch is not None else self._host_scratch_buffer()
@@ -231,7 +232,7 @@ class ComputeDelivery:
         staging set of their own to lend one)."""
         if self._host_scratch is None:
             self._host_scratch = self._tiers.empty("host", self._layout.largest_sub_group_numel, self._compute.dtype,
-                                                   pinned=self.scratch_pinned)
+                                                   owner="compute shard scratch", pinned=self.scratch_pinned)
         return self._host_scratch
 
     def _wait_scratch_free(self, scratch: torch.Tensor) -> None:

@@ -45,4 +45,4 @@ def read_pool_for(placement: Placement, offload_param: OffloadParamConfig, layou
                        buffer_size, largest, largest)
         buffer_size = largest
     return HostBufferPool(offload_param.buffer_count * buffer_size * elsize, pin=placement.compute_shard.pinned,
-                          stats=tiers.stats["host"], pinner=tiers.pinner)
+                          stats=tiers.stats["host"], pinner=tiers.pinner, owner="parameter read buffers")

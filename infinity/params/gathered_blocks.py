@@ -27,6 +27,9 @@ import torch
 from infinity.placement.placement import Placement
 from infinity.storage import TierStats
 
+GATHERED = "gathered parameters"
+"""The owner full tensors' bytes are counted under (in use, or kept for the next fetch)."""
+
 
 class FreshBlocks:
     """A full tensor's bytes from the allocator at each fetch (``resize_``), given back at each release."""
@@ -35,13 +38,13 @@ class FreshBlocks:
         self._stats = stats
 
     def take(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        self._stats.allocate(nbytes)
+        self._stats.allocate(nbytes, GATHERED)
         storage.resize_(nbytes)
 
     def give_back(self, storage: torch.UntypedStorage) -> None:
         nbytes = storage.nbytes()
         storage.resize_(0)
-        self._stats.free(nbytes)
+        self._stats.free(nbytes, GATHERED)
 
     def close(self) -> None:
         pass
@@ -91,7 +94,7 @@ class ReusedBlocks:
                 self._kept[nbytes].append(block)
                 self._kept_nbytes += nbytes
                 return
-        self._stats.free(nbytes)  # `block` goes with this frame
+        self._stats.free(nbytes, GATHERED)  # `block` goes with this frame
 
     def _new_block(self, nbytes: int) -> torch.UntypedStorage:
         """A new block, after dropping kept blocks of other sizes that would keep the gathered parameters' bytes
@@ -99,20 +102,20 @@ class ReusedBlocks:
         while self._kept_nbytes and self._in_use_nbytes + self._kept_nbytes + nbytes > self._peak_in_use_nbytes:
             self._drop_one()
         try:
-            self._stats.allocate(nbytes)
+            self._stats.allocate(nbytes, GATHERED)
         except MemoryError:
             if not self._kept_nbytes:
                 raise
             while self._kept_nbytes:  # the budget wants the kept bytes back first
                 self._drop_one()
-            self._stats.allocate(nbytes)
+            self._stats.allocate(nbytes, GATHERED)
         return torch.UntypedStorage(nbytes)
 
     def _drop_one(self) -> None:
         size = max(self._kept, key=lambda n: n if self._kept[n] else -1)
         self._kept[size].pop()
         self._kept_nbytes -= size
-        self._stats.free(size)
+        self._stats.free(size, GATHERED)
 
     @property
     def kept_nbytes(self) -> int:

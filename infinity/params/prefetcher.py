@@ -45,11 +45,15 @@ class Prefetcher:
         self._issued_upto = 0                 # plan positions below this have had their prefetch considered
         # prefetched into host buffers, their reads not landed: each goes on to its copy up once its read is done
         self._reading: list[ShardedParam] = []
+        # gathered by choice this pass (prefetched ahead of need, or kept for reuse): given back when a fetch on
+        # demand finds no room (give_back_held)
+        self._held: list[ShardedParam] = []
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
 
     # -- a pass ------------------------------------------------------------------
     def begin_pass(self) -> None:
+        self._held = []
         self._trace = []
         self._last_request = {}
         self._on_plan = bool(self.plan)
@@ -64,6 +68,7 @@ class Prefetcher:
                             len(self._trace), len(self.plan))
             self._adopt(self._trace)
         self._trace = []
+        self._held = []
         self._on_plan = False
 
     def _adopt(self, trace: list[ShardedParam]) -> None:
@@ -105,8 +110,26 @@ class Prefetcher:
         if nxt >= len(self.plan):
             return False
         distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
-        return (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
+        keep = (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
                 and self._room_for(param.full_nbytes))
+        if keep:
+            self._held.append(param)
+        return keep
+
+    def give_back_held(self) -> int:
+        """A fetch on demand found no room in the memory budget: free what only this prefetcher holds gathered
+        (prefetches nobody has asked for yet, parameters kept for a reuse), so that the fetch can proceed.
+        Returns how many were freed; they are fetched again on demand when their turn comes."""
+        freed = 0
+        for p in self._held:
+            if p.holders == 0 and not p.persistent and p.state is not ParamState.RELEASED:
+                p.force_release()  # a read in flight lands first
+                freed += 1
+        self._held = []
+        if freed:
+            logger.debug("a fetch on demand needed room: %d parameters prefetched or kept for reuse given back",
+                         freed)
+        return freed
 
     def land_in_flight(self) -> None:
         """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer
@@ -132,6 +155,7 @@ class Prefetcher:
                     break
                 if p.prefetch():
                     self.prefetched += 1
+                    self._held.append(p)
                     if p.reading_into_buffer:
                         self._reading.append(p)
             ahead_numel += numel

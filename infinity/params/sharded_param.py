@@ -150,7 +150,7 @@ class ShardedParam:
         before = self.state
         if not up_to_date and self.state is not ParamState.FETCHING:  # else a prefetch has started it already
             if self.state is ParamState.RELEASED:
-                self._allocate()
+                self._allocate_on_demand()
             self._start_up(block=True)
             self.state = ParamState.FETCHING
         if self._prefetcher is not None:
@@ -229,6 +229,16 @@ class ShardedParam:
     # -- internals ----------------------------------------------------------
     def _allocate(self) -> None:
         self._blocks.take(self.full.untyped_storage(), self.full_nbytes)
+
+    def _allocate_on_demand(self) -> None:
+        """The full tensor's bytes for a fetch that cannot wait: where the budget has no room, what the prefetcher
+        holds by choice is given back first (the plan keeps the room this fetch needs beside what rests)."""
+        try:
+            self._allocate()
+        except MemoryError:
+            if self._prefetcher is None or not self._prefetcher.give_back_held():
+                raise
+            self._allocate()
 
     def _deallocate(self) -> None:
         self._blocks.give_back(self.full.untyped_storage())

@@ -63,8 +63,9 @@ from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_
 from infinity.kernels.compact import checkpoint_bytes_per_element
 from infinity.models.gpt import largest_module_params, param_numels
 from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_numel, sub_group_shards
-from infinity.placement.host_budget import (resolve_host_budget, staged_sub_group_numel, state_bytes_per_numel,
-                                            state_nbytes, transient_reserve_nbytes)
+from infinity.placement.host_budget import (gathered_nbytes, kept_free_nbytes, resolve_host_budget,
+                                            staged_sub_group_numel, state_bytes_per_numel, state_nbytes,
+                                            working_set)
 from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
 from infinity.placement.split_choice import StepShape, apply_optimizer_split
 
@@ -251,17 +252,19 @@ def estimate(
         tiers["device"]["optimizer_staging"] += largest_sub_group * cbytes  # new compute shards on their way down
     tiers["device"]["activations"] += int(activation_nbytes)
     keepable = len(sub_groups)
+    largest_shard = math.ceil(largest / world_size)
+    # the engine's minimum working set and the reserve it keeps free beside it (infinity.placement.host_budget):
+    # slices, shards, two staging sets, the gathered parameters where the device is the host (none where each
+    # shard is its full tensor), streaming buffers; kept free: the gathered parameters, streaming, a scratch sub-group
+    min_shards = {"cpu": flat_numel, "nvme": persistent_all, "none": 0 if gpu else flat_numel}[offload_param]
+    gathered = 0 if gpu or (world_size == 1 and offload_param == "none") else gathered_nbytes(
+        persistent_numel, largest_shard * world_size, cbytes)
+    floor = working_set((("gradient slices", train_numel * gbytes), ("compute shards", min_shards * cbytes)),
+                        staging_sets=2, largest_sub_group_numel=largest_sub_group, largest_shard_numel=largest_shard,
+                        state_dtype=state_dtype, itemsize=cbytes, gathered=gathered)
+    reserve = kept_free_nbytes(floor, scratch_nbytes=largest_sub_group * cbytes)
     if host_memory_budget is not None and offload_optimizer == "nvme":
-        # the engine's minimum working set (infinity.placement.host_budget): slices, shards, two staging sets,
-        # the largest gathered module where the device is the host, streaming buffers; and the reserve kept free
-        # beside it (those two again, and a scratch sub-group)
-        min_shards = {"cpu": flat_numel, "nvme": persistent_all, "none": 0 if gpu else flat_numel}[offload_param]
-        largest_shard = math.ceil(largest / world_size)
-        gathered_and_streaming = ((0 if gpu else 2 * largest_shard * world_size * cbytes)
-                                  + transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes))
-        minimum = (train_numel * gbytes + min_shards * cbytes + 2 * gathered_and_streaming
-                   + 2 * (state_nbytes(state_dtype, largest_sub_group) + largest_sub_group * cbytes)
-                   + largest_sub_group * cbytes)
+        minimum = floor.nbytes + reserve
         groups = (shard_groups if shard_groups is not None and trainable_params is None
                   else [[n] for n in sub_groups])
         spill = plan_grad_spill(minimum, host_memory_budget, groups=groups, grad_itemsize=gbytes,
@@ -272,13 +275,13 @@ def estimate(
             tiers["host"]["optimizer_staging"] += spill.staging_nbytes
             keepable = spill.first_group  # sub-groups whose states the budget may keep in host memory
     if host_memory_budget is not None:
-        _plan_within_budget(tiers, host_memory_budget, gpu=gpu, cbytes=cbytes, sub_groups=sub_groups,
-                            largest_shard=math.ceil(largest / world_size), offload_param=offload_param,
-                            offload_optimizer=offload_optimizer, optimizer_max_in_cpu=optimizer_max_in_cpu,
-                            overlap_step=overlap_step, state_dtype=state_dtype, keepable=keepable)
+        _plan_within_budget(tiers, host_memory_budget, gpu=gpu, reserve=reserve, cbytes=cbytes, sub_groups=sub_groups,
+                            offload_param=offload_param, offload_optimizer=offload_optimizer,
+                            optimizer_max_in_cpu=optimizer_max_in_cpu, overlap_step=overlap_step,
+                            state_dtype=state_dtype, keepable=keepable)
 
     if step_undo:
-        _add_step_undo(tiers, host_memory_budget, gpu=gpu, optim_memory=optim_memory)
+        _add_step_undo(tiers, host_memory_budget, gpu=gpu, reserve=reserve, optim_memory=optim_memory)
 
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
@@ -308,6 +311,7 @@ def estimate(
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
+        "persistent_numel": persistent_numel,
         "sub_group_numels": list(sub_groups),
         "tiers": tiers,
         "totals": totals,
@@ -395,15 +399,13 @@ def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
     return [sub_group_numel(group) for group in sub_group_shards(shards, sub_group_size)]
 
 
-def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub_groups: list[int], largest_shard: int,
+def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, reserve: int, cbytes: int, sub_groups: list[int],
                         offload_param: str, offload_optimizer: str, optimizer_max_in_cpu: int | None,
                         overlap_step: bool, state_dtype: str = "fp32", keepable: int | None = None) -> None:
     """The engine's plan (``infinity.placement.host_budget``): what exceeds the budget of the parameter cache goes back
     to NVMe, then optimizer sub-groups on NVMe (of the first ``keepable``: those whose gradient slices are in
-    memory) come to host memory while they fit."""
-    largest_sub_group = max(sub_groups, default=0)
-    reserve = transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes) + largest_sub_group * cbytes
-
+    memory) come to host memory while they fit, beside the ``reserve`` kept free (gathered parameters, streaming,
+    scratch: :func:`~infinity.placement.host_budget.kept_free_nbytes`)."""
     if offload_param == "nvme":
         excess = max(0, _charged_to_host_budget(tiers, gpu=gpu) + reserve - budget)
         back = min(tiers["host"]["compute_shard"], _round_up(excess, cbytes))
@@ -425,20 +427,24 @@ def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, cbytes: int, sub
             tiers["host"][kind] += nbytes
 
 
-def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, optim_memory: str) -> None:
+def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, reserve: int, optim_memory: str) -> None:
     """What undoing a speculative step needs (``infinity.optim.overlapped_step``): the other side of every swapped
-    sub-group's state keys, and one copy of the states in memory when the budget has room for it."""
+    sub-group's state keys, and one copy of the states in memory when the budget has room for it beside the
+    ``reserve`` kept free."""
     tiers["nvme"]["step_undo"] += tiers["nvme"]["master"] + tiers["nvme"]["moments"]
     in_memory = tiers[optim_memory]["master"] + tiers[optim_memory]["moments"]
     charged_to_host = optim_memory == "host" or not gpu
-    if budget is not None and charged_to_host and _charged_to_host_budget(tiers, gpu=gpu) + in_memory > budget:
+    if (budget is not None and charged_to_host
+            and _charged_to_host_budget(tiers, gpu=gpu) + reserve + in_memory > budget):
         return  # no room: those sub-groups wait for the norm instead
     tiers[optim_memory]["step_undo"] += in_memory
 
 
 def _charged_to_host_budget(tiers: dict, *, gpu: bool) -> int:
-    """What the host-memory budget is charged: host memory, and device memory where the device is the host."""
-    device = 0 if gpu else sum(n for kind, n in tiers["device"].items() if kind != "activations")
+    """What the host-memory budget is charged when the planner measures its room: host memory, and device memory
+    where the device is the host (but the gathered parameters, made later: the reserve keeps room for them)."""
+    device = 0 if gpu else sum(n for kind, n in tiers["device"].items()
+                               if kind not in ("activations", "gathered_params"))
     return sum(tiers["host"].values()) + device
 
 

@@ -6,10 +6,13 @@ enforced by the tiers' accounting: host buffers, pinned or not, and — where
 device memory is host memory — device buffers all charge it, and an
 allocation past it fails. Within it, the engine plans in this order:
 
-1. the minimum working set: gradient slices, states that rest in memory (the
+1. the minimum working set (:func:`working_set`, the one rule the estimate and
+   ``max_gpt`` count by too): gradient slices, states that rest in memory (the
    persistent parameters' shards too, where the others are on NVMe), two
-   staging sets, the largest gathered module (where the device is the host),
-   and a reserve for transient buffers (checkpoint and state-dict streaming).
+   staging sets, the gathered parameters where the device is the host
+   (:func:`gathered_nbytes`: every persistent one, and the largest module's
+   fetch twice), and a reserve for transient buffers (checkpoint and
+   state-dict streaming).
    Where it does not fit beside the reserve kept free (below) and the optimizer's
    states are on NVMe, the gradient slices of as few of the last sub-groups as
    make it fit rest on NVMe between backward and the step (:attr:`Placement.nvme_grads_from`; 2 bytes an element
@@ -20,7 +23,10 @@ allocation past it fails. Within it, the engine plans in this order:
    ``sub_group_size`` and ``buffer_count`` say (staging beyond
    :data:`MAX_STAGED_SUB_GROUP_NUMEL` elements a set buys no bandwidth);
 3. with NVMe configured, compute shards and then optimizer sub-groups stay in
-   host memory while they fit; only the rest spills to NVMe.
+   host memory while they fit; only the rest spills to NVMe. What they may take
+   leaves free what is allocated after them (:meth:`HostMemoryPlan.reserve_nbytes`:
+   the gathered parameters, scratch, streaming, read buffers), so a run the
+   plan accepts does not run out of its budget mid-step.
 """
 
 from __future__ import annotations
@@ -93,6 +99,41 @@ def staged_sub_group_numel(sub_group_size: int, *, largest_shard_numel: int, bud
     sub-group holds whole shards)."""
     by_budget = budget_nbytes // (4 * sets * bytes_per_numel)
     return max(largest_shard_numel, min(sub_group_size, MAX_STAGED_SUB_GROUP_NUMEL, by_budget))
+
+
+def gathered_nbytes(persistent_numel: int, largest_fetch_numel: int, itemsize: int) -> int:
+    """Bytes of full parameters gathered at once, where device memory is host memory (the engine's plan, the
+    estimate and ``max_gpt`` all count by this): every persistent parameter (gathered from its first use until the
+    step; ``persistent_numel`` padded elements), and the largest module's fetch (``largest_fetch_numel``: a module's
+    parameters are fetched together) twice: the module in use, and the next one fetched before its release (in
+    backward a residual reaches a module's outputs before the module after it is done). Prefetches and parameters
+    kept for reuse are taken only from room beyond the reserve (:meth:`HostMemoryPlan.reserve_nbytes`)."""
+    return (persistent_numel + 2 * largest_fetch_numel) * itemsize
+
+
+def working_set(resting: tuple[tuple[str, int], ...], *, staging_sets: int, largest_sub_group_numel: int,
+                largest_shard_numel: int, state_dtype: str, itemsize: int, staged_grad_itemsize: int = 0,
+                gathered: int = 0) -> "WorkingSet":
+    """The minimum working set, the one rule for the engine (:meth:`HostMemoryPlan.minimum_working_set`), the
+    estimate's spill decision and ``max_gpt``'s floor: the ``resting`` parts (gradient slices, compute shards,
+    optimizer states that rest in host memory, by kind), ``staging_sets`` sets of the largest sub-group's states
+    and compute shards (and its gradient slices read back from NVMe: ``staged_grad_itemsize`` bytes an element),
+    the ``gathered`` parameters (:func:`gathered_nbytes`, where device memory is host memory) and the streaming
+    buffers (:func:`transient_reserve_nbytes`)."""
+    largest = largest_sub_group_numel
+    staging = staging_sets * (state_nbytes(state_dtype, largest) + largest * (itemsize + staged_grad_itemsize))
+    return WorkingSet((*resting, (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
+                       ("streaming buffers", transient_reserve_nbytes(largest, largest_shard_numel, itemsize))))
+
+
+def kept_free_nbytes(minimum: "WorkingSet", *, scratch_nbytes: int, read_pool_nbytes: int = 0,
+                     ring_nbytes: int = 0) -> int:
+    """Host memory the planner never hands to resting states (compute shards and optimizer sub-groups kept in host
+    memory, the undo copy of a speculative step), for buffers made after it measures its room: the ``minimum``'s
+    gathered parameters and streaming buffers, a sub-group of scratch, the parameters' read buffers and the
+    gradient ring. The engine (:meth:`HostMemoryPlan.reserve_nbytes`) and the estimate keep the same free."""
+    parts = dict(minimum.parts)
+    return parts["gathered parameters"] + parts["streaming buffers"] + scratch_nbytes + read_pool_nbytes + ring_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +220,9 @@ class HostMemoryPlan:
         if self.staging_sets < configured:
             logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
                         configured, self.staging_sets, _format(self.budget_nbytes))
+        logger.info("host-memory budget %s: minimum working set %s (%s)", _format(self.budget_nbytes),
+                    _format(self.minimum_working_set(self.staging_sets).nbytes),
+                    self.minimum_working_set(self.staging_sets).describe())
         return self.placement
 
     def _spill_gradients(self) -> Placement:
@@ -203,7 +247,7 @@ class HostMemoryPlan:
         return candidate
 
     def minimum_working_set(self, staging_sets: int = 2) -> WorkingSet:
-        """What host memory must hold whatever the budget."""
+        """What host memory must hold whatever the budget (:func:`working_set`)."""
         layout, placement, itemsize = self.layout, self.placement, self.itemsize
         charged = {"host"} if placement.distinct else {"host", "device"}  # tiers that are host memory here
         grad_bytes = itemsize if placement.grads_lossless else 4
@@ -213,25 +257,26 @@ class HostMemoryPlan:
         spilled_numel, spill_buffers = self._spilled_gradients(grad_bytes)
         grads = (((offloaded_numel - spilled_numel) * grad_bytes + spill_buffers if placement.grads.tier in charged
                   else 0) + device_numel * grad_bytes)
+        threshold = self.zero.param_persistence_threshold
         if placement.compute_shard.tier in charged:
             shards = layout.total_numel * itemsize
         elif placement.compute_shard.tier == "nvme":  # persistent shards rest in host memory all the same
-            persistent = layout.persistent_slots(self.zero.param_persistence_threshold)
+            persistent = layout.persistent_slots(threshold)
             shards = packed_offsets([s.shard_numel for s in layout.slots if s.index in persistent])[1] * itemsize
         else:
             shards = 0
         states = ((state_nbytes(self.state_dtype, offloaded_numel) if placement.master.tier in charged else 0)
                   + state_nbytes(self.state_dtype, device_numel))
-        staging = 0
-        if placement.master.tier == "nvme":
-            largest = layout.largest_sub_group_numel
-            staging = staging_sets * (state_nbytes(self.state_dtype, largest) + largest * itemsize
-                                      + (largest * grad_bytes if spilled_numel else 0))  # + spilled slices read back
-        gathered = 0 if placement.distinct else 2 * layout.largest_shard_numel * layout.world_size * itemsize
-        reserve = transient_reserve_nbytes(layout.largest_sub_group_numel, layout.largest_shard_numel, itemsize)
-        return WorkingSet((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states),
-                           (f"{staging_sets} staging sets", staging), ("gathered parameters", gathered),
-                           ("streaming buffers", reserve)))
+        # with one rank and the shards in device memory each shard is its full tensor: nothing is gathered
+        aliased = layout.world_size == 1 and placement.compute_shard.tier == "device"
+        gathered = 0 if placement.distinct or aliased else gathered_nbytes(
+            layout.persistent_padded_numel(threshold), layout.largest_fetch_numel, itemsize)
+        return working_set((("gradient slices", grads), ("compute shards", shards), ("optimizer states", states)),
+                           staging_sets=staging_sets if placement.master.tier == "nvme" else 0,
+                           largest_sub_group_numel=layout.largest_sub_group_numel,
+                           largest_shard_numel=layout.largest_shard_numel, state_dtype=self.state_dtype,
+                           itemsize=itemsize, staged_grad_itemsize=grad_bytes if spilled_numel else 0,
+                           gathered=gathered)
 
     def _with_reserve_nbytes(self) -> int:
         """The minimum working set and the reserve the planner keeps free beside it (gathered parameters beyond
@@ -249,15 +294,15 @@ class HostMemoryPlan:
                 spill_pool_nbytes(largest, grad_bytes, accumulates=not self.placement.grads_lossless))
 
     def reserve_nbytes(self, read_pool_nbytes: int = 0) -> int:
-        """Host memory kept free for buffers made later or for a moment: what the planner never hands to
-        resting states (gathered parameters where the device is the host, scratch, read buffers, the gradient
-        ring, streaming)."""
-        parts = dict(self.minimum_working_set().parts)
-        scratch = self.layout.largest_sub_group_numel * self.itemsize
+        """Host memory kept free for buffers made later or for a moment (:func:`kept_free_nbytes`): what the
+        planner never hands to resting states (gathered parameters where the device is the host, scratch, read
+        buffers, the gradient ring, streaming)."""
         ring = 0
         if self.placement.grad_route is GradRoute.HOST_RING:
             ring = RING_SLICES * self.layout.largest_shard_numel * self.itemsize
-        return parts["gathered parameters"] + parts["streaming buffers"] + scratch + read_pool_nbytes + ring
+        scratch = self.layout.largest_sub_group_numel * self.itemsize
+        return kept_free_nbytes(self.minimum_working_set(), scratch_nbytes=scratch, read_pool_nbytes=read_pool_nbytes,
+                                ring_nbytes=ring)
 
     def param_cache_numel(self, room_nbytes: int | None, reserve_nbytes: int) -> int:
         """``offload_param.max_in_cpu``, within the budget: compute shards on NVMe are kept in host memory

@@ -107,6 +107,27 @@ class ShardLayout:
         full tensors stay in device memory from one use to the next."""
         return frozenset(slot.index for slot in self.slots if slot.numel <= param_persistence_threshold)
 
+    def persistent_padded_numel(self, param_persistence_threshold: int) -> int:
+        """Elements of the persistent parameters' full tensors (padded): what stays gathered from their first use."""
+        persistent = self.persistent_slots(param_persistence_threshold)
+        return sum(slot.padded_numel for slot in self.slots if slot.index in persistent)
+
+    @property
+    def largest_fetch_numel(self) -> int:
+        """Elements (padded) of the most full parameters one module's forward holds gathered on demand: a module's
+        own parameters are fetched together (``infinity.params.hooks``) and held while its children run, so a
+        module counts its own and its ancestors'. Modules are told by the parameters' names."""
+        own: dict[str, int] = {}
+        for slot in self.slots:
+            module = slot.name.rpartition(".")[0]
+            own[module] = own.get(module, 0) + slot.padded_numel
+        largest = 0
+        for module in own:
+            parts = module.split(".") if module else []
+            chain = {".".join(parts[:i]) for i in range(len(parts) + 1)}  # the module and every ancestor
+            largest = max(largest, sum(own.get(m, 0) for m in chain))
+        return largest
+
     @property
     def largest_sub_group_numel(self) -> int:
         return max((g.numel for g in self.sub_groups), default=0)

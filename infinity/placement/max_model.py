@@ -10,7 +10,7 @@ from typing import Sequence
 
 from infinity.models.gpt import PRESETS, GPTConfig, count_params
 from infinity.placement.estimate import _COMPUTE_BYTES, TIERS, estimate_gpt
-from infinity.placement.host_budget import state_nbytes, transient_reserve_nbytes
+from infinity.placement.host_budget import gathered_nbytes, working_set
 
 __all__ = ["DEPTH_RANGE", "SHAPE_TEMPLATES", "host_floor_nbytes", "max_gpt"]
 
@@ -21,32 +21,37 @@ DEPTH_RANGE = (0.5, 1.5)
 
 
 def host_floor_nbytes(result: dict) -> int:
-    """What host memory must hold for the run ``result`` (an :func:`estimate`) whatever the budget, as the
-    engine's minimum working set (``infinity.placement.host_budget``) counts it: gradient slices, compute shards
-    and states that rest in host memory by the placement (not the ones the budget only lets stay there), two
-    staging sets of the largest sub-group, the streaming reserve, and where the device is the host the largest
-    gathered module twice. ``result`` should be made with ``max_in_cpu=0`` and ``optimizer_max_in_cpu=0``, so no
-    cache counts. Gradient slices the budget put on NVMe count as what they take in host memory (a few buffers,
-    and a sub-group of them in each staging set)."""
+    """What host memory must hold for the run ``result`` (an :func:`estimate`) whatever the budget: the engine's
+    minimum working set (:func:`~infinity.placement.host_budget.working_set`, the one rule for both) of gradient
+    slices, compute shards and states that rest in host memory by the placement (not the ones the budget only lets
+    stay there), two staging sets of the largest sub-group, the streaming buffers, and where the device is the host
+    its buffers and the gathered parameters (:func:`~infinity.placement.host_budget.gathered_nbytes`). ``result``
+    should be made with ``max_in_cpu=0`` and ``optimizer_max_in_cpu=0``, so no cache counts. Gradient slices the
+    budget put on NVMe count as what they take in host memory (a few buffers, and a sub-group of them in each
+    staging set)."""
     s, tiers = result["setting"], result["tiers"]
     cbytes = _COMPUTE_BYTES[s["precision"]]
-    host = tiers["host"]
-    largest_sub_group = result["largest_sub_group_numel"]
-    largest_shard = math.ceil(s["largest_layer_params"] / s["world_size"])
-    floor = sum(n for kind, n in host.items() if kind not in ("optimizer_staging", "step_undo"))
+    host, device = tiers["host"], tiers["device"]
+    world_size = s["world_size"]
+    largest_shard = math.ceil(s["largest_layer_params"] / world_size)
+    resting = sum(n for kind, n in host.items() if kind not in ("optimizer_staging", "step_undo"))
+    staging_sets, staged_grad_itemsize = 0, 0
     if s["offload_optimizer"] == "nvme":
-        floor += 2 * (state_nbytes(s["state_dtype"], largest_sub_group) + largest_sub_group * cbytes)
+        staging_sets = 2
         if tiers["nvme"]["gradients"]:  # spilled slices are read back into each staging set
             lossless = s["gradient_accumulation_steps"] == 1 and s["precision"] != "fp16"
-            floor += 2 * largest_sub_group * (cbytes if lossless else 4)
+            staged_grad_itemsize = cbytes if lossless else 4
     else:
-        floor += host["optimizer_staging"]
-    floor += transient_reserve_nbytes(largest_sub_group, largest_shard, cbytes)
+        resting += host["optimizer_staging"]
+    gathered = 0
     if not s["gpu"]:  # device memory is host memory: its buffers charge the same budget
-        device = tiers["device"]
-        floor += sum(n for kind, n in device.items() if kind not in ("gathered_params", "activations", "step_undo"))
-        floor += 2 * largest_shard * s["world_size"] * cbytes
-    return floor
+        resting += sum(n for kind, n in device.items() if kind not in ("gathered_params", "activations", "step_undo"))
+        if not (world_size == 1 and s["offload_param"] == "none"):  # else each shard is its full tensor
+            gathered = gathered_nbytes(result["persistent_numel"], largest_shard * world_size, cbytes)
+    return working_set((("resting", resting),), staging_sets=staging_sets,
+                       largest_sub_group_numel=result["largest_sub_group_numel"], largest_shard_numel=largest_shard,
+                       state_dtype=s["state_dtype"], itemsize=cbytes, staged_grad_itemsize=staged_grad_itemsize,
+                       gathered=gathered).nbytes
 
 
 def _nvme_need(result: dict) -> int:

@@ -45,6 +45,8 @@ class Tiers:
         self.placement = placement
         self.device = placement.device
         self._timeline = timeline
+        self._owner_of: dict[int, str] = {}
+        """data_ptr -> the owner that :meth:`empty` charged, so :meth:`free` gives the bytes back in its name."""
         # One budget for host memory: host buffers charge it, and so do device buffers where the device is the host.
         self.host_memory = TierStats("host memory", host_budget_nbytes)
         self.stats = {Tier.DEVICE: TierStats("device", within=None if placement.distinct else self.host_memory),
@@ -60,30 +62,41 @@ class Tiers:
         self.pinner = pinner if pinner is not None else _background_pinner(placement)
 
     # -- memory ---------------------------------------------------------------
-    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, pinned: bool = False,
+    def empty(self, tier: str, numel: int, dtype: torch.dtype, *, owner: str, pinned: bool = False,
               optimizer_share: bool = False) -> torch.Tensor:
         """A counted allocation in ``tier`` (``device`` or ``host``); give it back with :meth:`free`.
 
-        ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for);
+        ``owner`` says what the bytes are for (the tiers' live bytes are kept by owner, and an allocation
+        refused names them); ``pinned`` page-locks a host allocation (where the placement found a GPU to pin for);
         ``optimizer_share``: optimizer states or gradient slices, which in device memory are charged to the
         optimizer's share and its budget (a ``ValueError`` naming ``zero_optimization.device_memory_budget``
         when the allocation would pass it)."""
         nbytes = numel * _itemsize(dtype)
         if tier == Tier.DEVICE and optimizer_share:
-            self._charge_optimizer_share(nbytes)
+            self._charge_optimizer_share(nbytes, owner)
         else:
-            self.stats[tier].allocate(nbytes)
+            self.stats[tier].allocate(nbytes, owner)
         if tier == Tier.DEVICE and self.placement.distinct:
-            return torch.empty(numel, dtype=dtype, device=self.device)
-        # Host tensors are aligned so that they can go to NVMe without a bounce.
-        return aligned_empty(numel, dtype, pin=pinned and tier == Tier.HOST, pinner=self.pinner)
+            tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        else:
+            # Host tensors are aligned so that they can go to NVMe without a bounce.
+            tensor = aligned_empty(numel, dtype, pin=pinned and tier == Tier.HOST, pinner=self.pinner)
+        if nbytes:
+            self._owner_of[tensor.data_ptr()] = owner
+        return tensor
+
+    def charges_host_memory(self, tier: str) -> bool:
+        """Allocations in ``tier`` charge the host-memory budget (host buffers; device ones where the device is
+        the host)."""
+        return tier == Tier.HOST or not self.placement.distinct
 
     def free(self, tier: str, tensor: torch.Tensor, *, optimizer_share: bool = False) -> None:
         """Give back what :meth:`empty` counted (with the same ``optimizer_share``)."""
         nbytes = tensor.numel() * tensor.element_size()
-        (self.device_optimizer if tier == Tier.DEVICE and optimizer_share else self.stats[tier]).free(nbytes)
+        owner = self._owner_of.pop(tensor.data_ptr(), "other") if nbytes else "other"
+        (self.device_optimizer if tier == Tier.DEVICE and optimizer_share else self.stats[tier]).free(nbytes, owner)
 
-    def _charge_optimizer_share(self, nbytes: int) -> None:
+    def _charge_optimizer_share(self, nbytes: int, owner: str) -> None:
         share = self.device_optimizer
         budget = share.budget_nbytes
         if budget is not None and share.live_nbytes + nbytes > budget:
@@ -92,7 +105,7 @@ class Tiers:
                 f"gradient slices on the device; {share.live_nbytes} bytes ({format_nbytes(share.live_nbytes)}) "
                 f"are in use and {nbytes} more bytes ({format_nbytes(nbytes)}) were asked: raise the budget, or "
                 f"keep fewer sub-groups on the device")
-        share.allocate(nbytes)  # within the device tier: counted there too
+        share.allocate(nbytes, owner)  # within the device tier: counted there too
 
     # -- nvme -----------------------------------------------------------------
     def swap_store(self, nvme_path: str) -> SwapStore:

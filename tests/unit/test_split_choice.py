@@ -176,10 +176,10 @@ def test_the_device_tier_refuses_the_optimizer_past_its_budget():
     tiers = Tiers(config.aio, Placement.decide(config, torch.device("cpu"), distinct=True),
                   device_optimizer_budget_nbytes=1000)
     try:
-        states = tiers.empty("device", 200, torch.float32, optimizer_share=True)       # 800 bytes
-        gathered = tiers.empty("device", 1000, torch.float32)                          # not the optimizer's
+        states = tiers.empty("device", 200, torch.float32, owner="optimizer states", optimizer_share=True)  # 800 bytes
+        gathered = tiers.empty("device", 1000, torch.float32, owner="gathered parameters")  # not the optimizer's
         with pytest.raises(ValueError, match=r"zero_optimization\.device_memory_budget") as refused:
-            tiers.empty("device", 100, torch.float32, optimizer_share=True)
+            tiers.empty("device", 100, torch.float32, owner="optimizer states", optimizer_share=True)
         assert "800 bytes" in str(refused.value) and "400 more bytes" in str(refused.value)
         assert tiers.device_optimizer.live_nbytes == 800 and tiers.stats["device"].live_nbytes == 4800
         tiers.free("device", states, optimizer_share=True)

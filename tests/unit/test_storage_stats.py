@@ -62,3 +62,18 @@ def test_concurrent_updates_never_pass_the_budget():
     assert not seen_over
     assert s.live_nbytes == 0 and s.peak_nbytes <= 1000
     assert s.bytes_written <= 8000
+
+
+def test_live_bytes_are_kept_by_owner_and_a_refusal_names_them():
+    host = TierStats("host memory", 1000)
+    device = TierStats("device", within=host)
+    device.allocate(600, "gathered parameters")
+    host.allocate(300, "optimizer staging")
+    device.free(200, "gathered parameters")
+    assert host.live_by_owner() == {"gathered parameters": 400, "optimizer staging": 300}
+    assert device.live_by_owner() == {"gathered parameters": 400}
+    with pytest.raises(MemoryError) as refused:
+        device.allocate(400, "gathered parameters")
+    message = str(refused.value)
+    assert "tier 'host memory'" in message and "gathered parameters 400 B, optimizer staging 300 B" in message
+    assert device.live_nbytes == 400 and host.live_nbytes == 700  # nothing counted by the refused allocation
