@@ -16,7 +16,17 @@
 #                                         #   against cpu), then the compact states on a disk-bound 1.3B
 #   bash benchmarks/gpu_check.sh scale    # the largest GPT this box holds (estimate --max-params), then a 20.4B GPT
 #                                         #   with int8 states in 110 GiB of host memory and NVMe, 3 steps (~7 min)
+#   bash benchmarks/gpu_check.sh versions # old versions of the engine against the working tree and plain PyTorch in
+#                                         #   one run (bench_versions.py): 1.3B, parameters and optimizer on the CPU,
+#                                         #   accumulation 1; then optimizer alone on the CPU (~9 min)
 #   bash benchmarks/gpu_check.sh all      # tests, bench, scale, one after the other (~30 min)
+#
+# The versions phase times the trees under .versions/ (each old commit's infinity/, kernels/ and storage/, made by
+# `bash benchmarks/versions.sh` where git history is at hand: ~1 MB each) beside the working tree. .versions is
+# ignored by git, so a copy of the working tree without history (the device tool's) takes it along only when
+# asked: name `.versions` in the tool's carry list, e.g. run(command="OUT=$OUT bash benchmarks/gpu_check.sh
+# versions", carry=[".versions"]). Nothing needs installing: each tree is imported from its own folder and builds its
+# own C++ kernel (under ~/.cache/zero-infinity-versions/NAME).
 #
 # (6.7B with fp32 states: python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB.
 #  The scale phase wants ~125 GiB of host memory and ~55 GiB free on the disk of $TMPDIR: the 20b run needs about
@@ -33,9 +43,9 @@
 #   PYTHON=python3.12 bash benchmarks/gpu_check.sh tests    # another interpreter
 
 set -u
-usage="usage: gpu_check.sh quick|tests|bench|scale|all"
+usage="usage: gpu_check.sh quick|tests|bench|scale|versions|all"
 phase=${1:?$usage}
-case $phase in quick|tests|bench|scale|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
+case $phase in quick|tests|bench|scale|versions|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
 out=${OUT:-./gpu-check-logs}
 py=${PYTHON:-python3}
 phase_s=${GPU_CHECK_PHASE_S:-580}
@@ -86,6 +96,15 @@ whole_suite_in_two() {  # tests/gpu and tests/unit here, tests/distributed besid
   return $((rest | rc))
 }
 export -f whole_suite_in_two
+
+version_trees() {  # --tree NAME=PATH for each tree under .versions/ (oldest commit first), then the working tree
+  local date name
+  while read -r date name; do printf -- '--tree %s=.versions/%s ' "$name" "$name"; done < <(
+    for marker in .versions/*/COMMIT; do
+      [[ -f $marker ]] && echo "$(cut -d' ' -f2 "$marker") $(basename "$(dirname "$marker")")"
+    done | sort)
+  printf -- '--tree head=.'
+}
 export py out
 
 run_phase() {
@@ -123,6 +142,26 @@ run_phase() {
       step scale-20b-int8 540 "$py" benchmarks/bench_scale.py --presets 20b --optimizer-state-dtype int8 \
         --steps 3 --lr 1e-6 --host-memory 110GiB --max-rss 120GiB --disk-bench-size 8GiB \
         --out "$out/scale-20b-int8.json"
+      ;;
+    versions)
+      if ! compgen -G ".versions/*/COMMIT" > /dev/null; then
+        echo "== versions: no trees under .versions/ (bash benchmarks/versions.sh, then carry .versions)" \
+          | tee -a "$out/phases.log"
+        failed=1
+        return
+      fi
+      # shellcheck disable=SC2046  # one word per argument: the trees' names and paths hold no spaces
+      # bench_gpu.py's cpu case (the 11.75x row): each tree and plain PyTorch alternating, a process per run;
+      # the trees' C++ kernels build in parallel first (--budget-s: no round starts that would end past it)
+      step versions-1.3b-cpu 400 "$py" benchmarks/bench_versions.py $(version_trees) --model 1.3b \
+        --micro-batch 8 --seq 1024 --offload-param cpu --offload-optimizer cpu --sub-group-size 1e8 --grad-accum 1 \
+        --rounds 3 --steps 3 --warmup 2 --run-timeout 150 --budget-s 360 --out "$out/versions-1.3b-cpu.json"
+      # the optimizer alone offloaded (parameters on the GPU: ZeRO-Offload's shape), in what the phase has left
+      # shellcheck disable=SC2046
+      step versions-1.3b-optimizer-cpu 150 "$py" benchmarks/bench_versions.py $(version_trees) --model 1.3b \
+        --micro-batch 8 --seq 1024 --offload-param none --offload-optimizer cpu --sub-group-size 1e8 \
+        --grad-accum 1 --rounds 2 --steps 3 --warmup 2 --run-timeout 100 --budget-s 120 \
+        --out "$out/versions-1.3b-optimizer-cpu.json"
       ;;
   esac
 }
