@@ -117,7 +117,12 @@ def test_the_tiles_of_a_tiled_parameter_take_its_decay(tmp_path):
                           setup=lambda engine: layouts.append(engine.layout))
     reference = reference_train(model, batches, steps=4, accum=1, clip=CLIP, lr=1e-2, weight_decay=DECAY,
                                 param_groups=decay_groups)
-    assert_matches(result, reference, "tiled, param groups")
+    # a tiled matmul sums in another order than the whole one: states within the tiling tests' own tolerance
+    # (test_tiling_engine.py), which a tile without its decay (DECAY x lr x 4 steps of a ~0.02 weight) exceeds
+    losses, state = result[:2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-5, atol=1e-6)
+    for key, value in reference[1].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
     tiles = [s for s in layouts[0].slots if ".tiles." in s.name]
     assert tiles and {s.weight_decay for s in tiles if s.name.endswith("weight")} == {DECAY}
 
