@@ -164,9 +164,11 @@ def test_the_disk_check_leaves_out_the_optional_second_side(no_work, monkeypatch
     the states but not for both sides must not be refused."""
     from infinity.models.gpt import PRESETS
     from infinity.placement.estimate import estimate_gpt
+    from infinity.placement.placement import distinct_device_requested
 
+    # the estimate train makes: device memory apart from host memory in the distinct-device mode
     both = estimate_gpt(PRESETS["10m"], micro_batch=8, seq_len=256, offload_param="nvme", offload_optimizer="nvme",
-                        precision="bf16", gpu=False, step_undo=True, overlap_step=True, max_in_cpu=0,
+                        precision="bf16", gpu=distinct_device_requested(), step_undo=True, overlap_step=True, max_in_cpu=0,
                         host_memory_budget=100 << 20)
     one_side = both["totals"]["nvme"] - both["tiers"]["nvme"]["step_undo"]
     assert both["tiers"]["nvme"]["step_undo"] > 5 * 10**7  # the second side is worth checking for
