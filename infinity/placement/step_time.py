@@ -32,7 +32,11 @@ faster than its busiest wire).
 
 Without a GPU the device is the CPU: compute, the CPU Adam and the distinct-device mode's copies all run on
 the same cores, one after another, while NVMe transfers overlap them. The step is then the cores' sum plus
-the I/O it leaves exposed.
+the I/O it leaves exposed. Where the updates run beside backward they share the cores with it rather than
+hide behind it: their seconds add to the compute's (on a GPU they overlap). The copies the engine makes
+within the one memory are the cores' work too (``host_copy_nbytes``, at the machine's memory copy figure):
+compute shards a fetch copies out of the optimizer's staging sets, and each micro-batch's gradient slices
+copied into the flat slices the optimizer reads; on a GPU those bytes cross (``h2d``, ``d2h``) instead.
 
 ``timed_alone`` (a step timed on its own, as ``bench_overlap.py``'s blocks of one step are) adds what a run
 of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind. Both are
@@ -114,6 +118,10 @@ class StepTraffic:
     """The host step runs during the boundary micro-batch's backward."""
     crossings: bool = True
     """Device memory is apart from host memory (a GPU, or the distinct-device mode): copies are real."""
+    host_copy_nbytes: float = 0
+    """Without crossings (the device is the CPU): bytes the cores copy within that one memory a step, each byte
+    read and each written counted (as the memory figure counts them): compute shards a fetch copies from the
+    optimizer's staging sets, gradient slices copied (or added) into the flat slices the optimizer reads."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,7 +191,9 @@ def compute_seconds(figures, traffic: StepTraffic) -> float:
 
 def _busy(figures, traffic: StepTraffic) -> dict:
     """Each resource's busy seconds a step, and the parts the critical path needs."""
-    compute_s = compute_seconds(figures, traffic)
+    # the copies within the device's one memory run on the device (the cores) beside its forward and backward
+    compute_s = compute_seconds(figures, traffic) + _seconds(traffic.host_copy_nbytes, figures.device_memory_GBps,
+                                                             "copy within device memory")
     if traffic.device_adam_elements and figures.device == "cpu":
         device_adam_s = traffic.device_adam_elements / figures.cpu_adam_elements_per_s["fp32"]
     elif traffic.device_adam_elements:
@@ -389,6 +399,12 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
             shards_d2h = device_elements * cbytes  # a device-stepped sub-group's new compute shards go down
     elif crossings and offload_param != "none":
         shards_d2h = shard * cbytes  # a device step's new compute shards go down to their tier
+    host_copy = 0.0
+    if not crossings:
+        # one memory: the staged shards are copied into the gathered parameters (read, written), and each
+        # micro-batch's gradient slices into the flat slices (read and written, and the slices read again to add)
+        grads_in_memory = tiers["device"]["gradients"] + tiers["host"]["gradients"]
+        host_copy = 2 * staged + grads_in_memory * (2 + 3 * (accum - 1))
     groups = max(1, math.ceil(shard / max(1, est.get("largest_sub_group_numel") or shard)))
     shape = dict(shape or model_shape(est))
     if seq_len is not None:
@@ -402,7 +418,7 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         cpu_adam_elements=shard - device_elements if host_optimizer else 0,
         device_adam_elements=device_elements if host_optimizer else shard,
         state_dtype=s["state_dtype"], sub_groups=groups, prefetch=prefetch,
-        overlap_step_with_backward=overlap_step_with_backward, crossings=bool(crossings),
+        overlap_step_with_backward=overlap_step_with_backward, crossings=bool(crossings), host_copy_nbytes=host_copy,
     )  # fmt: skip
 
 

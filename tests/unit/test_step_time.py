@@ -132,6 +132,35 @@ def test_on_a_cpu_device_the_cores_do_everything_in_turn():
     assert slow.bound_by == "nvme_write"
 
 
+def test_updates_beside_backward_share_a_cpu_devices_cores_and_hide_behind_a_gpus_backward():
+    # 3 s of compute, 1 s of CPU Adam, nothing crossing: on a GPU the updates run beside backward on other
+    # hardware (the step is the compute's 3 s plus the last sub-group's 0.1 s after backward ends); on a CPU
+    # device they take the same cores as backward, so their seconds add: 4 s
+    t = traffic(grad_d2h_nbytes=0, shards_h2d_nbytes=0, crossings=False)
+    assert math.isclose(predict_step(figures(), t).predicted_s, 3.1)
+    cpu = predict_step(figures(device="cpu"), t)
+    assert math.isclose(cpu.predicted_s, 4.0) and cpu.bound_by == "gpu"
+
+
+def test_copies_within_a_cpu_devices_memory_are_the_cores_work():
+    # 20 GB copied within host memory (staged shards and gradient slices, read plus written) at 10 GB/s: 2 s on
+    # the cores, after the 3 s of compute and the 1 s of Adam
+    cpu = figures(device="cpu", device_memory_GBps=10.0)
+    t = traffic(grad_d2h_nbytes=0, shards_h2d_nbytes=0, crossings=False, host_copy_nbytes=20e9)
+    p = predict_step(cpu, t)
+    assert math.isclose(p.resources["gpu"], 5.0) and math.isclose(p.predicted_s, 6.0)
+    # from an estimate: one memory (gpu=False), 4 micro-batches; the gradient slices accumulate in fp32 (4 B an
+    # element), copied into by the first micro-batch (read, written: 8 B) and added to by the other three (read
+    # twice, written: 12 B each): 44 B an element; states in host memory leave no staging sets to copy shards from
+    n = 10_000_000
+    est = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", gpu=False, gradient_accumulation_steps=4)
+    assert est["tiers"]["host"]["gradients"] == 4 * n
+    assert traffic_from_estimate(est).host_copy_nbytes == 44 * n
+    # where the device is apart from host memory those bytes cross instead: nothing is copied within one memory
+    assert traffic_from_estimate(estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu",
+                                          gpu=True)).host_copy_nbytes == 0
+
+
 def test_a_step_timed_alone_pays_the_first_fetch_and_the_last_write():
     # the first fetch: 0.2 GB read at 2 GB/s = 0.1 s; the last sub-group's write: 1 GB / 10 at 1 GB/s = 0.1 s
     cpu = figures(device="cpu")
@@ -230,17 +259,20 @@ def test_a_cpu_only_step_from_its_estimate_each_resource_by_hand():
     t = traffic_from_estimate(est, micro_batch=1, shape=shape)
     cpu = figures(device="cpu")
     p = predict_step(cpu, t)
-    # compute 3 s; Adam 3e8 / 1e9 = 0.3 s; reads: 12 B states (3.6 GB) and half the 2 B shards (0.3 GB) at 2 GB/s
-    # = 1.95 s; writes: 14 B (4.2 GB) at 1 GB/s = 4.2 s; nothing crosses
-    assert p.resources == {"gpu": 3.0, "h2d": 0.0, "d2h": 0.0, "cpu_adam": 0.3, "nvme_read": 1.95, "nvme_write": 4.2}
-    # the cores' 3.3 s hide behind the disk's 1.95 + 4.2 s (reads and writes share it)
+    # compute 3 s, and the copies within the one memory on the same cores: the staged half of the shards (0.3 GB)
+    # read and written, the bf16 gradient slices (0.6 GB) read and written, 1.8 GB at 1000 GB/s = 0.0018 s;
+    # Adam 3e8 / 1e9 = 0.3 s; reads: 12 B states (3.6 GB) and half the 2 B shards (0.3 GB) at 2 GB/s = 1.95 s;
+    # writes: 14 B (4.2 GB) at 1 GB/s = 4.2 s; nothing crosses
+    assert t.host_copy_nbytes == 2 * 0.3e9 + 2 * 0.6e9
+    assert p.resources == {"gpu": 3.0018, "h2d": 0.0, "d2h": 0.0, "cpu_adam": 0.3, "nvme_read": 1.95, "nvme_write": 4.2}
+    # the cores' 3.3018 s hide behind the disk's 1.95 + 4.2 s (reads and writes share it)
     assert math.isclose(p.predicted_s, 6.15) and p.bound_by == "nvme_write"
     # timed alone: no first read (staged), the last sub-group's 0.525 s write after the cores' 3.3 s: the disk binds
     assert math.isclose(predict_step(cpu, t, timed_alone=True).predicted_s, 6.15)
     # a faster disk: the cores bind, and alone they pay the last write-back after their last update
     fast = figures(device="cpu", nvme_read_GBps=20.0, nvme_write_GBps=10.0)
-    assert math.isclose(predict_step(fast, t).predicted_s, 3.3)
-    assert math.isclose(predict_step(fast, t, timed_alone=True).predicted_s, 3.3 + 4.2e9 / 8 / 10e9)
+    assert math.isclose(predict_step(fast, t).predicted_s, 3.3018)
+    assert math.isclose(predict_step(fast, t, timed_alone=True).predicted_s, 3.3018 + 4.2e9 / 8 / 10e9)
 
 
 # --------------------------------------------------------------------------- the figures' cache and the commands
