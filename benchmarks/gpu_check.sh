@@ -19,7 +19,8 @@
 #   bash benchmarks/gpu_check.sh versions # old versions of the engine against the working tree and plain PyTorch in
 #                                         #   one run (bench_versions.py): 1.3B, parameters and optimizer on the CPU,
 #                                         #   accumulation 1; then optimizer alone on the CPU (~9 min)
-#   bash benchmarks/gpu_check.sh all      # tests, bench, scale, one after the other (~30 min)
+#   bash benchmarks/gpu_check.sh all      # versions, bench, scale, tests, one after the other (~40 min: the first
+#                                         #   questions first; each phase is its own call of at most ten minutes)
 #
 # The versions phase times the trees under .versions/ (each old commit's infinity/, kernels/ and storage/, made by
 # `bash benchmarks/versions.sh` where git history is at hand: ~1 MB each) beside the working tree. .versions is
@@ -167,7 +168,7 @@ run_phase() {
 }
 
 if [[ $phase == all ]]; then
-  for p in tests bench scale; do run_phase "$p"; done
+  for p in versions bench scale tests; do run_phase "$p"; done
 else
   run_phase "$phase"
 fi
