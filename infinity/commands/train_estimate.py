@@ -39,7 +39,9 @@ def estimate_for(plan, model) -> dict:
         activations = gpt_activation_nbytes(gpt_cfg, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
                                             precision=plan.precision,
                                             activation_checkpointing=plan.activation_checkpointing)
-    return estimate_for_config(plan.config, param_numels=numels, largest_layer_params=largest,
-                               world_size=plan.world_size,
-                               gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
-                               activation_nbytes=activations, step_shape=run_step_shape(plan, model))
+    result = estimate_for_config(plan.config, param_numels=numels, largest_layer_params=largest,
+                                 world_size=plan.world_size,
+                                 gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
+                                 activation_nbytes=activations, step_shape=run_step_shape(plan, model))
+    result["setting"]["activation_checkpointing"] = plan.activation_checkpointing  # the step-time model's recompute
+    return result

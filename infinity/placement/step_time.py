@@ -348,12 +348,12 @@ def _staged_shard_nbytes(est: dict, cbytes: int) -> float:
 
 
 def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len: int | None = None,
-                          overlap_step_with_backward: bool = True, recompute: bool = False,
+                          overlap_step_with_backward: bool = True, recompute: bool | None = None,
                           crossings: bool | None = None, shape: dict | None = None) -> StepTraffic:
     """What one step asks of each resource, from an :func:`~infinity.placement.estimate.estimate` (its setting,
     its model's shape, the bytes it puts in each tier). ``micro_batch`` and ``seq_len`` default to the estimate's
-    (1 and the model's sequence without them); ``crossings`` to the estimate's ``gpu``; ``shape`` to
-    :func:`model_shape`'s."""
+    (1 and the model's sequence without them); ``crossings`` to the estimate's ``gpu``; ``recompute`` to its
+    ``activation_checkpointing``; ``shape`` to :func:`model_shape`'s."""
     s = est["setting"]
     tiers = est["tiers"]
     cbytes = _COMPUTE_BYTES[s["precision"]]
@@ -411,7 +411,8 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         shape["seq_len"] = seq_len
     tokens = (micro_batch or s.get("micro_batch") or 1) * shape["seq_len"]
     return StepTraffic(
-        **shape, tokens=tokens, precision=s["precision"], recompute=recompute, micro_batches=accum,
+        **shape, tokens=tokens, precision=s["precision"], micro_batches=accum,
+        recompute=bool(s.get("activation_checkpointing")) if recompute is None else recompute,
         fetch_h2d_nbytes=fetch_h2d, fetch_nvme_read_nbytes=fetch_read, first_fetch_nbytes=largest_shard,
         grad_d2h_nbytes=grad_d2h, shards_h2d_nbytes=shards_h2d, shards_d2h_nbytes=shards_d2h,
         state_read_nbytes=state_nvme + grads_nvme, state_write_nbytes=state_nvme + shards_written + grads_nvme,

@@ -340,3 +340,15 @@ def test_estimate_json_has_the_step_time(tmp_path, monkeypatch, capsys):
     assert step["predicted_s"] >= max(step["resources"].values()) > 0
     assert main(argv) == 0
     assert f"predicted step {step['predicted_s']:.3g} s, bound by {step['bound_by']}" in capsys.readouterr().out
+
+
+def test_activation_checkpointing_adds_a_forward_to_the_compute(tmp_path, monkeypatch, capsys):
+    """A recomputed block runs its forward again in backward: 4 forwards' FLOPs where there were 3."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    save(figures(device="cpu"), cache_path())
+    argv = ["estimate", "--preset", "small", "--offload-optimizer", "cpu", "--offload-param", "cpu", "--cpu", "--json"]
+    compute = []
+    for flag in ([], ["--activation-checkpointing"]):
+        assert main([*argv, *flag]) == 0
+        compute.append(json.loads(capsys.readouterr().out)["step_time"]["resources"]["gpu"])
+    assert compute[1] == pytest.approx(compute[0] * 4 / 3, rel=0.02)
