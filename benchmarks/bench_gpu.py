@@ -82,6 +82,13 @@ def parse_args(argv=None):
     p.add_argument("--nvme-path", default=None, help="swap directory for the nvme case (default: a temporary one)")
     p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (device memory kept distinct)")
     p.add_argument("--out", default=None, help="also write the JSON line to this file")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write the engine's Chrome trace of each case in --trace-cases here (MODEL-TIER-ACCUM.json): "
+                        "where a step's time goes")
+    p.add_argument("--trace-cases", default="cpu:1", help="the cases --trace records (comma-separated TIER:ACCUMULATION)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --trace: one more step of each traced case under torch.profiler (CPU and CUDA), its "
+                        "trace gzipped beside the engine's and its busiest ops printed")
     return p.parse_args(argv)
 
 
@@ -152,11 +159,14 @@ class Reference:
 
 
 class Ours:
-    def __init__(self, cfg: GPTConfig, tier: str, accum: int, nvme_path: str):
+    def __init__(self, cfg: GPTConfig, tier: str, accum: int, nvme_path: str, trace_path: str | None = None):
         with infinity.Init():
             model = GPT(cfg)
+        config = engine_config(tier, accum, nvme_path)
+        if trace_path is not None:
+            config["trace"] = {"path": trace_path}
         start = time.perf_counter()
-        self.engine = infinity.initialize(model, engine_config(tier, accum, nvme_path))
+        self.engine = infinity.initialize(model, config)
         self.initialize_s = time.perf_counter() - start  # issue 12: pinning must stay off this path
 
     def pinning(self) -> dict:
@@ -225,7 +235,9 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args) -> dict:
 
 def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
     reference = Reference(cfg, device)
-    ours = Ours(cfg, tier, accum, nvme_path)
+    traced = args.trace is not None and (tier, accum) in parse_cases(args.trace_cases)
+    trace_path = os.path.join(args.trace, f"{name}-{tier}-{accum}.json") if traced else None
+    ours = Ours(cfg, tier, accum, nvme_path, trace_path)
     ratios, ref_times, our_times, nvme_bytes = [], [], [], []
     try:
         for round_ in range(args.warmup + args.rounds):
@@ -239,6 +251,9 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
             our_times.append(our_s)
             tiers = ours.engine.step_metrics()["tiers"]
             nvme_bytes.append(tiers["nvme"]["bytes_read"] + tiers["nvme"]["bytes_written"])
+        if traced and args.profile:
+            profile_step(ours, batches_for(cfg, args, accum, device, seed=10_000), device,
+                         os.path.join(args.trace, f"{name}-{tier}-{accum}.profile.json.gz"))
         metrics = ours.engine.step_metrics()
         placement = ours.engine.placement.describe()
         setup = {"initialize_s": ours.initialize_s, **ours.pinning()}
@@ -254,7 +269,8 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
     row = {"model": name, "params": count_params(cfg), "tier": tier, "accumulation": accum,
            "reference_step_s": statistics.median(ref_times), "step_s": statistics.median(our_times),
            "ratio": statistics.median(ratios), "loss": loss, "copies": metrics.get("copies", {}),
-           "placement": placement, **setup, **predicted(cfg, tier, accum, args)}
+           "placement": placement, **setup, **predicted(cfg, tier, accum, args),
+           **({"trace": trace_path} if trace_path else {})}
     row["measured_over_predicted"] = row["step_s"] / row["predicted_s"]
     row["ratio_over_predicted_ratio"] = row["ratio"] / (row["predicted_s"] / row["reference_predicted_s"])
     if tier in ("nvme", "spill") and disk:
@@ -264,6 +280,21 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk) -> dict:
         if moved:  # spill may keep every state in host memory: no disk bound then
             row["io_ratio"] = row["step_s"] / io_floor_s
     return row
+
+
+def profile_step(ours: "Ours", batches, device: torch.device, path: str) -> None:
+    """One step of ``ours`` under torch.profiler: the Chrome trace to ``path`` (gzipped: a 1.3B step's is tens of
+    MB raw) and the ops that took the most time, printed."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        timed(device, ours.step, batches)
+    prof.export_chrome_trace(path)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile of one step ({path}), by {sort}:", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
 
 
 def measure_disk(path: str) -> dict | None:
