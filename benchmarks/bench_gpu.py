@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
 from infinity.config.schema import InfinityConfig  # noqa: E402
-from infinity.placement.estimate import estimate_gpt  # noqa: E402
+from infinity.placement.estimate_gpt import estimate_gpt  # noqa: E402
 from infinity.placement.split_choice import apply_optimizer_split  # noqa: E402
 from infinity.placement.host_budget import resolve_host_budget  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_from_estimate  # noqa: E402

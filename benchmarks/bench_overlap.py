@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, count_params  # noqa: E402
-from infinity.placement.estimate import estimate_gpt  # noqa: E402
+from infinity.placement.estimate_gpt import estimate_gpt  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_step, traffic_from_estimate  # noqa: E402
 from infinity.runtime.machine_figures import machine_figures, measure_block_now, measure_cpu_adam  # noqa: E402
 from infinity.storage.bench import check_free_space, measure_nvme  # noqa: E402

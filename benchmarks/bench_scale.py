@@ -60,7 +60,7 @@ import torch
 from infinity.commands.train_checks import ROOM_CHECK_ENV
 from infinity.config.units import parse_host_memory
 from infinity.models.gpt import PRESETS, GPTConfig, count_params, get_preset
-from infinity.placement.estimate import estimate_gpt
+from infinity.placement.estimate_gpt import estimate_gpt
 from infinity.placement.max_model import max_gpt
 from infinity.placement.host_budget import resolve_host_budget
 from infinity.runtime.hardware import PRECISION_CHOICES, machine_description, resolve_precision

@@ -38,7 +38,8 @@ from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.config.units import parse_host_memory
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import get_preset
-from infinity.placement.estimate import estimate_for_config, estimate_settings, gpt_activation_nbytes
+from infinity.placement.estimate import estimate_for_config, estimate_settings
+from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.max_model import max_gpt
 from infinity.placement.report import format_estimated_split, format_max_gpt, format_table, parse_count
 from infinity.placement.split_choice import step_shape_of

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
-from infinity.placement.estimate import estimate_for_config, gpt_activation_nbytes
+from infinity.placement.estimate import estimate_for_config
+from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
 from infinity.placement.split_choice import StepShape, step_shape_of
 

@@ -23,9 +23,10 @@ from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.grads.spill import GradSpill
 from infinity.models.transformers_lm import is_transformers_model, refuse_targets_as_mask
-from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
+from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.optim.param_groups import decay_of_tiles, weight_decay_by_name
 from infinity.optim.speculation import StepCheck
+from infinity.optim.states import OptimizerParts
 from infinity.optim.step_cycle import StepCycle
 from infinity.params.compute_shards import ComputeShards
 from infinity.params.fetch_parts import prefetcher_for, read_pool_for

@@ -45,6 +45,7 @@ __all__ = [
     "count_params",
     "param_numels",
     "largest_module_params",
+    "gpt_like_largest_layer",
     "get_preset",
     "load_model_file",
 ]
@@ -252,6 +253,16 @@ def largest_module_params(cfg: GPTConfig) -> int:
     """Parameters owned directly by the largest single module (what one fetch brings in at once)."""
     d, ff = cfg.d_model, cfg.ff_dim
     return max(cfg.vocab_size * d, cfg.seq_len * d, d * 3 * d + 3 * d, d * ff + ff, ff * d + d)
+
+
+def gpt_like_largest_layer(num_params: int) -> int:
+    """The largest layer of a GPT with ``num_params`` parameters: its ``d x 4d`` MLP matrix.
+
+    Such a model has about ``12 * n_layer * d**2`` parameters; with the usual
+    aspect ratio ``d ~ 128 * n_layer`` that gives ``d = (num_params * 128 / 12) ** (1/3)``.
+    """
+    d = (num_params * 128 / 12) ** (1 / 3)
+    return min(int(num_params), int(4 * d * d + 4 * d))
 
 
 def _preset(n_layer: int, n_head: int, d_model: int, seq_len: int) -> GPTConfig:

@@ -12,13 +12,14 @@ forward from the staging sets they are still in. The optimizer tells it what it
 does to those sets: about to overwrite one, an update committed or undone,
 states replaced by a checkpoint.
 
+Where each sub-group's states rest is decided and allocated once by
+:class:`~infinity.optim.states.OptimizerStates` (:attr:`OffloadOptimizer.states`).
 With the states on NVMe, the sub-groups that fit the host-memory budget rest in
-host memory instead (those the step reads first, first; the states in memory
-are :class:`~infinity.optim.in_memory.MemoryStates`) and only the others are
-swapped: they are pipelined through sets of host buffers, sub-group i+1
-read while sub-group i is updated, and sub-group i written while i+1 is
-updated. A buffer set is reused only after its writes have completed. The sets
-and the swap keys are :class:`~infinity.optim.on_nvme.SwappedStates`'.
+host memory instead and only the others are swapped: they are pipelined through
+sets of host buffers, sub-group i+1 read while sub-group i is updated, and
+sub-group i written while i+1 is updated. A buffer set is reused only after its
+writes have completed. The sets and the swap keys are
+:class:`~infinity.optim.on_nvme.SwappedStates`'.
 
 The step overlapped with backward (:mod:`infinity.optim.overlapped_step`) runs the
 same updates from its worker, through the verbs of the section so named.
@@ -46,47 +47,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from infinity import kernels
 from infinity.config.sections import OptimizerConfig, ZeroConfig
-from infinity.grads.reducer import GradReducer
 from infinity.optim.in_memory import MemoryStates
-from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states, kept_in_host
+from infinity.optim.on_nvme import StagingSet, SwappedStates, group_states
 from infinity.optim.speculation import InMemoryUndo, StepCheck, UpdateAt
-from infinity.optim.state_io import RestingStates
+from infinity.optim.states import OptimizerParts, OptimizerStates
 from infinity.optim.step_tail import StepTail
-from infinity.params.compute_shards import ComputeShards
 from infinity.params.delivery import ComputeDelivery
-from infinity.placement.copies import Copies
-from infinity.placement.layout import ShardLayout, SubGroup
-from infinity.placement.placement import Placement
-from infinity.placement.tiers import Tiers
-from infinity.runtime.trace import Timeline
+from infinity.placement.layout import SubGroup
 from infinity.storage import IOHandle
 
 logger = logging.getLogger(__name__)
 
 _nothing = contextlib.nullcontext
-
-
-@dataclass(frozen=True, slots=True)
-class OptimizerParts:
-    """The engine's parts an optimizer works with."""
-
-    layout: ShardLayout
-    placement: Placement
-    tiers: Tiers
-    compute: ComputeShards
-    """Where the kernel's new compute shards go."""
-    grads: GradReducer
-    """Where the gradient slices are read."""
-    copies: Copies
-    timeline: Timeline | None = None
-    rank: int = 0
 
 
 class OffloadOptimizer:
@@ -125,20 +103,16 @@ class OffloadOptimizer:
         """A split optimizer's step of its device sub-groups."""
         self.delivery = ComputeDelivery(layout, placement, tiers, parts.compute, parts.copies)
         """The new compute shards' one owner: where the kernel writes them, their way home, the staging sets'."""
-        # the states in memory (host memory for NVMe's sub-groups kept within the budget)
-        self._memory = MemoryStates(tiers, parts.copies, tier="device" if self.tier == "device" else "host",
-                                    state_dtype=self.state_dtype, on_device=self._on_device)
+        self.states = OptimizerStates(parts, zero, state_dtype=self.state_dtype, staging_sets=staging_sets,
+                                      reserve_nbytes=reserve_nbytes, compute_pinned=self.delivery.scratch_pinned)
+        """Where every sub-group's states rest."""
+        self._memory = self.states.memory
         self._states = self._memory.tensors  # the same dict: its flat tensors, one per state tensor
-        self.device_states: MemoryStates | None = None
+        self.device_states: MemoryStates | None = self.states.device
         """A split optimizer's device sub-groups' states (None without a split)."""
-        offloaded = layout.sub_groups
-        if placement.split:
-            self.device_states = MemoryStates(tiers, parts.copies, tier="device", state_dtype=self.state_dtype,
-                                              on_device=True)
-            self.device_states.allocate(layout.sub_groups[:placement.device_sub_groups])
-            offloaded = layout.sub_groups[placement.device_sub_groups:]
-        self._store = None
-        self.swapped: SwappedStates | None = None  # the staging sets and swap keys of the states on NVMe
+        self.swapped: SwappedStates | None = self.states.swapped  # the staging sets and swap keys of NVMe's states
+        self.swapped_groups = self.states.swapped_groups
+        """Sub-groups whose states rest on NVMe (the others are in memory)."""
         self._written_groups: set[int] = set()
         self._grad_scratch: dict[str, torch.Tensor] = {}  # tier -> a sub-group of scaled gradients
         self.undo: InMemoryUndo | None = None  # the in-memory states before a speculative update
@@ -146,53 +120,17 @@ class OffloadOptimizer:
         self.second_side_reserved = False     # room on NVMe for the speculative states of swapped sub-groups
         self.rollbacks = 0                    # overlapped steps whose speculative updates were undone
         self.tail: StepTail | None = None     # the last step's updates still running behind the next forward
-        if self.tier == "nvme":
-            self._store = tiers.swap_store(offload.nvme_path)
-            # Two sets pipeline a step; more let the overlapped step read states ahead during forward.
-            pipelined = offload.pipeline_read or offload.pipeline_write
-            self.swapped = SwappedStates(self._store, tiers, self.state_dtype,
-                                         largest_numel=layout.largest_sub_group_numel,
-                                         set_count=max(2, staging_sets) if pipelined else 1,
-                                         compute_dtype=parts.compute.dtype,
-                                         compute_pinned=self.delivery.scratch_pinned,
-                                         grad_dtype=parts.grads.slices.dtype if parts.grads.spill else None)
-            room = tiers.host_memory.room_nbytes()  # after the staging sets: what the budget has left
-            # a sub-group whose gradient slices rest on NVMe is updated from a staging set: its states rest there too
-            self._keep_in_host([g for g in offloaded if not placement.grads_on_nvme(g.index)],
-                               0 if room is None else room - reserve_nbytes,
-                               zero.overlap_step_with_backward, offload.max_in_cpu)
-        else:
-            self._memory.allocate(offloaded)
-        self._resting = RestingStates(self.state_dtype, tiers, self.memory_of, self._store,
-                                      self.swapped.key if self.swapped is not None else None)
-        self.swapped_groups = [g for g in layout.sub_groups if not self.in_memory(g)]
-        """Sub-groups whose states rest on NVMe (the others are in memory)."""
-        if self.swapped is not None:
-            self.swapped.reserve_states(self.swapped_groups)  # a disk without room fails now, not mid-run
         if zero.offload_param.compute_from_master:
             self._read_compute_from_masters()
         if step_undo:
             self._make_room_to_undo(reserve_nbytes)
-
-    def _keep_in_host(self, groups, room_nbytes: int, backward_order: bool, max_in_cpu: int | None) -> None:
-        """NVMe as a spill tier: of the offloaded sub-groups ``groups``, those that fit in ``room_nbytes`` keep
-        their states in host memory (with no budget, none do: ``device: nvme`` then means NVMe); see
-        :func:`~infinity.optim.on_nvme.kept_in_host` for which."""
-        kept = kept_in_host(groups, room_nbytes, self.state_dtype, backward_order=backward_order,
-                            max_in_cpu=max_in_cpu)
-        if not kept:
-            return
-        self._memory.allocate(kept)
-        logger.info("optimizer states: %d of %d offloaded sub-groups (%d of %d elements) rest in host memory within "
-                    "its budget; the rest is on NVMe", len(kept), len(groups), sum(g.numel for g in kept),
-                    sum(g.numel for g in groups))
 
     def _read_compute_from_masters(self) -> None:
         """The swapped sub-groups whose compute shards can be read from their master: a bf16 master, bf16 compute
         shards on NVMe (those resting in host memory are copied from the master after each update). The kernel
         writes them as ``master.to(bf16)``, the master's very bits, so a copy of their own would only cost its
         write. The delivery holds which they are (:attr:`ComputeDelivery.master_groups`)."""
-        if self._store is None:
+        if self.states.store is None:
             return
         master_dtype = self._state_layout(1)[0].dtype
         groups = self.delivery.read_from_masters(self.swapped_groups, master_dtype, self.swapped.read_master_part)
@@ -207,7 +145,7 @@ class OffloadOptimizer:
     @property
     def staging_sets(self) -> list[StagingSet]:
         """The host buffers swapped sub-groups are updated in (none unless the states are on NVMe)."""
-        return self.swapped.sets if self.swapped is not None else []
+        return self.states.staging_sets
 
     def _seed(self, group: SubGroup) -> int:
         """The stochastic-rounding seed of one sub-group: its own on every rank, the same in a resumed run."""
@@ -219,19 +157,15 @@ class OffloadOptimizer:
         return self.config.weight_decay if group.weight_decay is None else group.weight_decay
 
     def in_memory(self, group: SubGroup) -> bool:
-        return self.memory_of(group) is not None
+        return self.states.in_memory(group)
 
     def memory_of(self, group: SubGroup) -> MemoryStates | None:
-        """The states in memory that hold ``group`` (the device's of a split optimizer, or the others'); None
-        when it rests on NVMe."""
-        if self.device_states is not None and self.device_states.holds(group):
-            return self.device_states
-        return self._memory if self._memory.holds(group) else None
+        """See :meth:`OptimizerStates.memory_of`."""
+        return self.states.memory_of(group)
 
     def state_tier(self, group: SubGroup) -> str:
         """Where ``group``'s states rest: ``device``, ``host`` or ``nvme``."""
-        memory = self.memory_of(group)
-        return "nvme" if memory is None else memory.tier
+        return self.states.state_tier(group)
 
     def stepped_on_device(self, group: SubGroup) -> bool:
         """The device's Adam steps ``group`` (its states rest in device memory)."""
@@ -240,7 +174,7 @@ class OffloadOptimizer:
     @property
     def resident_numel(self) -> int:
         """Elements whose states rest in memory (all of them unless the tier is NVMe)."""
-        return sum(g.numel for g in self.layout.sub_groups if self.in_memory(g))
+        return self.states.resident_numel
 
     @property
     def grads(self) -> torch.Tensor:
@@ -495,13 +429,13 @@ class OffloadOptimizer:
         """Copy one state (``master``, ``exp_avg``, ``exp_avg_sq``) of a sub-group into ``out``: see
         :meth:`RestingStates.read`."""
         self.land_tail()  # the last step's updates behind the forward may not have reached this sub-group yet
-        self._resting.read(name, group, out, moments_written=self.step_count > 0)
+        self.states.resting.read(name, group, out, moments_written=self.step_count > 0)
 
     def write_state(self, name: str, group: SubGroup, values: torch.Tensor) -> None:
         """Replace one state of a sub-group with fp32 ``values`` (loading a checkpoint)."""
         self.land_tail()  # a tail still updating the sub-group would overwrite what is written here
         self.delivery.replaced(group)  # a staged master or set is no longer the newest
-        self._resting.write(name, group, values)
+        self.states.resting.write(name, group, values)
 
     def state_dict(self) -> dict:
         """The optimizer's scalars (tensors are read per sub-group with :meth:`read_state`)."""
@@ -519,11 +453,7 @@ class OffloadOptimizer:
 
     def close(self) -> None:
         self.drop_tail()
-        if self.swapped is not None:
-            self.swapped.close()
-        self._memory.close()
-        if self.device_states is not None:
-            self.device_states.close()
+        self.states.close()
         self.delivery.close()
         for tier, scratch in self._grad_scratch.items():
             self._tiers.free(tier, scratch)

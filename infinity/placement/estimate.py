@@ -48,20 +48,22 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.placement.
   them: ``accounted`` leaves them out.
 
 "device" is reported as its own tier even where there is no accelerator (it
-is then CPU memory too). All numbers are bytes per rank.
+is then CPU memory too). All numbers are bytes per rank. The plan within a
+host-memory budget is :mod:`infinity.placement.estimate_budget`'s; the estimate
+of our GPT (its activations among them) is :mod:`infinity.placement.estimate_gpt`'s.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
 from itertools import product
 
 from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import OFFLOAD_DEVICES as OFFLOAD_CHOICES, TIER_OF_OFFLOAD, TIERS
 from infinity.kernels.compact import checkpoint_bytes_per_element
-from infinity.models.gpt import largest_module_params, param_numels
+from infinity.models.gpt import gpt_like_largest_layer
+from infinity.placement.estimate_budget import add_step_undo, plan_within_budget
 from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_numel, sub_group_shards
 from infinity.placement.host_budget import (gathered_nbytes, kept_free_nbytes, resolve_host_budget,
                                             staged_sub_group_numel, state_bytes_per_numel, state_nbytes,
@@ -72,16 +74,14 @@ from infinity.placement.split_choice import StepShape, apply_optimizer_split
 __all__ = [
     "TIERS",
     "OFFLOAD_CHOICES",
+    "COMPUTE_BYTES",
     "estimate",
     "estimate_for_config",
     "estimate_settings",
-    "estimate_gpt",
     "alternatives",
-    "gpt_activation_nbytes",
-    "gpt_like_largest_layer",
 ]
 
-_COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 KINDS = (
     "compute_shard",
     "gathered_params",
@@ -136,7 +136,7 @@ def estimate(
     With only ``num_params`` the model is taken as one tensor per
     ``largest_layer_params`` and nothing persists. ``largest_layer_params``
     defaults to the largest of ``param_numels``, or to the MLP matrix of a GPT
-    of that size (:func:`gpt_like_largest_layer`). Returns ``{"setting": {...},
+    of that size (:func:`~infinity.models.gpt.gpt_like_largest_layer`). Returns ``{"setting": {...},
     "shard_numel": int, "tiers": {tier: {kind: bytes}}, "totals": {tier: bytes},
     "accounted": {tier: bytes}}`` (``accounted``: without activations).
 
@@ -154,7 +154,7 @@ def estimate(
     """
     _check_choice("offload_param", offload_param, OFFLOAD_CHOICES)
     _check_choice("offload_optimizer", offload_optimizer, OFFLOAD_CHOICES)
-    _check_choice("precision", precision, tuple(_COMPUTE_BYTES))
+    _check_choice("precision", precision, tuple(COMPUTE_BYTES))
     _check_choice("state_dtype", state_dtype, ("fp32", "bf16", "int8"))
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -167,7 +167,7 @@ def estimate(
         if host_memory_budget is not None and offload_optimizer == "nvme":
             sub_group_size = staged_sub_group_numel(sub_group_size, largest_shard_numel=max(shards, default=0),
                                                     budget_nbytes=host_memory_budget, sets=sets,
-                                                    bytes_per_numel=state_bytes_per_numel(state_dtype) + _COMPUTE_BYTES[precision])
+                                                    bytes_per_numel=state_bytes_per_numel(state_dtype) + COMPUTE_BYTES[precision])
         shard_numel = sum(shards)
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
@@ -202,7 +202,7 @@ def estimate(
 
     train_numel, sub_groups, largest_sub_group = _trainable_part(trainable_params, num_params, world_size,
                                                                  flat_numel, sub_groups, largest_sub_group)
-    cbytes = _COMPUTE_BYTES[precision]
+    cbytes = COMPUTE_BYTES[precision]
     tiers: dict[str, dict[str, int]] = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     param_tier = TIER_OF_OFFLOAD[offload_param]
     optim_tier = TIER_OF_OFFLOAD[offload_optimizer]
@@ -275,13 +275,13 @@ def estimate(
             tiers["host"]["optimizer_staging"] += spill.staging_nbytes
             keepable = spill.first_group  # sub-groups whose states the budget may keep in host memory
     if host_memory_budget is not None:
-        _plan_within_budget(tiers, host_memory_budget, gpu=gpu, reserve=reserve, cbytes=cbytes, sub_groups=sub_groups,
+        plan_within_budget(tiers, host_memory_budget, gpu=gpu, reserve=reserve, cbytes=cbytes, sub_groups=sub_groups,
                             offload_param=offload_param, offload_optimizer=offload_optimizer,
                             optimizer_max_in_cpu=optimizer_max_in_cpu, overlap_step=overlap_step,
                             state_dtype=state_dtype, keepable=keepable)
 
     if step_undo:
-        _add_step_undo(tiers, host_memory_budget, gpu=gpu, reserve=reserve, optim_memory=optim_memory)
+        add_step_undo(tiers, host_memory_budget, gpu=gpu, reserve=reserve, optim_memory=optim_memory)
 
     totals = {t: sum(kinds.values()) for t, kinds in tiers.items()}
     accounted = dict(totals, device=totals["device"] - tiers["device"]["activations"])
@@ -399,55 +399,6 @@ def _sub_group_numels(shards: Sequence[int], sub_group_size: int) -> list[int]:
     return [sub_group_numel(group) for group in sub_group_shards(shards, sub_group_size)]
 
 
-def _plan_within_budget(tiers: dict, budget: int, *, gpu: bool, reserve: int, cbytes: int, sub_groups: list[int],
-                        offload_param: str, offload_optimizer: str, optimizer_max_in_cpu: int | None,
-                        overlap_step: bool, state_dtype: str = "fp32", keepable: int | None = None) -> None:
-    """The engine's plan (``infinity.placement.host_budget``): what exceeds the budget of the parameter cache goes back
-    to NVMe, then optimizer sub-groups on NVMe (of the first ``keepable``: those whose gradient slices are in
-    memory) come to host memory while they fit, beside the ``reserve`` kept free (gathered parameters, streaming,
-    scratch: :func:`~infinity.placement.host_budget.kept_free_nbytes`)."""
-    if offload_param == "nvme":
-        excess = max(0, _charged_to_host_budget(tiers, gpu=gpu) + reserve - budget)
-        back = min(tiers["host"]["compute_shard"], _round_up(excess, cbytes))
-        tiers["host"]["compute_shard"] -= back
-        tiers["nvme"]["compute_shard"] += back
-    if offload_optimizer == "nvme" and optimizer_max_in_cpu != 0:
-        room = budget - _charged_to_host_budget(tiers, gpu=gpu) - reserve
-        kept = kept_nbytes = 0
-        candidates = sub_groups[:keepable]
-        for numel in (reversed(candidates) if overlap_step else candidates):
-            nbytes = state_nbytes(state_dtype, numel)
-            fits = kept_nbytes + nbytes <= room
-            if fits and (optimizer_max_in_cpu is None or kept + numel <= optimizer_max_in_cpu):
-                kept += numel
-                kept_nbytes += nbytes
-        master = kept * (4 if state_dtype == "fp32" else 2)
-        for kind, nbytes in (("master", master), ("moments", kept_nbytes - master)):
-            tiers["nvme"][kind] -= nbytes
-            tiers["host"][kind] += nbytes
-
-
-def _add_step_undo(tiers: dict, budget: int | None, *, gpu: bool, reserve: int, optim_memory: str) -> None:
-    """What undoing a speculative step needs (``infinity.optim.overlapped_step``): the other side of every swapped
-    sub-group's state keys, and one copy of the states in memory when the budget has room for it beside the
-    ``reserve`` kept free."""
-    tiers["nvme"]["step_undo"] += tiers["nvme"]["master"] + tiers["nvme"]["moments"]
-    in_memory = tiers[optim_memory]["master"] + tiers[optim_memory]["moments"]
-    charged_to_host = optim_memory == "host" or not gpu
-    if (budget is not None and charged_to_host
-            and _charged_to_host_budget(tiers, gpu=gpu) + reserve + in_memory > budget):
-        return  # no room: those sub-groups wait for the norm instead
-    tiers[optim_memory]["step_undo"] += in_memory
-
-
-def _charged_to_host_budget(tiers: dict, *, gpu: bool) -> int:
-    """What the host-memory budget is charged when the planner measures its room: host memory, and device memory
-    where the device is the host (but the gathered parameters, made later: the reserve keeps room for them)."""
-    device = 0 if gpu else sum(n for kind, n in tiers["device"].items()
-                               if kind not in ("activations", "gathered_params"))
-    return sum(tiers["host"].values()) + device
-
-
 def _largest_sub_group(shards: Sequence[int], sub_group_size: int) -> int:
     """Largest run of whole aligned shards of at most ``sub_group_size`` elements (one shard alone may exceed it)."""
     return max(_sub_group_numels(shards, sub_group_size), default=0)
@@ -464,58 +415,6 @@ def _prefix_within(shards: Sequence[int], limit: int) -> tuple[int, int]:
         offset = _round_up(offset, ALIGN_NUMEL) + n
         count += 1
     return offset, count
-
-
-def gpt_like_largest_layer(num_params: int) -> int:
-    """The largest layer of a GPT with ``num_params`` parameters: its ``d x 4d`` MLP matrix.
-
-    Such a model has about ``12 * n_layer * d**2`` parameters; with the usual
-    aspect ratio ``d ~ 128 * n_layer`` that gives ``d = (num_params * 128 / 12) ** (1/3)``.
-    """
-    d = (num_params * 128 / 12) ** (1 / 3)
-    return min(int(num_params), int(4 * d * d + 4 * d))
-
-
-def gpt_activation_nbytes(cfg, *, micro_batch: int, seq_len: int | None = None, precision: str = "bf16",
-                          activation_checkpointing: bool = False) -> int:
-    """What autograd keeps for one micro-batch of ``GPT(cfg)``.
-
-    Per block about 17 activations of ``(batch, seq, d_model)`` (Korthikanti et
-    al.'s 34·s·b·h bytes at 2 bytes each; attention by a fused kernel, so no
-    ``seq x seq`` term) plus the MLP's ``4 x`` wide ones counted in that 17;
-    plus the logits in compute precision and their fp32 copy for the loss.
-    With ``activation_checkpointing`` (every block recomputed in backward,
-    ``GPT.activation_checkpointing_enable()``) a block keeps only its input, and
-    one block's 17 exist at a time, while it is recomputed.
-    """
-    t = seq_len or cfg.seq_len
-    cbytes = _COMPUTE_BYTES[precision]
-    tokens = micro_batch * t
-    block_input = tokens * cfg.d_model * cbytes
-    per_block = 17 * block_input
-    logits = tokens * cfg.vocab_size * (cbytes + 4 + 4)  # logits, fp32 copy, its softmax grad
-    blocks = cfg.n_layer * block_input + per_block if activation_checkpointing else cfg.n_layer * per_block
-    return blocks + logits + 2 * block_input
-
-
-def estimate_gpt(cfg, *, micro_batch: int = 1, seq_len: int | None = None, precision: str = "bf16",
-                 activation_checkpointing: bool = False, **kwargs) -> dict:
-    """``estimate`` for ``GPT(cfg)``: exact per-parameter padding, largest layer and activations (each block
-    recomputed in backward with ``activation_checkpointing``)."""
-
-    result = estimate(
-        param_numels=param_numels(cfg),
-        largest_layer_params=kwargs.pop("largest_layer_params", None) or largest_module_params(cfg),
-        precision=precision,
-        activation_nbytes=gpt_activation_nbytes(cfg, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                                activation_checkpointing=activation_checkpointing),
-        **kwargs,
-    )
-    result["setting"]["model"] = asdict(cfg)
-    result["setting"]["micro_batch"] = micro_batch
-    result["setting"]["seq_len"] = seq_len or cfg.seq_len
-    result["setting"]["activation_checkpointing"] = activation_checkpointing
-    return result
 
 
 def alternatives(estimate_fn, **kwargs) -> list[dict]:

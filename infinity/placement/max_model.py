@@ -9,7 +9,8 @@ from dataclasses import asdict, replace
 from typing import Sequence
 
 from infinity.models.gpt import PRESETS, GPTConfig, count_params
-from infinity.placement.estimate import _COMPUTE_BYTES, TIERS, estimate_gpt
+from infinity.placement.estimate import COMPUTE_BYTES, TIERS
+from infinity.placement.estimate_gpt import estimate_gpt
 from infinity.placement.host_budget import gathered_nbytes, working_set
 
 __all__ = ["DEPTH_RANGE", "SHAPE_TEMPLATES", "host_floor_nbytes", "max_gpt"]
@@ -30,7 +31,7 @@ def host_floor_nbytes(result: dict) -> int:
     budget put on NVMe count as what they take in host memory (a few buffers, and a sub-group of them in each
     staging set)."""
     s, tiers = result["setting"], result["tiers"]
-    cbytes = _COMPUTE_BYTES[s["precision"]]
+    cbytes = COMPUTE_BYTES[s["precision"]]
     host, device = tiers["host"], tiers["device"]
     world_size = s["world_size"]
     largest_shard = math.ceil(s["largest_layer_params"] / world_size)

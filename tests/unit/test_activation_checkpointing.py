@@ -17,7 +17,7 @@ import torch
 import infinity
 from helpers import engine_config, engine_steps, gpt_batches, reference_train
 from infinity.models.gpt import GPT, GPTConfig
-from infinity.placement.estimate import gpt_activation_nbytes
+from infinity.placement.estimate_gpt import gpt_activation_nbytes
 
 STEPS, ACCUM = 3, 2
 

@@ -320,7 +320,8 @@ def test_bad_values_are_refused_by_name(raw, message):
 def test_compact_states_on_a_gpu_are_refused_naming_the_key():
     """torch's fused AdamW keeps fp32 states: with the optimizer on a CUDA device, a compact form is refused."""
     from infinity.config.sections import OffloadOptimizerConfig, ZeroConfig
-    from infinity.optim.offload_optimizer import OffloadOptimizer, OptimizerParts
+    from infinity.optim.offload_optimizer import OffloadOptimizer
+    from infinity.optim.states import OptimizerParts
 
     placement = types.SimpleNamespace(master=types.SimpleNamespace(tier="device"), optimizer_on_device=True,
                                       device=torch.device("cuda", 0), compute_shard_in_optimizer_memory=True,

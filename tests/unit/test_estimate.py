@@ -8,7 +8,8 @@ import torch
 
 from infinity.cli import main
 from infinity.models.gpt import PRESETS, param_numels
-from infinity.placement.estimate import OFFLOAD_CHOICES, TIERS, _largest_sub_group, estimate, estimate_gpt
+from infinity.placement.estimate import OFFLOAD_CHOICES, TIERS, _largest_sub_group, estimate
+from infinity.placement.estimate_gpt import estimate_gpt
 from infinity.placement.report import format_bytes, parse_count
 
 

@@ -163,7 +163,7 @@ def test_the_disk_check_leaves_out_the_optional_second_side(no_work, monkeypatch
     """The engine reserves a speculative step's second side only where the disk has room; a disk with room for
     the states but not for both sides must not be refused."""
     from infinity.models.gpt import PRESETS
-    from infinity.placement.estimate import estimate_gpt
+    from infinity.placement.estimate_gpt import estimate_gpt
     from infinity.placement.placement import distinct_device_requested
 
     # the estimate train makes: device memory apart from host memory in the distinct-device mode
