@@ -181,6 +181,18 @@ def test_the_disk_check_leaves_out_the_optional_second_side(no_work, monkeypatch
     assert "not enough room" in _fails(capsys, *argv)
 
 
+def test_the_disk_check_is_skipped_where_the_disk_itself_is_to_say(no_work, monkeypatch, capsys):
+    """INFINITY_NO_ROOM_CHECK=1 (bench_scale.py --above): the estimate's bytes are not held against the free room,
+    so the engine's own reservations on the disk decide; without it the same run is refused."""
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    argv = ["--nvme-path", str(no_work), "--preset", "10m"]
+    assert "not enough room" in _fails(capsys, *argv)
+    monkeypatch.setenv("INFINITY_NO_ROOM_CHECK", "1")
+    with pytest.raises(AssertionError, match="work started"):  # passes every check, then would build the model
+        main(["train", "--max-bytes", "200000", *argv])
+
+
 def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1, 1, 0))
