@@ -311,7 +311,7 @@ def estimate(
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,
-        "persistent_numel": persistent_numel,
+        "gathered_nbytes": gathered,
         "sub_group_numels": list(sub_groups),
         "tiers": tiers,
         "totals": totals,

@@ -11,7 +11,7 @@ from typing import Sequence
 from infinity.models.gpt import PRESETS, GPTConfig, count_params
 from infinity.placement.estimate import COMPUTE_BYTES, TIERS
 from infinity.placement.estimate_gpt import estimate_gpt
-from infinity.placement.host_budget import gathered_nbytes, working_set
+from infinity.placement.host_budget import working_set
 
 __all__ = ["DEPTH_RANGE", "SHAPE_TEMPLATES", "host_floor_nbytes", "max_gpt"]
 
@@ -26,15 +26,14 @@ def host_floor_nbytes(result: dict) -> int:
     minimum working set (:func:`~infinity.placement.host_budget.working_set`, the one rule for both) of gradient
     slices, compute shards and states that rest in host memory by the placement (not the ones the budget only lets
     stay there), two staging sets of the largest sub-group, the streaming buffers, and where the device is the host
-    its buffers and the gathered parameters (:func:`~infinity.placement.host_budget.gathered_nbytes`). ``result``
+    its buffers and the gathered parameters (the estimate's ``gathered_nbytes``). ``result``
     should be made with ``max_in_cpu=0`` and ``optimizer_max_in_cpu=0``, so no cache counts. Gradient slices the
     budget put on NVMe count as what they take in host memory (a few buffers, and a sub-group of them in each
     staging set)."""
     s, tiers = result["setting"], result["tiers"]
     cbytes = COMPUTE_BYTES[s["precision"]]
     host, device = tiers["host"], tiers["device"]
-    world_size = s["world_size"]
-    largest_shard = math.ceil(s["largest_layer_params"] / world_size)
+    largest_shard = math.ceil(s["largest_layer_params"] / s["world_size"])
     resting = sum(n for kind, n in host.items() if kind not in ("optimizer_staging", "step_undo"))
     staging_sets, staged_grad_itemsize = 0, 0
     if s["offload_optimizer"] == "nvme":
@@ -44,15 +43,12 @@ def host_floor_nbytes(result: dict) -> int:
             staged_grad_itemsize = cbytes if lossless else 4
     else:
         resting += host["optimizer_staging"]
-    gathered = 0
     if not s["gpu"]:  # device memory is host memory: its buffers charge the same budget
         resting += sum(n for kind, n in device.items() if kind not in ("gathered_params", "activations", "step_undo"))
-        if not (world_size == 1 and s["offload_param"] == "none"):  # else each shard is its full tensor
-            gathered = gathered_nbytes(result["persistent_numel"], largest_shard * world_size, cbytes)
     return working_set((("resting", resting),), staging_sets=staging_sets,
                        largest_sub_group_numel=result["largest_sub_group_numel"], largest_shard_numel=largest_shard,
                        state_dtype=s["state_dtype"], itemsize=cbytes, staged_grad_itemsize=staged_grad_itemsize,
-                       gathered=gathered).nbytes
+                       gathered=result["gathered_nbytes"]).nbytes
 
 
 def _nvme_need(result: dict) -> int:
