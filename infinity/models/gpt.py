@@ -182,6 +182,7 @@ class GPT(nn.Module):
         self.checkpoint_every = 0
         """Recompute every ``checkpoint_every``-th block in backward (0: none); set by
         :meth:`activation_checkpointing_enable`."""
+        self._checkpoint_kwargs: dict = {}  # torch.utils.checkpoint's, with them
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
                                         every_n_layers: int = 1) -> None:

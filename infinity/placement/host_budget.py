@@ -220,9 +220,9 @@ class HostMemoryPlan:
         if self.staging_sets < configured:
             logger.info("offload_optimizer.buffer_count %d -> %d: what the host-memory budget of %s holds",
                         configured, self.staging_sets, _format(self.budget_nbytes))
+        minimum = self.minimum_working_set(self.staging_sets)
         logger.info("host-memory budget %s: minimum working set %s (%s)", _format(self.budget_nbytes),
-                    _format(self.minimum_working_set(self.staging_sets).nbytes),
-                    self.minimum_working_set(self.staging_sets).describe())
+                    _format(minimum.nbytes), minimum.describe())
         return self.placement
 
     def _spill_gradients(self) -> Placement:
