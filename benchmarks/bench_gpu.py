@@ -52,6 +52,7 @@ from infinity.placement.estimate_gpt import estimate_gpt  # noqa: E402
 from infinity.placement.split_choice import apply_optimizer_split  # noqa: E402
 from infinity.placement.host_budget import resolve_host_budget  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_from_estimate  # noqa: E402
+from infinity.runtime.host_cores import usable_cores  # noqa: E402
 from infinity.runtime.machine_figures import machine_figures  # noqa: E402
 
 MODELS = {
@@ -64,9 +65,11 @@ MODELS = {
     "thin": GPTConfig(n_layer=12, n_head=2, d_model=64, seq_len=128, vocab_size=256, tie_embeddings=True),
 }
 DEFAULT_CASES = "none:1,none:4,cpu:1,cpu:4,nvme:1,spill:1"
-TIERS = ("none", "cpu", "nvme", "spill", "int8", "half")
+TIERS = ("none", "cpu", "nvme", "spill", "int8", "half", "unbound")
 """spill: nvme configured, the host-memory budget keeps what fits; int8: cpu with int8 optimizer states; half:
-parameters cpu, half the optimizer's sub-groups on the device (DeepSpeed's offload_optimizer.ratio 0.5)."""
+parameters cpu, half the optimizer's sub-groups on the device (DeepSpeed's offload_optimizer.ratio 0.5); unbound:
+cpu with the CPU Adam's team on every core, unbound (``host_threads`` = the usable cores), where ``cpu`` leaves the
+first core to the thread that feeds the GPU."""
 
 
 def parse_args(argv=None):
@@ -74,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default="124m,1.3b", help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--cases", default=DEFAULT_CASES,
                    help="comma-separated TIER:ACCUMULATION (tier none, cpu, nvme, spill: nvme under the budget, "
-                        "int8: cpu with int8 states, half: cpu with half the optimizer on the device)")
+                        "int8: cpu with int8 states, half: cpu with half the optimizer on the device, unbound: cpu with "
+                        "the CPU Adam on every core)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: one step of each)")
@@ -105,10 +109,11 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 def engine_config(tier: str, accum: int, nvme_path: str) -> dict:
     if tier == "spill":  # nvme as configured by a user who does not know what fits: the engine decides
         return _without_max_in_cpu(engine_config("nvme", accum, nvme_path))
-    if tier in ("int8", "half"):  # the cpu case with compact states, or with a device-first split
+    if tier in ("int8", "half", "unbound"):  # the cpu case with compact states, a device-first split, or unbound
         config = engine_config("cpu", accum, nvme_path)
-        config["zero_optimization"]["offload_optimizer"].update(
-            {"state_dtype": "int8"} if tier == "int8" else {"ratio": 0.5})
+        change = {"int8": {"state_dtype": "int8"}, "half": {"ratio": 0.5},
+                  "unbound": {"host_threads": len(usable_cores())}}[tier]
+        config["zero_optimization"]["offload_optimizer"].update(change)
         return config
     offload = {"device": tier}
     param = dict(offload, **({"nvme_path": nvme_path, "max_in_cpu": 0} if tier == "nvme" else {}))
@@ -210,7 +215,7 @@ def timed(device, fn, *a) -> tuple[float, float]:
 def predicted(cfg: GPTConfig, tier: str, accum: int, args) -> dict:
     """The step-time model's step for ``engine_config(tier, accum)`` on this machine (crossings always: a GPU, or
     the distinct-device mode)."""
-    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu"}.get(tier, tier)
+    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "unbound": "cpu"}.get(tier, tier)
     seq = min(args.seq, cfg.seq_len)
     est = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16", offload_param=offload,
                        offload_optimizer=offload, gradient_accumulation_steps=accum, gpu=True,
@@ -364,6 +369,10 @@ def main(argv=None) -> int:
             ratio = by_tier["half"]["step_s"] / by_tier["cpu"]["step_s"]
             summary.setdefault("half_vs_cpu", {})[name] = ratio
             print(f"{name}: half the optimizer on the device: {ratio:.2f}x the cpu step")
+        if "unbound" in by_tier and "cpu" in by_tier:  # the CPU Adam bound off the feeder's core, against every core
+            ratio = by_tier["cpu"]["step_s"] / by_tier["unbound"]["step_s"]
+            summary.setdefault("bound_vs_unbound", {})[name] = ratio
+            print(f"{name}: the CPU Adam bound off the first core: {ratio:.2f}x the step with it on every core")
     line = json.dumps(summary)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

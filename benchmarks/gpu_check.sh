@@ -11,9 +11,10 @@
 #   bash benchmarks/gpu_check.sh tests    # the whole suite with CUDA present: tests/gpu and tests/unit, with
 #                                         #   tests/distributed (the multi-rank tests) in a second pytest beside them
 #   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B against plain PyTorch, each row with the
-#                                         #   step-time model's prediction (cpu with fp32 and int8 states, half the
-#                                         #   optimizer on the device, accumulation 4, nvme against the disk, spill
-#                                         #   against cpu), then the compact states on a disk-bound 1.3B
+#                                         #   step-time model's prediction (cpu with fp32 and int8 states, the CPU
+#                                         #   Adam unbound, half the optimizer on the device, accumulation 4, nvme
+#                                         #   against the disk, spill against cpu), the CPU Adam beside a feeding
+#                                         #   thread, then the compact states on a disk-bound 1.3B
 #   bash benchmarks/gpu_check.sh scale    # the largest GPT this box holds (estimate --max-params), then a 20.4B GPT
 #                                         #   with int8 states in 110 GiB of host memory and NVMe, 3 steps (~7 min)
 #   bash benchmarks/gpu_check.sh versions # old versions of the engine against the working tree and plain PyTorch in
@@ -126,11 +127,13 @@ run_phase() {
       step tests-all 420 bash -c whole_suite_in_two
       ;;
     bench)
-      step bench-gpu-124m 130 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1
+      step bench-gpu-124m 120 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1
+      # the CPU Adam beside a feeding thread: its team on every core, or bound off the first (as the engine binds it)
+      step bench-host-threads 30 "$py" benchmarks/bench_host_threads.py --rounds 5 --seconds 1
       # rows print as they finish, so a cut-off run still leaves them
       # the offloaded step's targets: cpu with fp32 and int8 states, half the optimizer on the device, accumulation 4
       step bench-gpu-1.3b 330 "$py" benchmarks/bench_gpu.py --models 1.3b \
-        --cases cpu:1,int8:1,half:1,none:4,cpu:4,nvme:1,spill:1 --rounds 3 --warmup 1 \
+        --cases cpu:1,unbound:1,int8:1,half:1,none:4,cpu:4,nvme:1,spill:1 --rounds 3 --warmup 1 \
         --trace "$out" --trace-cases cpu:1 --profile  # where the cpu row's step goes: our trace and torch.profiler's
       step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
         --precision bf16 --steps 2 --warmup 1

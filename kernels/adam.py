@@ -51,6 +51,7 @@ def adam_step(
     adamw: bool = True,
     bias_correction: bool = True,
     param_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """One Adam (``adamw=False``) or AdamW step, fused into one pass over memory.
 
@@ -61,7 +62,11 @@ def adam_step(
     one numel, any shapes. ``step`` is the 1-based step count used for bias
     correction. The numerics are those of ``torch.optim.Adam``/``AdamW``
     (fused CPU kernel's operation order, without FMA), identical on both
-    backends. Threads follow ``torch.set_num_threads``.
+    backends and for any thread count.
+
+    ``num_threads``: the kernel's team (the calling thread and those OpenMP
+    starts for it, which inherit its CPU affinity); None takes
+    ``torch.get_num_threads()``. The torch backend ignores it.
 
     Raises ``ValueError`` naming the argument for a wrong dtype, device,
     numel, layout, overlap or hyperparameter.
@@ -71,8 +76,9 @@ def adam_step(
         adamw=adamw, bias_correction=bias_correction,
     )  # fmt: skip
     check_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
+    threads = check_num_threads(num_threads)
     if backend() == "cpp":
-        extension.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
+        extension.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out, threads=threads)
     else:
         reference.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
 
@@ -93,13 +99,16 @@ def adam_step_reference(
     adamw: bool = True,
     bias_correction: bool = True,
     param_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
-    """``adam_step`` computed with torch ops, whatever the backend (same results, bit for bit)."""
+    """``adam_step`` computed with torch ops, whatever the backend (same results, bit for bit); ``num_threads`` is
+    checked and ignored (torch ops follow ``torch.set_num_threads``)."""
     constants = AdamConstants.for_step(
         step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
         adamw=adamw, bias_correction=bias_correction,
     )  # fmt: skip
     check_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
+    check_num_threads(num_threads)
     reference.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
 
 
@@ -154,6 +163,7 @@ def adam_step_compact(
     exp_avg_scale: torch.Tensor | None = None,
     exp_avg_sq_scale: torch.Tensor | None = None,
     param_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """One Adam/AdamW step on optimizer states in ``state_dtype``'s form, in one pass.
 
@@ -175,7 +185,7 @@ def adam_step_compact(
     ``seed`` (an int in [0, 2**64)) and ``step`` choose the random bits of stochastic
     rounding, a hash of (seed, step, element index): the same inputs give the same
     bits on both backends and in a resumed run. Give tensors that are stepped
-    separately different seeds.
+    separately different seeds. ``num_threads`` as for ``adam_step``.
 
     Raises ``ValueError`` naming the argument for a wrong dtype, device, numel,
     layout, overlap, state dtype, seed or hyperparameter.
@@ -184,7 +194,7 @@ def adam_step_compact(
         False, master, grad, exp_avg, exp_avg_sq, state_dtype=state_dtype, step=step, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, seed=seed, adamw=adamw,
         bias_correction=bias_correction, exp_avg_scale=exp_avg_scale,
-        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out,
+        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out, num_threads=num_threads,
     )  # fmt: skip
 
 
@@ -208,20 +218,22 @@ def adam_step_compact_reference(
     exp_avg_scale: torch.Tensor | None = None,
     exp_avg_sq_scale: torch.Tensor | None = None,
     param_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
 ) -> None:
-    """``adam_step_compact`` computed with torch ops, whatever the backend (same bits)."""
+    """``adam_step_compact`` computed with torch ops, whatever the backend (same bits); ``num_threads`` is checked
+    and ignored."""
     _compact_step(
         True, master, grad, exp_avg, exp_avg_sq, state_dtype=state_dtype, step=step, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, seed=seed, adamw=adamw,
         bias_correction=bias_correction, exp_avg_scale=exp_avg_scale,
-        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out,
+        exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out, num_threads=num_threads,
     )  # fmt: skip
 
 
 def _compact_step(
     use_reference: bool,
     master, grad, exp_avg, exp_avg_sq, *, state_dtype, step, lr, beta1, beta2, eps, weight_decay,
-    seed, adamw, bias_correction, exp_avg_scale, exp_avg_sq_scale, param_out,
+    seed, adamw, bias_correction, exp_avg_scale, exp_avg_sq_scale, param_out, num_threads,
 ) -> None:  # fmt: skip
     compact.check_state_dtype(state_dtype)
     seed = compact.check_seed(seed)
@@ -230,17 +242,31 @@ def _compact_step(
         adamw=adamw, bias_correction=bias_correction,
     )  # fmt: skip
     check_compact_tensors(state_dtype, master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
+    threads = check_num_threads(num_threads)
+    kernel = not use_reference and backend() == "cpp"
     if state_dtype == "fp32":
-        update = reference.adam_update if use_reference or backend() != "cpp" else extension.adam_update
-        update(constants, master, grad, exp_avg, exp_avg_sq, param_out)
+        if kernel:
+            extension.adam_update(constants, master, grad, exp_avg, exp_avg_sq, param_out, threads=threads)
+        else:
+            reference.adam_update(constants, master, grad, exp_avg, exp_avg_sq, param_out)
         return
     if param_out is not None and param_out.dtype == master.dtype and param_out.data_ptr() == master.data_ptr():
         param_out = None  # it is the master, which the step writes anyway
     keys = compact.step_keys(seed, step)
-    update = reference_compact.adam_update_compact
-    if not use_reference and backend() == "cpp":
-        update = extension.adam_update_compact
-    update(constants, state_dtype, keys, master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
+    states = (master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
+    if kernel:
+        extension.adam_update_compact(constants, state_dtype, keys, *states, threads=threads)
+    else:
+        reference_compact.adam_update_compact(constants, state_dtype, keys, *states)
+
+
+def check_num_threads(num_threads: object) -> int:
+    """The kernel's team size for ``num_threads`` (0: torch's count), or ``ValueError`` naming it."""
+    if num_threads is None:
+        return 0
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be None (torch's thread count) or a positive int, got {num_threads!r}")
+    return num_threads
 
 
 def check_compact_tensors(

@@ -206,13 +206,15 @@ def adam_update(
     param_out: torch.Tensor | None,
     *,
     isa: str = "auto",
+    threads: int = 0,
 ) -> None:
-    """Applies one step in place with the C++ kernel (which must be loaded)."""
+    """Applies one step in place with the C++ kernel (which must be loaded), on ``threads`` threads (0: torch's
+    count; ``csrc/chunks.h``)."""
     c = constants
     KERNEL.ops().adam_step(
         param, grad, exp_avg, exp_avg_sq, param_out,
         c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
-        c.bias_correction2_sqrt, c.neg_step_size, c.eps, ISA_CODES[isa],
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, ISA_CODES[isa], threads,
     )  # fmt: skip
 
 
@@ -251,16 +253,18 @@ def adam_update_compact(
     param_out: torch.Tensor | None,
     *,
     isa: str = "auto",
+    threads: int = 0,
 ) -> None:
     """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel.
 
-    Its bodies are "generic", "avx2" and "avx512" ("auto": the best this CPU runs).
+    Its bodies are "generic", "avx2" and "avx512" ("auto": the best this CPU runs); ``threads`` as for
+    :func:`adam_update`.
     """
     c = constants
     KERNEL.ops().adam_step_compact(
         master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
         state_dtype == "int8", c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
-        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1], ISA_CODES[isa],
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1], ISA_CODES[isa], threads,
     )  # fmt: skip
 
 

@@ -93,7 +93,7 @@ _ZERO_ONLY_VALUE = {
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory",
                        "compute_from_master"}
 _OFFLOAD_OPTIMIZER_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-                           "grad_accumulation", "max_in_cpu", "state_dtype", "ratio"}
+                           "grad_accumulation", "max_in_cpu", "state_dtype", "ratio", "host_threads"}
 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE = {"fast_init"}
 _AIO_HONOURED = {
     "block_size": "block_size", "queue_depth": "queue_depth", "intra_op_parallelism": "thread_count",
@@ -291,8 +291,8 @@ class _DeepSpeedTranslator:
         if "device" in fields:
             device = fields["device"]
             fields["device"] = "none" if device in (None, "none") else device
-        for name in ("buffer_count", "buffer_size", "max_in_cpu"):
-            if name in fields:
+        for name in ("buffer_count", "buffer_size", "max_in_cpu", "host_threads"):
+            if name in fields and fields[name] is not None:
                 fields[name] = _int(f"{where}.{name}", fields[name])
         if cls is OffloadOptimizerConfig and self.bf16_optimizer_states:
             if fields.get("state_dtype", "bf16") != "bf16":

@@ -127,6 +127,11 @@ class OffloadOptimizerConfig:
     """DeepSpeed's key: the fraction of the optimizer's sub-groups that is offloaded (stepped by the CPU kernel)
     when ``device`` is ``cpu`` or ``nvme``; the first ``int((1 - ratio) * sub-groups)`` sub-groups rest on the
     device and are stepped there, as DeepSpeed splits them. 1 (the default) offloads all of them."""
+    host_threads: int | None = None
+    """The fused CPU Adam's threads (our key): None sizes them from the machine (on a GPU every core this process may
+    use but the first, which is left to the thread that feeds the GPU, the kernel's threads bound to the others; on
+    a CPU device every core, unbound); fewer than the usable cores are bound to the last of them
+    (:mod:`infinity.runtime.host_cores`)."""
 
     def __post_init__(self):
         _require_offload_device("offload_optimizer", self, OPTIMIZER_OFFLOAD_DEVICES)
@@ -150,6 +155,10 @@ class OffloadOptimizerConfig:
         _require_choice("offload_optimizer.grad_accumulation", self.grad_accumulation,
                         ("device_if_fits", "device", "host"))
         _require_choice("zero_optimization.offload_optimizer.state_dtype", self.state_dtype, STATE_DTYPES)
+        threads = self.host_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"config key zero_optimization.offload_optimizer.host_threads must be a positive integer "
+                             f"(threads of the fused CPU Adam) or null (from the machine), got {self.host_threads!r}")
 
     @property
     def offloaded_tier(self) -> Tier:

@@ -46,6 +46,7 @@ from infinity.placement.layout import ParamSlot, ShardLayout, SubGroup
 from infinity.placement.placement import RING_SLICES, GradRoute, Placement
 from infinity.placement.tiers import Tiers
 from infinity.runtime.comm import Collectives
+from infinity.runtime.host_cores import HostCores
 from infinity.storage import HostBufferPool, IOHandle
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class GradReducer:
             slice_nbytes = layout.largest_shard_numel * torch.empty((), dtype=compute_dtype).element_size()
             self._ring = HostBufferPool(RING_SLICES * max(slice_nbytes, 4096), pin=placement.grads.pinned,
                                         stats=tiers.stats["host"], pinner=tiers.pinner, owner="gradient ring")
-            self._adder = _HostAdder(copies, self._ring)
+            self._adder = _HostAdder(copies, self._ring, placement.host_cores)
         logger.debug("gradient route: %s", self.route.value)
 
     # -- one micro-batch's backward (told by the StepCycle) --------------------------
@@ -347,9 +348,10 @@ class _Added:
 class _HostAdder:
     """HOST_RING: copies a slice down into a ring buffer, then a worker adds it into the host accumulator."""
 
-    def __init__(self, copies: Copies, ring: HostBufferPool):
+    def __init__(self, copies: Copies, ring: HostBufferPool, host_cores: HostCores):
         self._copies = copies
         self._ring = ring
+        self._host_cores = host_cores  # its adds are the host's share of the step: off the core that feeds the GPU
         self._jobs: "queue.Queue[tuple | None]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="infinity-grad-adder", daemon=True)
         self._thread.start()
@@ -365,6 +367,7 @@ class _HostAdder:
         return added
 
     def _run(self) -> None:
+        self._host_cores.bind_this_thread()
         while (job := self._jobs.get()) is not None:
             done, buffer, staged, target, add, added = job
             try:

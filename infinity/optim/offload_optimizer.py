@@ -101,6 +101,8 @@ class OffloadOptimizer:
         """The step of every sub-group, or with a split the offloaded ones'."""
         self._device_adam = kernels.adam_step_on_device
         """A split optimizer's step of its device sub-groups."""
+        self.host_cores = placement.host_cores
+        """The fused CPU kernel's threads, and the cores the threads that call it bind to."""
         self.delivery = ComputeDelivery(layout, placement, tiers, parts.compute, parts.copies)
         """The new compute shards' one owner: where the kernel writes them, their way home, the staging sets'."""
         self.states = OptimizerStates(parts, zero, state_dtype=self.state_dtype, staging_sets=staging_sets,
@@ -239,7 +241,10 @@ class OffloadOptimizer:
         hyper = dict(step=at.step, lr=at.lr, beta1=cfg.betas[0], beta2=cfg.betas[1], eps=cfg.eps,
                      weight_decay=self.weight_decay_of(group), adamw=cfg.adamw, bias_correction=cfg.bias_correction,
                      param_out=out)
-        adam = self._device_adam if self.stepped_on_device(group) else self._adam
+        on_device = self.stepped_on_device(group)
+        if not on_device:
+            hyper["num_threads"] = self.host_cores.threads  # the fused CPU kernel's team
+        adam = self._device_adam if on_device else self._adam
         with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
             if self.state_dtype == "fp32":
                 adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
@@ -293,7 +298,11 @@ class OffloadOptimizer:
         """A settled overlapped step's remaining updates of ``groups`` (``update_all``, as ``StepTail`` takes it)
         run on a worker thread while the next forward begins (:mod:`infinity.optim.step_tail`); ``tail`` is
         theirs until it has landed."""
-        self.tail = StepTail(groups, update_all, copies=self._copies, timeline=self._timeline)
+        def update_all_bound(delivered: Callable[[SubGroup], None]) -> None:
+            self.host_cores.bind_this_thread()  # the tail's thread: off the core that feeds the GPU
+            update_all(delivered)
+
+        self.tail = StepTail(groups, update_all_bound, copies=self._copies, timeline=self._timeline)
         return self.tail
 
     def land_tail(self) -> None:

@@ -215,6 +215,7 @@ class OverlappedStep:
 
     # -- the worker -------------------------------------------------------------
     def _run(self) -> None:
+        self._optimizer.host_cores.bind_this_thread()  # off the core that feeds the GPU, before the first update
         if self._after is not None:
             # The last step's tail still uses the staging sets. Its failure is the main thread's to raise (this
             # step's backward will not run): then nothing is read ahead, its states are not what a step reads.

@@ -27,6 +27,7 @@ import torch
 from infinity.config.schema import InfinityConfig
 from infinity.config.tier_names import Tier
 from infinity.placement.optimizer_split import OptimizerSplit
+from infinity.runtime.host_cores import HostCores, plan_host_cores
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class Placement:
     grads_lossless: bool
     """Gradient slices keep the compute precision: no accumulation, no fp16 unscaling in place, and an
     optimizer that reads low-precision gradients (the CPU kernel); else they are fp32."""
+    host_cores: HostCores
+    """The fused CPU Adam's threads and the cores the engine's updating threads bind to
+    (:mod:`infinity.runtime.host_cores`)."""
     device_sub_groups: int = 0
     """A split optimizer: its first sub-groups, whose states rest in device memory and are stepped there, their
     gradient slices reduced in place on the device (0: no split; ``master``, ``moments``, ``grads`` and
@@ -147,6 +151,7 @@ class Placement:
         return cls(device=device, distinct=distinct, compute_shard=place(param_tier, pin_param),
                    master=optimizer_place, moments=optimizer_place, grads=grads,
                    optimizer_memory=optimizer_place.memory, grad_route=route, grads_lossless=lossless,
+                   host_cores=plan_host_cores(device, offload.host_threads),
                    device_sub_groups=split.device_sub_groups if partial else 0,
                    device_numel=split.device_numel if partial else 0)
 
@@ -184,7 +189,8 @@ class Placement:
         def state(p: StatePlace) -> str:
             pinned = ", pinned" if p.pinned else ""
             return f"{p.tier}{pinned}"
-        where = "device" if self.optimizer_on_device else "host (fused CPU kernel)"
+        kernel = f"fused CPU kernel, {self.host_cores.describe()}"
+        where = "device" if self.optimizer_on_device else f"host ({kernel})"
         spilled = ("" if self.nvme_grads_from is None else
                    f"; gradient slices of sub-groups {self.nvme_grads_from} and after on NVMe between backward and the step")
         mode = "" if self.device.type != "cpu" or not self.distinct else f" [{DISTINCT_DEVICE_ENV}=1]"
@@ -192,7 +198,7 @@ class Placement:
             return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; optimizer split: "
                     f"sub-groups 0-{self.device_sub_groups - 1} ({self.device_numel} elements) on the device, "
                     f"stepped there, gradients in place; the rest: master+moments {state(self.master)}, gradients "
-                    f"{state(self.grads)} ({self.grad_route.value}), stepped on the host (fused CPU kernel){spilled}")
+                    f"{state(self.grads)} ({self.grad_route.value}), stepped on the host ({kernel}){spilled}")
         return (f"placement on {self.device}{mode}: compute shards {state(self.compute_shard)}; "
                 f"master+moments {state(self.master)}; gradients {state(self.grads)} ({self.grad_route.value}); "
                 f"optimizer runs on the {where}{spilled}")

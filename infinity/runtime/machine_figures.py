@@ -7,7 +7,8 @@
   the copy the distinct-device test mode makes (a ``copy_`` between two host buffers on a worker thread,
   :mod:`infinity.placement.copies`);
 * the fused CPU Adam's throughput (:mod:`infinity.kernels`) for each optimizer-state dtype, with gradients
-  and the new parameter copy in bf16, as an offloaded step calls it;
+  and the new parameter copy in bf16, as an offloaded step calls it: with the engine's default team, bound to
+  its cores where the engine binds it (:mod:`infinity.runtime.host_cores`);
 * NVMe read and write bandwidth with O_DIRECT (:mod:`infinity.storage.bench`), where a path that takes
   O_DIRECT is at hand; the write overwrites blocks written before, as a step's write-back overwrites the
   extents its keys already have (a first write into preallocated blocks can be far slower, and a steady run
@@ -37,6 +38,7 @@ import torch
 
 from infinity import kernels
 from infinity.runtime.hardware import fast_precision, machine_description
+from infinity.runtime.host_cores import HostCores, plan_host_cores
 from infinity.storage.bench import measure_nvme
 from infinity.storage.swap_store import direct_io_problem
 
@@ -87,7 +89,8 @@ class MachineFigures:
     cpu_adam_elements_per_s: dict
     """The fused CPU Adam's elements a second, by optimizer-state dtype (fp32, bf16, int8), bf16 gradients."""
     cpu_threads: int
-    """The CPU threads the Adam figures were taken with (``torch.get_num_threads()``)."""
+    """The CPU threads the Adam figures were taken with: the team the engine takes here by default
+    (:func:`~infinity.runtime.host_cores.plan_host_cores`), bound to its cores where it binds them."""
     nvme_read_GBps: float | None
     """NVMe read bandwidth with O_DIRECT (None where no path took O_DIRECT)."""
     nvme_write_GBps: float | None
@@ -329,8 +332,14 @@ def measure_device_memory(device: torch.device, *, nbytes: int = 256 << 20, budg
     return _best_rate(run, 2 * nbytes, budget_s=budget_s) / 1e9
 
 
-def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float = 0.4) -> float:
-    """Elements a second of the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy."""
+def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float = 0.4,
+                     host_cores: HostCores | None = None) -> float:
+    """Elements a second of the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy; with
+    ``host_cores``, on a thread bound as the engine binds its updating threads, with that team."""
+    if host_cores is not None and host_cores.cores is not None:
+        return _on_bound_thread(host_cores, lambda: measure_cpu_adam(
+            state_dtype, numel=numel, budget_s=budget_s, host_cores=dataclasses.replace(host_cores, cores=None)))
+    threads = None if host_cores is None else host_cores.threads
     grad = torch.randn(numel).to(torch.bfloat16)
     param_out = torch.empty(numel, dtype=torch.bfloat16)
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -343,14 +352,34 @@ def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float 
         counter[0] += 1
         if state_dtype == "fp32":
             kernels.adam_step(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step=counter[0],
-                              param_out=param_out, **hyper)
+                              param_out=param_out, num_threads=threads, **hyper)
         else:
             kernels.adam_step_compact(state["master"], grad, state["exp_avg"], state["exp_avg_sq"],
                                       state_dtype=state_dtype, step=counter[0], seed=0, param_out=param_out,
                                       exp_avg_scale=state.get("exp_avg_scale"),
-                                      exp_avg_sq_scale=state.get("exp_avg_sq_scale"), **hyper)
+                                      exp_avg_sq_scale=state.get("exp_avg_sq_scale"), num_threads=threads, **hyper)
 
     return _best_rate(run, numel, budget_s=budget_s)
+
+
+def _on_bound_thread(host_cores: HostCores, measure):
+    """``measure()`` on a new thread bound to ``host_cores``' cores (the caller's own binding stays as it is)."""
+    result: list = []
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            host_cores.bind_this_thread()
+            result.append(measure())
+        except BaseException as err:  # raised on the caller's thread below
+            errors.append(err)
+
+    worker = threading.Thread(target=run, name="infinity-measure-adam")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 def measure_disk(directory: str | None, *, nbytes: int = 256 << 20) -> tuple[float | None, float | None, str]:
@@ -384,7 +413,8 @@ def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -
     blocks = {fast: measure_blocks(device, fast)}
     h2d, d2h, copy_path = measure_copies(device)
     device_memory = measure_device_memory(device)
-    adam = {d: round(measure_cpu_adam(d)) for d in state_dtypes}
+    host_cores = plan_host_cores(device, None)  # the team the engine takes on this machine by default
+    adam = {d: round(measure_cpu_adam(d, host_cores=host_cores)) for d in state_dtypes}
     read, write, disk = measure_disk(nvme_dir)
     figures = MachineFigures(
         host=socket.gethostname() or "unknown", machine=machine_description(), device=device.type,
@@ -392,7 +422,7 @@ def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -
         block_overhead_s={p: round(b[1], 6) for p, b in blocks.items()}, block_tokens=next(iter(blocks.values()))[2],
         h2d_GBps=round(h2d, 3), d2h_GBps=round(d2h, 3), copy_path=copy_path,
         device_memory_GBps=round(device_memory, 3),
-        cpu_adam_elements_per_s=adam, cpu_threads=torch.get_num_threads(),
+        cpu_adam_elements_per_s=adam, cpu_threads=host_cores.threads or torch.get_num_threads(),
         nvme_read_GBps=None if read is None else round(read, 3), nvme_write_GBps=None if write is None else round(write, 3),
         nvme_path=disk, measured_s=round(time.perf_counter() - start, 2), measured_at=round(time.time(), 1),
     )  # fmt: skip

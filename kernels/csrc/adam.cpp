@@ -36,6 +36,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "chunks.h"
 #include "isa.h"
 
 namespace infinity_kernels {
@@ -65,16 +66,10 @@ struct Hyper {
 // stores: it is write-only, so this saves the read-for-ownership of each of
 // its lines, and it is consumed later (written to a tier), not from cache.
 constexpr int64_t kStreamMinBytes = 4 << 20;
-// Work is split into chunks that threads claim one at a time, so a thread
-// that the OS descheduled (a busy host, the engine's I/O threads) delays the
-// step by one chunk, not by half the tensor. Chunks are multiples of kUnit
-// elements (a 64-byte line of every dtype, a multiple of every vector width).
-constexpr int64_t kUnit = 64;
-constexpr int64_t kMinChunk = 1 << 12;
-constexpr int64_t kMaxChunk = 1 << 16;
-constexpr int64_t kChunksPerThread = 8;
-// Fewer elements than this run on the calling thread alone.
-constexpr int64_t kGrainElems = 1 << 15;
+// Chunks (chunks.h) are multiples of 64 elements (a 64-byte line of every
+// dtype, a multiple of every vector width); fewer than 2^15 elements run on
+// the calling thread alone.
+constexpr ChunkShape kChunks{/*unit=*/64, /*min_chunk=*/1 << 12, /*max_chunk=*/1 << 16, /*grain=*/1 << 15};
 
 // ---------------------------------------------------------------------------
 // Generic body: one element at a time, written so that compilers vectorize it.
@@ -401,7 +396,7 @@ __attribute__((noinline)) void span_avx512(const Hyper& h, float* p, const G* g,
 
 template <Op K, Decay D, class G, class O>
 void run_parallel(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v, O* out,
-                  int64_t n) {
+                  int64_t n, int64_t threads) {
   bool stream = false;
   if constexpr (!std::is_same_v<O, NoOut>) {
     stream = n * static_cast<int64_t>(sizeof(O)) >= kStreamMinBytes;
@@ -415,35 +410,20 @@ void run_parallel(Isa isa, const Hyper& h, float* p, const G* g, float* m, float
       default: run_span<K, Generic, D>(h, p, g, m, v, out, begin, end, stream); return;
     }
   };
-  const int64_t threads = at::get_num_threads();
-  if (n < kGrainElems || threads <= 1 || at::in_parallel_region()) {
-    span(0, n);
-    return;
-  }
-  int64_t chunk = (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
-  chunk = std::clamp((chunk + kUnit - 1) / kUnit * kUnit, kMinChunk, kMaxChunk);
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  // One task per thread; each claims chunks until none are left.
-  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      span(c * chunk, std::min((c + 1) * chunk, n));
-    }
-  });
+  run_in_chunks(n, threads, kChunks, span);
 }
 
 template <Op K, Decay D, class G>
 void with_out(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v,
-              const c10::optional<at::Tensor>& out, int64_t n) {
+              const c10::optional<at::Tensor>& out, int64_t n, int64_t threads) {
   if (!out.has_value()) {
     NoOut none;
-    return run_parallel<K, D>(isa, h, p, g, m, v, &none, n);
+    return run_parallel<K, D>(isa, h, p, g, m, v, &none, n, threads);
   }
   switch (out->scalar_type()) {
-    case at::kFloat: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<float>(), n);
-    case at::kBFloat16: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<BF16>(), n);
-    case at::kHalf: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<F16>(), n);
+    case at::kFloat: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<float>(), n, threads);
+    case at::kBFloat16: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<BF16>(), n, threads);
+    case at::kHalf: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<F16>(), n, threads);
     default: TORCH_CHECK(false, "param_out must be float32, bfloat16 or float16");
   }
 }
@@ -451,15 +431,15 @@ void with_out(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v,
 template <Op K, Decay D>
 void with_grad(Isa isa, const Hyper& h, const at::Tensor& param, const at::Tensor& grad,
                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-               const c10::optional<at::Tensor>& out) {
+               const c10::optional<at::Tensor>& out, int64_t threads) {
   float* p = param.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t n = param.numel();
   switch (grad.scalar_type()) {
-    case at::kFloat: return with_out<K, D>(isa, h, p, grad.data_ptr<float>(), m, v, out, n);
-    case at::kBFloat16: return with_out<K, D>(isa, h, p, grad.data_ptr<BF16>(), m, v, out, n);
-    case at::kHalf: return with_out<K, D>(isa, h, p, grad.data_ptr<F16>(), m, v, out, n);
+    case at::kFloat: return with_out<K, D>(isa, h, p, grad.data_ptr<float>(), m, v, out, n, threads);
+    case at::kBFloat16: return with_out<K, D>(isa, h, p, grad.data_ptr<BF16>(), m, v, out, n, threads);
+    case at::kHalf: return with_out<K, D>(isa, h, p, grad.data_ptr<F16>(), m, v, out, n, threads);
     default: TORCH_CHECK(false, "grad must be float32, bfloat16 or float16");
   }
 }
@@ -475,7 +455,7 @@ void check(const at::Tensor& t, const char* name, int64_t n, bool fp32) {
 template <Op K>
 void run_op(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
-            const Hyper& h, bool decoupled, int64_t isa_code) {
+            const Hyper& h, bool decoupled, int64_t isa_code, int64_t threads) {
   const int64_t n = param.numel();
   check(param, "param", n, true);
   check(grad, "grad", n, false);
@@ -485,13 +465,13 @@ void run_op(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   if (n == 0) return;
   const Isa isa = resolve_isa(isa_code, Isa::kAvx512, "fused Adam");
   if constexpr (K == Op::kTouch) {
-    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out);
+    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
   } else if (h.l2 != 0.0 && !decoupled) {
-    with_grad<K, Decay::kL2>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out);
+    with_grad<K, Decay::kL2>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
   } else if (h.decay != 1.0 && decoupled) {
-    with_grad<K, Decay::kDecoupled>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out);
+    with_grad<K, Decay::kDecoupled>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
   } else {
-    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out);
+    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
   }
 }
 
@@ -499,17 +479,17 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
                bool decoupled, double decay, double l2, double lerp_weight, double beta2,
                double beta2_complement, double bias_correction2_sqrt, double neg_step_size,
-               double eps, int64_t isa) {
+               double eps, int64_t isa, int64_t threads) {
   const Hyper h{decay, l2, lerp_weight, beta2, beta2_complement, bias_correction2_sqrt,
                 neg_step_size, eps};
-  run_op<Op::kAdam>(param, grad, exp_avg, exp_avg_sq, param_out, h, decoupled, isa);
+  run_op<Op::kAdam>(param, grad, exp_avg, exp_avg_sq, param_out, h, decoupled, isa, threads);
 }
 
 void touch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
            const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
-           int64_t isa) {
+           int64_t isa, int64_t threads) {
   const Hyper h{1.0, 0.0, 0.1, 0.0, 0.0, 1.0, /*neg_step_size: the zero factor*/ 0.0, 0.0};
-  run_op<Op::kTouch>(param, grad, exp_avg, exp_avg_sq, param_out, h, false, isa);
+  run_op<Op::kTouch>(param, grad, exp_avg, exp_avg_sq, param_out, h, false, isa, threads);
 }
 
 std::string best_isa_name() { return isa_name(best_isa()); }
@@ -521,11 +501,11 @@ TORCH_LIBRARY(infinity_kernels, m) {
       "adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_out, bool decoupled, float decay, float l2, float lerp_weight, "
       "float beta2, float beta2_complement, float bias_correction2_sqrt, float neg_step_size, "
-      "float eps, int isa) -> ()",
+      "float eps, int isa, int threads=0) -> ()",
       &adam_step);
   m.def(
       "touch(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-      "Tensor(d!)? param_out, int isa) -> ()",
+      "Tensor(d!)? param_out, int isa, int threads=0) -> ()",
       &touch);
   m.def("best_isa() -> str", &best_isa_name);
 }

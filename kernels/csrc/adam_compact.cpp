@@ -43,6 +43,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "chunks.h"
 #include "isa.h"
 
 namespace infinity_kernels {
@@ -52,10 +53,8 @@ using BF16 = c10::BFloat16;
 using F16 = c10::Half;
 
 constexpr int64_t kBlock = 256;  // compact.BLOCK_NUMEL
-constexpr int64_t kMinChunk = 1 << 12;
-constexpr int64_t kMaxChunk = 1 << 16;
-constexpr int64_t kChunksPerThread = 8;
-constexpr int64_t kGrainElems = 1 << 15;
+// Chunks (chunks.h) are whole blocks: each block's scale and random bits are its own.
+constexpr ChunkShape kChunks{/*unit=*/kBlock, /*min_chunk=*/1 << 12, /*max_chunk=*/1 << 16, /*grain=*/1 << 15};
 
 struct NoOut {};
 enum class Decay { kNone, kDecoupled, kL2 };
@@ -416,48 +415,34 @@ void run_span(Isa isa, const Consts& c, const Buffers& b, const G* g, O* out, in
 }
 
 template <Op K, Decay D, class G, class O>
-void run_parallel(Isa isa, const Consts& c, const Buffers& b, const G* g, O* out, int64_t n) {
+void run_parallel(Isa isa, const Consts& c, const Buffers& b, const G* g, O* out, int64_t n,
+                  int64_t threads) {
   auto span = [&](int64_t begin, int64_t end) { run_span<K, D>(isa, c, b, g, out, begin, end); };
-  const int64_t threads = at::get_num_threads();
-  if (n < kGrainElems || threads <= 1 || at::in_parallel_region()) {
-    span(0, n);
-    return;
-  }
-  int64_t chunk = (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
-  chunk = std::clamp((chunk + kBlock - 1) / kBlock * kBlock, kMinChunk, kMaxChunk);
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  // One task per thread; each claims chunks until none are left (see adam.cpp).
-  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
-    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < chunks;
-         k = next.fetch_add(1, std::memory_order_relaxed)) {
-      span(k * chunk, std::min((k + 1) * chunk, n));
-    }
-  });
+  run_in_chunks(n, threads, kChunks, span);
 }
 
 template <Op K, Decay D, class G>
 void with_out(Isa isa, const Consts& c, const Buffers& b, const G* g, const c10::optional<at::Tensor>& out,
-              int64_t n) {
+              int64_t n, int64_t threads) {
   if (!out.has_value()) {
     NoOut* none = nullptr;
-    return run_parallel<K, D>(isa, c, b, g, none, n);
+    return run_parallel<K, D>(isa, c, b, g, none, n, threads);
   }
   switch (out->scalar_type()) {
-    case at::kFloat: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<float>(), n);
-    case at::kBFloat16: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<BF16>(), n);
-    case at::kHalf: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<F16>(), n);
+    case at::kFloat: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<float>(), n, threads);
+    case at::kBFloat16: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<BF16>(), n, threads);
+    case at::kHalf: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<F16>(), n, threads);
     default: TORCH_CHECK(false, "param_out must be float32, bfloat16 or float16");
   }
 }
 
 template <Op K, Decay D>
 void with_grad(Isa isa, const Consts& c, const Buffers& b, const at::Tensor& grad,
-               const c10::optional<at::Tensor>& out, int64_t n) {
+               const c10::optional<at::Tensor>& out, int64_t n, int64_t threads) {
   switch (grad.scalar_type()) {
-    case at::kFloat: return with_out<K, D>(isa, c, b, grad.data_ptr<float>(), out, n);
-    case at::kBFloat16: return with_out<K, D>(isa, c, b, grad.data_ptr<BF16>(), out, n);
-    case at::kHalf: return with_out<K, D>(isa, c, b, grad.data_ptr<F16>(), out, n);
+    case at::kFloat: return with_out<K, D>(isa, c, b, grad.data_ptr<float>(), out, n, threads);
+    case at::kBFloat16: return with_out<K, D>(isa, c, b, grad.data_ptr<BF16>(), out, n, threads);
+    case at::kHalf: return with_out<K, D>(isa, c, b, grad.data_ptr<F16>(), out, n, threads);
     default: TORCH_CHECK(false, "grad must be float32, bfloat16 or float16");
   }
 }
@@ -474,7 +459,8 @@ template <Op K>
 void run_op(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& exp_avg_scale,
             const c10::optional<at::Tensor>& exp_avg_sq_scale,
-            const c10::optional<at::Tensor>& param_out, const Consts& c, Decay decay, Isa isa) {
+            const c10::optional<at::Tensor>& param_out, const Consts& c, Decay decay, Isa isa,
+            int64_t threads) {
   constexpr bool kInt8 = K == Op::kInt8 || K == Op::kTouchInt8;
   const int64_t n = master.numel();
   check(master, "master", n, at::kBFloat16);
@@ -497,9 +483,9 @@ void run_op(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& 
   }
   if (n == 0) return;
   switch (decay) {
-    case Decay::kL2: return with_grad<K, Decay::kL2>(isa, c, b, grad, param_out, n);
-    case Decay::kDecoupled: return with_grad<K, Decay::kDecoupled>(isa, c, b, grad, param_out, n);
-    default: return with_grad<K, Decay::kNone>(isa, c, b, grad, param_out, n);
+    case Decay::kL2: return with_grad<K, Decay::kL2>(isa, c, b, grad, param_out, n, threads);
+    case Decay::kDecoupled: return with_grad<K, Decay::kDecoupled>(isa, c, b, grad, param_out, n, threads);
+    default: return with_grad<K, Decay::kNone>(isa, c, b, grad, param_out, n, threads);
   }
 }
 
@@ -509,7 +495,7 @@ void adam_step_compact(const at::Tensor& master, const at::Tensor& grad, const a
                        const c10::optional<at::Tensor>& param_out, bool int8, bool decoupled,
                        double decay, double l2, double lerp_weight, double beta2,
                        double beta2_complement, double bias_correction2_sqrt, double neg_step_size,
-                       double eps, int64_t k0, int64_t k1, int64_t isa_code) {
+                       double eps, int64_t k0, int64_t k1, int64_t isa_code, int64_t threads) {
   Consts c;
   const float w = static_cast<float>(lerp_weight);
   c.base_is_avg = std::fabs(w) < 0.5f;
@@ -531,24 +517,26 @@ void adam_step_compact(const at::Tensor& master, const at::Tensor& grad, const a
                                                 : Decay::kNone;
   const Isa isa = resolve_isa(isa_code, Isa::kAvx512, "compact-state Adam");
   if (int8) {
-    run_op<Op::kInt8>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa);
+    run_op<Op::kInt8>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa,
+                      threads);
   } else {
-    run_op<Op::kBf16>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa);
+    run_op<Op::kBf16>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa,
+                      threads);
   }
 }
 
 void touch_compact(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& exp_avg_scale,
                    const c10::optional<at::Tensor>& exp_avg_sq_scale,
-                   const c10::optional<at::Tensor>& param_out, bool int8, int64_t zero) {
+                   const c10::optional<at::Tensor>& param_out, bool int8, int64_t zero, int64_t threads) {
   Consts c{};
   c.k0 = static_cast<uint32_t>(zero);
   if (int8) {
     run_op<Op::kTouchInt8>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c,
-                           Decay::kNone, Isa::kGeneric);
+                           Decay::kNone, Isa::kGeneric, threads);
   } else {
     run_op<Op::kTouchBf16>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c,
-                           Decay::kNone, Isa::kGeneric);
+                           Decay::kNone, Isa::kGeneric, threads);
   }
 }
 
@@ -559,12 +547,12 @@ TORCH_LIBRARY_FRAGMENT(infinity_kernels, m) {
       "adam_step_compact(Tensor(a!) master, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!)? param_out, bool int8, "
       "bool decoupled, float decay, float l2, float lerp_weight, float beta2, float beta2_complement, "
-      "float bias_correction2_sqrt, float neg_step_size, float eps, int k0, int k1, int isa=0) -> ()",
+      "float bias_correction2_sqrt, float neg_step_size, float eps, int k0, int k1, int isa=0, int threads=0) -> ()",
       &adam_step_compact);
   m.def(
       "touch_compact(Tensor(a!) master, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!)? param_out, bool int8, "
-      "int zero) -> ()",
+      "int zero, int threads=0) -> ()",
       &touch_compact);
 }
 

@@ -23,11 +23,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "chunks.h"
+
 namespace infinity_kernels {
 namespace {
 
 constexpr int64_t kBlock = 1 << 16;
 constexpr int kLanes = 16;
+// Blocks are handed to threads a few at a time (chunks.h); fewer than 8 are summed on the calling thread.
+constexpr ChunkShape kBlockChunks{/*unit=*/1, /*min_chunk=*/1, /*max_chunk=*/64, /*grain=*/8};
 
 template <class T>
 double block_sq_sum(const T* x, int64_t n) {
@@ -49,7 +53,7 @@ double block_sq_sum(const T* x, int64_t n) {
 }
 
 template <class T>
-double sq_sum(const T* x, int64_t n) {
+double sq_sum(const T* x, int64_t n, int64_t threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<double> sums(blocks, 0.0);
   auto run = [&](int64_t begin, int64_t end) {
@@ -58,25 +62,21 @@ double sq_sum(const T* x, int64_t n) {
       sums[b] = block_sq_sum(x + start, std::min(kBlock, n - start));
     }
   };
-  if (blocks < 8 || at::in_parallel_region()) {
-    run(0, blocks);
-  } else {
-    at::parallel_for(0, blocks, 1, run);
-  }
+  run_in_chunks(blocks, threads, kBlockChunks, run);
   double total = 0.0;
   for (double s : sums) total += s;
   return total;
 }
 
-double sq_norm_fp64(const at::Tensor& values) {
+double sq_norm_fp64(const at::Tensor& values, int64_t threads) {
   TORCH_CHECK(values.device().is_cpu(), "values must be on the CPU");
   TORCH_CHECK(values.is_contiguous(), "values must be contiguous");
   const int64_t n = values.numel();
   if (n == 0) return 0.0;
   switch (values.scalar_type()) {
-    case at::kFloat: return sq_sum(values.data_ptr<float>(), n);
-    case at::kBFloat16: return sq_sum(values.data_ptr<c10::BFloat16>(), n);
-    case at::kHalf: return sq_sum(values.data_ptr<c10::Half>(), n);
+    case at::kFloat: return sq_sum(values.data_ptr<float>(), n, threads);
+    case at::kBFloat16: return sq_sum(values.data_ptr<c10::BFloat16>(), n, threads);
+    case at::kHalf: return sq_sum(values.data_ptr<c10::Half>(), n, threads);
     default: TORCH_CHECK(false, "values must be float32, bfloat16 or float16");
   }
 }
@@ -84,7 +84,7 @@ double sq_norm_fp64(const at::Tensor& values) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infinity_kernels, m) {
-  m.def("sq_norm_fp64(Tensor values) -> float", &sq_norm_fp64);
+  m.def("sq_norm_fp64(Tensor values, int threads=0) -> float", &sq_norm_fp64);
 }
 
 }  // namespace infinity_kernels

@@ -1,0 +1,102 @@
+"""The host cores the fused CPU Adam runs on, so its threads do not fight the thread that feeds the GPU.
+
+On a GPU the main thread runs the model's Python, launches its kernels and issues the copies and reads that feed
+it. A CPU kernel whose OpenMP team takes every core preempts it, and the GPU idles until the launch comes. So with
+a CUDA device the kernel's team takes every core this process may use but the first ``FEEDER_CORES``, and its
+threads are bound to those cores: the engine's worker threads that update sub-groups (the overlapped step's, the
+step tail's, the host gradient adder's) bind themselves before their first update (:meth:`HostCores.bind_this_thread`),
+and the threads OpenMP starts for them inherit the binding (Linux gives a new thread its creator's affinity). The
+main thread is not bound: with its core left free, the scheduler runs it there.
+
+On a CPU device the cores are the device: forward, backward and the kernel share them, so the team takes every
+core, unbound. ``zero_optimization.offload_optimizer.host_threads`` sizes the team by hand; fewer threads than
+usable cores are bound to the last of them, leaving the first to the threads that feed the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FEEDER_CORES", "HOST_THREADS_KEY", "HostCores", "plan_host_cores", "usable_cores"]
+
+logger = logging.getLogger(__name__)
+
+FEEDER_CORES = 1
+"""Cores left to the main thread on a GPU machine: it launches the GPU's kernels and issues its copies."""
+HOST_THREADS_KEY = "zero_optimization.offload_optimizer.host_threads"
+
+
+def usable_cores() -> frozenset[int]:
+    """The cores this process may run on (its affinity: taskset, cgroups), or all of ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True, slots=True)
+class HostCores:
+    """The fused CPU Adam's team: how many threads, and the cores they are bound to."""
+
+    threads: int | None
+    """The kernel's team size (its ``num_threads``); None: torch's thread count (``torch.set_num_threads``)."""
+    cores: frozenset[int] | None
+    """The cores the engine's updating threads bind to, or None: unbound (they run wherever the process may)."""
+    reason: str
+    """A few words for the start line: why this team."""
+
+    def bind_this_thread(self) -> None:
+        """Bind the calling thread (and the OpenMP threads it starts from now on) to :attr:`cores`; nothing when
+        unbound. Only the engine's own worker threads call this: the main thread is the user's."""
+        if self.cores is not None:
+            os.sched_setaffinity(0, self.cores)  # pid 0: the calling thread alone
+
+    def describe(self) -> str:
+        """``15 threads on cores 1-15 (why)``, or ``torch's 2 threads, unbound (why)``."""
+        if self.threads is None:
+            return f"torch's {torch.get_num_threads()} threads, unbound ({self.reason})"
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        if self.cores is None:
+            return f"{threads}, unbound ({self.reason})"
+        return f"{threads} on core{'s' if len(self.cores) != 1 else ''} {_ranges(self.cores)} ({self.reason})"
+
+
+def plan_host_cores(device: torch.device, requested: int | None, *,
+                    usable: frozenset[int] | None = None) -> HostCores:
+    """The team for a run on ``device`` with ``offload_optimizer.host_threads`` = ``requested`` (None: from the
+    machine). ``usable``: the process's cores (default :func:`usable_cores`). Raises ``ValueError`` naming the key
+    for a count this process has no cores for."""
+    usable = usable_cores() if usable is None else usable
+    ordered = sorted(usable)
+    if requested is not None:
+        if requested > len(ordered):
+            raise ValueError(f"config key {HOST_THREADS_KEY} is {requested}, but this process may run on "
+                             f"{len(ordered)} cores ({_ranges(usable)})")
+        if requested == len(ordered):
+            return HostCores(requested, None, HOST_THREADS_KEY)
+        return HostCores(requested, frozenset(ordered[-requested:]), HOST_THREADS_KEY)
+    if device.type != "cuda" or len(ordered) <= FEEDER_CORES:
+        why = "the cores are the device" if device.type != "cuda" else "no core to spare for the GPU's feeder"
+        return HostCores(None, None, why)
+    kept = frozenset(ordered[FEEDER_CORES:])
+    return HostCores(len(kept), kept, f"core {_ranges(ordered[:FEEDER_CORES])} left to the thread that feeds the GPU")
+
+
+def _ranges(cores) -> str:
+    """``0-3,8,10-11``."""
+    ordered = sorted(cores)
+    parts: list[str] = []
+    start = prev = None
+    for core in ordered:
+        if prev is not None and core == prev + 1:
+            prev = core
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = core
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
