@@ -343,7 +343,7 @@ def main(argv=None) -> int:
         disk = measure_disk(nvme_path) if any(t == "nvme" for t, _ in cases) else None
         print(f"machine: {machine(device)}; micro-batch {args.micro_batch} x seq {args.seq}, bf16, "
               f"{args.rounds} rounds after {args.warmup} warm-up")
-        print(f"{'model':>6} {'tier':>5} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7} {'predicted s':>11} "
+        print(f"{'model':>6} {'tier':>7} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7} {'predicted s':>11} "
               f"{'/pred':>6} {'ratio/pred':>10} {'bound by':>10}  host<->device MB/step")
         for name in names:
             for tier, accum in cases:
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
                 extra += f"   initialize {row['initialize_s']:.1f} s"
                 if row.get("pinned_nbytes"):
                     extra += f" (then {row['pinned_nbytes'] / 1e9:.1f} GB pinned in {row['pinning_s']:.1f} s behind it)"
-                print(f"{name:>6} {tier:>5} {accum:>3} {row['reference_step_s']:9.3f} {row['step_s']:9.3f} "
+                print(f"{name:>6} {tier:>7} {accum:>3} {row['reference_step_s']:9.3f} {row['step_s']:9.3f} "
                       f"{row['ratio']:6.2f}x {row['predicted_s']:11.3f} {row['measured_over_predicted']:5.2f}x "
                       f"{row['ratio_over_predicted_ratio']:9.2f}x "
                       f"{row['bound_by']:>10}  {moved:10.1f}{extra}", flush=True)

@@ -133,7 +133,7 @@ run_phase() {
       # rows print as they finish, so a cut-off run still leaves them
       # the offloaded step's targets: cpu with fp32 and int8 states, half the optimizer on the device, accumulation 4
       step bench-gpu-1.3b 330 "$py" benchmarks/bench_gpu.py --models 1.3b \
-        --cases cpu:1,unbound:1,int8:1,half:1,none:4,cpu:4,nvme:1,spill:1 --rounds 3 --warmup 1 \
+        --cases cpu:1,int8:1,half:1,none:4,cpu:4,nvme:1,spill:1,unbound:1 --rounds 3 --warmup 1 \
         --trace "$out" --trace-cases cpu:1 --profile  # where the cpu row's step goes: our trace and torch.profiler's
       step bench-compact 100 "$py" benchmarks/bench_compact.py --layers 24 --d-model 2048 --heads 16 \
         --precision bf16 --steps 2 --warmup 1
