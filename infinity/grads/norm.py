@@ -28,17 +28,18 @@ DEVICE_CHUNK_NUMEL = 1 << 24
 """Elements per chunk on an accelerator, whose caching allocator reuses blocks (no fresh pages there)."""
 
 
-def sq_norm_fp64(values: torch.Tensor) -> float:
+def sq_norm_fp64(values: torch.Tensor, *, num_threads: int | None = None) -> float:
     """The squared L2 norm of ``values`` (any float dtype, one flat tensor) summed in fp64.
 
-    The same tensor always gives the same bits: chunk sums are added in chunk order.
+    The same tensor always gives the same bits: chunk sums are added in chunk order. ``num_threads``: the C++
+    kernel's team (None: torch's count), the optimizer's own where its worker takes the norm.
     """
     if values.device.type != "cpu":
         # One host sync at the end, not one per chunk.
         return float(sum(chunk.double().pow(2).sum() for chunk in values.split(DEVICE_CHUNK_NUMEL)))
     if kernels.norm.takes(values):
         # The C++ kernel: one pass, without the GIL (the optimizer's worker calls this while backward runs).
-        total = kernels.sq_norm_fp64(values)
+        total = kernels.sq_norm_fp64(values, num_threads=num_threads)
         if total is not None:
             return total
     buffer = torch.empty(min(HOST_CHUNK_NUMEL, values.numel()), dtype=torch.float64)

@@ -74,6 +74,7 @@ class GradReducer:
         self._slot_of_param = slot_of_param
         self._slices_tier = "device" if placement.grads.tier == "device" else "host"
         self._split = placement.device_numel  # a split optimizer's device slices end here (0: no split)
+        self._norm_threads = placement.host_cores.threads  # the norms are the host step's: its team
         self.spill = spill
         self._memory_end = (layout.trainable_numel if placement.nvme_grads_from is None
                             else layout.sub_groups[placement.nvme_grads_from].start)  # NVMe's slices begin here
@@ -284,7 +285,7 @@ class GradReducer:
         """The squared norm of one sub-group's gradients, in fp64 (finite exactly when every gradient is)."""
         if self.on_nvme(group):
             return self.spill.sq_norm(group)  # taken as each slice was written
-        return sq_norm_fp64(self.wait_sub_group(group))
+        return sq_norm_fp64(self.wait_sub_group(group), num_threads=self._norm_threads)
 
     def sq_norm(self) -> float:
         """This rank's squared gradient norm: the sub-groups' terms summed in their order (as

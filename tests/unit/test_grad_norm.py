@@ -14,7 +14,7 @@ from infinity.grads.norm import HOST_CHUNK_NUMEL, sq_norm_fp64
 def path(request, monkeypatch):
     """Each test once through the C++ kernel (skipped where it is not built) and once through torch ops."""
     if request.param == "torch":
-        monkeypatch.setattr(kernels, "sq_norm_fp64", lambda values: None)
+        monkeypatch.setattr(kernels, "sq_norm_fp64", lambda values, num_threads=None: None)
     elif kernels.backend() != "cpp":
         pytest.skip("the C++ kernel is not built here")
     return request.param

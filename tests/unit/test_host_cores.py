@@ -188,16 +188,16 @@ def test_the_team_a_bound_thread_starts_runs_on_its_cores():
 
 # -- the engine -----------------------------------------------------------------------------------------------
 
-def _record_kernel_calls(monkeypatch) -> list:
-    """Each fused CPU Adam call's thread, that thread's cores and the team it asked for."""
+def _record_kernel_calls(monkeypatch, kernel: str = "adam_step") -> list:
+    """Each call of ``kernels.<kernel>``: its thread, that thread's cores and the team it asked for."""
     calls = []
-    adam_step = kernels.adam_step
+    original = getattr(kernels, kernel)
 
     def recording(*args, **kwargs):
         calls.append((threading.current_thread().name, frozenset(os.sched_getaffinity(0)), kwargs.get("num_threads")))
-        return adam_step(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "adam_step", recording)
+    monkeypatch.setattr(kernels, kernel, recording)
     return calls
 
 
@@ -209,11 +209,15 @@ def test_the_engine_binds_its_updating_threads_and_matches_plain_adamw(tmp_path,
     config = engine_config(param="cpu", optimizer=optimizer, nvme_path=str(tmp_path), accum=1, clip=0.0, lr=3e-3)
     config["zero_optimization"]["offload_optimizer"]["host_threads"] = 1
     calls = _record_kernel_calls(monkeypatch)
+    norms = _record_kernel_calls(monkeypatch, "sq_norm_fp64")
     main_cores = os.sched_getaffinity(0)
     losses, state, _, placement = engine_steps(model, config, batches, steps=4, accum=1)
     assert placement.host_cores.cores == frozenset({CORES[-1]}) and placement.host_cores.threads == 1
     assert calls and all(cores == {CORES[-1]} and threads == 1 for _, cores, threads in calls), calls
     assert {name for name, _, _ in calls} == {"infinity-optimizer"}  # the overlapped step's worker
+    # the worker takes each sub-group's gradient norm as it becomes final, with the same team
+    worker_norms = [(cores, threads) for name, cores, threads in norms if name == "infinity-optimizer"]
+    assert worker_norms and all(cores == {CORES[-1]} and threads == 1 for cores, threads in worker_norms)
     assert os.sched_getaffinity(0) == main_cores
     expected = reference_train(model, batches, steps=4, accum=1, clip=0.0, lr=3e-3)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[0]), rtol=1e-5, atol=1e-6)
