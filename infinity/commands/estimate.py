@@ -231,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     micro_batch = config.micro_batch_size or 1
     seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
-    shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len) if gpt_cfg is not None else None
+    shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len,
+                          recompute=args.activation_checkpointing) if gpt_cfg is not None else None
 
     def figures(config: InfinityConfig) -> dict:
         activations = 0 if gpt_cfg is None else gpt_activation_nbytes(

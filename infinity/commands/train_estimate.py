@@ -10,7 +10,7 @@ from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_num
 from infinity.placement.estimate import estimate_for_config
 from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
-from infinity.placement.split_choice import StepShape, step_shape_of
+from infinity.placement.split_choice import StepShape, recomputes, step_shape_of
 
 __all__ = ["estimate_for", "model_numels", "run_step_shape"]
 
@@ -26,9 +26,10 @@ def model_numels(model) -> tuple[list[int], int]:
 
 
 def run_step_shape(plan, model) -> StepShape | None:
-    """The run's model shape and micro-batch for the step-time model (the estimate's and the engine's alike, so
-    that both choose the same split)."""
-    return step_shape_of(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len)
+    """The run's model shape, micro-batch and recompute for the step-time model (the estimate's and the engine's
+    alike, so that both choose the same split)."""
+    return step_shape_of(model, micro_batch=plan.micro_batch, seq_len=plan.seq_len,
+                         recompute=plan.activation_checkpointing or recomputes(model))
 
 
 def estimate_for(plan, model) -> dict:

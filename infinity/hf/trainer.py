@@ -41,6 +41,7 @@ from torch import nn
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.saving import save_adapters, save_full_model
 from infinity.hf.trainer_config import trainer_config
+from infinity.placement.split_choice import recomputes, step_shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,11 @@ class InfinityTrainerMixin:
         super().__init__(**kwargs)
         config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
-        self.engine = initialize(model, config, weights=weights, param_groups=self._decay_groups(model))
+        # the Trainer turns activation checkpointing on later, in train(): the split's step-time model hears it now
+        shape = step_shape_of(model, micro_batch=config.micro_batch_size or 1,
+                              recompute=bool(self.args.gradient_checkpointing) or recomputes(model))
+        self.engine = initialize(model, config, weights=weights, param_groups=self._decay_groups(model),
+                                 step_shape=shape)
         self._engine_module = EngineModule(self.engine)
         self.model_wrapped = self._engine_module
 

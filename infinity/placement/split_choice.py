@@ -31,7 +31,7 @@ from infinity.placement.step_time import StepPrediction, predict_step, traffic_f
 from infinity.runtime.machine_figures import load_cached
 
 __all__ = ["SPLIT_TOLERANCE", "SplitChoice", "StepShape", "apply_optimizer_split", "choose_count", "choose_split",
-           "split_figures", "step_shape_of"]
+           "recomputes", "split_figures", "step_shape_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,24 +57,40 @@ class StepShape:
     """Parameters of the output head's matmul (vocabulary x width)."""
     micro_batch: int = 1
     """Samples of a micro-batch."""
+    recompute: bool = False
+    """The blocks are recomputed in backward (activation checkpointing): one more forward a step."""
 
     def traffic_shape(self) -> dict:
         """:func:`~infinity.placement.step_time.traffic_from_estimate`'s ``shape``."""
         return {"layers": self.layers, "width": self.width, "seq_len": self.seq_len, "head_params": self.head_params}
 
 
-def step_shape_of(model, *, micro_batch: int = 1, seq_len: int | None = None) -> StepShape | None:
+def step_shape_of(model, *, micro_batch: int = 1, seq_len: int | None = None,
+                  recompute: bool | None = None) -> StepShape | None:
     """The shape of ``model`` (our GPT or its config, or a transformers model), or None where it says none (the
-    model is then taken as a GPT of its parameter count). ``seq_len``: the run's (default: the model's own)."""
+    model is then taken as a GPT of its parameter count). ``seq_len``: the run's (default: the model's own).
+    ``recompute``: whether its blocks are recomputed in backward (default: what a built model says,
+    :func:`recomputes`; a config says nothing, so False)."""
+    recompute = recomputes(model) if recompute is None else recompute
     cfg = model if hasattr(model, "n_layer") else getattr(model, "config", None)
     if hasattr(cfg, "n_layer") and hasattr(cfg, "d_model"):  # our GPTConfig
-        return StepShape(cfg.n_layer, cfg.d_model, seq_len or cfg.seq_len, cfg.vocab_size * cfg.d_model, micro_batch)
+        return StepShape(cfg.n_layer, cfg.d_model, seq_len or cfg.seq_len, cfg.vocab_size * cfg.d_model, micro_batch,
+                         recompute)
     layers, width = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "hidden_size", None)
     if isinstance(layers, int) and isinstance(width, int):  # a transformers config
         own = getattr(cfg, "max_position_embeddings", None) or HF_SEQ_LEN_CAP
         return StepShape(layers, width, seq_len or min(own, HF_SEQ_LEN_CAP),
-                         (getattr(cfg, "vocab_size", 0) or 0) * width, micro_batch)
+                         (getattr(cfg, "vocab_size", 0) or 0) * width, micro_batch, recompute)
     return None
+
+
+def recomputes(model) -> bool:
+    """Whether a built model recomputes its blocks in backward: our GPT's ``checkpoint_every``, a transformers
+    model's ``is_gradient_checkpointing`` (both set by ``activation_checkpointing_enable()`` or
+    ``gradient_checkpointing_enable()``)."""
+    if isinstance(getattr(model, "checkpoint_every", None), int):
+        return model.checkpoint_every > 0
+    return getattr(model, "is_gradient_checkpointing", False) is True
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +171,7 @@ def _predict(est: dict, config: InfinityConfig, figures, count: int, device_nume
     traffic = traffic_from_estimate(
         moved, micro_batch=shape.micro_batch if shape else None, seq_len=shape.seq_len if shape else None,
         shape=shape.traffic_shape() if shape else None, crossings=crossings,
-        overlap_step_with_backward=config.zero.overlap_step_with_backward)
+        recompute=shape.recompute if shape else None, overlap_step_with_backward=config.zero.overlap_step_with_backward)
     return predict_step(figures, traffic)
 
 

@@ -17,6 +17,7 @@ import infinity
 from helpers import TinyGPT, assert_matches, engine_config, engine_steps, gpt_batches, reference_train
 from infinity.config.schema import InfinityConfig
 from infinity.kernels import state_nbytes
+from infinity.models.gpt import GPT, GPTConfig
 from infinity.placement import engine_split, split_choice
 from infinity.placement.estimate import estimate_for_config
 from infinity.placement.layout import ShardLayout
@@ -224,3 +225,42 @@ def test_step_metrics_show_the_budget_and_what_the_share_holds(gpt, monkeypatch)
     states_and_slices = sum(state_nbytes("fp32", g.numel) + g.numel * 4 for g in groups[:half])
     assert split["budget_nbytes"] == budget
     assert split["device_share_nbytes"] == states_and_slices == split["device_share_peak_nbytes"] <= budget
+
+
+# -- a model that recomputes its blocks -----------------------------------------------------------------------------
+def test_the_split_hears_that_the_model_recomputes(monkeypatch):
+    """Blocks recomputed in backward (activation checkpointing) cost one more forward a step: the split's step-time
+    model counts it, read off the built model (our GPT's flag) at ``initialize``, as the estimate counts it from its
+    shape."""
+    use_figures(monkeypatch, figures(block_tflops={"bf16": {"64": 1e-4}}))  # compute shows in the step
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32)
+    steps = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if recompute:
+            model.activation_checkpointing_enable()
+        assert split_choice.step_shape_of(model).recompute is recompute
+        engine = infinity.initialize(model, _auto_config(model))
+        try:
+            steps[recompute] = engine.step_metrics()["optimizer_split"]["all_offloaded_step_s"]
+        finally:
+            engine.close()
+    assert steps[True] > 1.2 * steps[False], steps
+    config = InfinityConfig.from_deepspeed(_auto_config(GPT(cfg)))
+    numels = [p.numel() for p in GPT(cfg).parameters()]
+    estimated = {recompute: estimate_for_config(
+        config, param_numels=numels, gpu=True,
+        step_shape=split_choice.step_shape_of(cfg, micro_batch=2, recompute=recompute))["optimizer_split"]
+        for recompute in (False, True)}
+    assert estimated[True]["all_offloaded_step_s"] > 1.2 * estimated[False]["all_offloaded_step_s"]
+
+
+def test_a_transformers_model_says_it_recomputes():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    assert split_choice.step_shape_of(model).recompute is False
+    model.activation_checkpointing_enable()
+    assert split_choice.step_shape_of(model).recompute is True
+    assert split_choice.step_shape_of(model, recompute=False).recompute is False  # the caller's word wins
