@@ -129,7 +129,7 @@ run_phase() {
     bench)
       step bench-gpu-124m 120 "$py" benchmarks/bench_gpu.py --models 124m --rounds 3 --warmup 1
       # the CPU Adam beside a feeding thread: its team on every core, or bound off the first (as the engine binds it)
-      step bench-host-threads 30 "$py" benchmarks/bench_host_threads.py --rounds 5 --seconds 1
+      step bench-host-threads 30 "$py" benchmarks/bench_host_threads.py --rounds 5 --seconds 1 --numel 20000000
       # rows print as they finish, so a cut-off run still leaves them
       # the offloaded step's targets: cpu with fp32 and int8 states, half the optimizer on the device, accumulation 4
       step bench-gpu-1.3b 330 "$py" benchmarks/bench_gpu.py --models 1.3b \
