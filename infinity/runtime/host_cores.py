@@ -8,9 +8,13 @@ step tail's, the host gradient adder's) bind themselves before their first updat
 and the threads OpenMP starts for them inherit the binding (Linux gives a new thread its creator's affinity). The
 main thread is not bound: with its core left free, the scheduler runs it there.
 
-On a CPU device the cores are the device: forward, backward and the kernel share them, so the team takes every
-core, unbound. ``zero_optimization.offload_optimizer.host_threads`` sizes the team by hand; fewer threads than
-usable cores are bound to the last of them, leaving the first to the threads that feed the device.
+Several ranks on one machine (``LOCAL_WORLD_SIZE``, as ``torchrun`` sets it, with ``LOCAL_RANK``) share its cores:
+each takes its own contiguous share of them, and leaves the first core of its share to its own feeder, so no two
+ranks' teams run on one core (torchrun's ``OMP_NUM_THREADS=1`` would give every rank's CPU Adam one thread).
+
+On a CPU device the cores are the device: forward, backward and the kernel share them, so the team takes torch's
+thread count, unbound. ``zero_optimization.offload_optimizer.host_threads`` sizes the team by hand; fewer threads
+than the rank's cores are bound to the last of them, leaving the first to the threads that feed the device.
 """
 
 from __future__ import annotations
@@ -64,18 +68,20 @@ class HostCores:
         return f"{threads} on core{'s' if len(self.cores) != 1 else ''} {_ranges(self.cores)} ({self.reason})"
 
 
-def plan_host_cores(device: torch.device, requested: int | None, *,
-                    usable: frozenset[int] | None = None) -> HostCores:
+def plan_host_cores(device: torch.device, requested: int | None, *, usable: frozenset[int] | None = None,
+                    local_rank: int | None = None, local_world_size: int | None = None) -> HostCores:
     """The team for a run on ``device`` with ``offload_optimizer.host_threads`` = ``requested`` (None: from the
-    machine). ``usable``: the process's cores (default :func:`usable_cores`). Raises ``ValueError`` naming the key
-    for a count this process has no cores for."""
+    machine). ``usable``: the process's cores (default :func:`usable_cores`); ``local_rank`` of
+    ``local_world_size`` ranks on this machine (default: ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, else 0 of 1)
+    take the ``local_rank``-th of as many contiguous shares of them. Raises ``ValueError`` naming the key for a
+    count this rank has no cores for."""
     usable = usable_cores() if usable is None else usable
-    ordered = sorted(usable)
+    ordered = _rank_share(sorted(usable), *_local_ranks(local_rank, local_world_size))
     if requested is not None:
         if requested > len(ordered):
-            raise ValueError(f"config key {HOST_THREADS_KEY} is {requested}, but this process may run on "
-                             f"{len(ordered)} cores ({_ranges(usable)})")
-        if requested == len(ordered):
+            raise ValueError(f"config key {HOST_THREADS_KEY} is {requested}, but this rank may run on "
+                             f"{len(ordered)} cores ({_ranges(ordered)})")
+        if requested == len(usable):  # the process's every core: nothing to leave free, nobody to share with
             return HostCores(requested, None, HOST_THREADS_KEY)
         return HostCores(requested, frozenset(ordered[-requested:]), HOST_THREADS_KEY)
     if device.type != "cuda" or len(ordered) <= FEEDER_CORES:
@@ -83,6 +89,35 @@ def plan_host_cores(device: torch.device, requested: int | None, *,
         return HostCores(None, None, why)
     kept = frozenset(ordered[FEEDER_CORES:])
     return HostCores(len(kept), kept, f"core {_ranges(ordered[:FEEDER_CORES])} left to the thread that feeds the GPU")
+
+
+def _local_ranks(local_rank: int | None, local_world_size: int | None) -> tuple[int, int]:
+    """(this rank's index, the ranks) on this machine: as given, else torchrun's environment (where it names a rank
+    of its ranks), else (0, 1)."""
+    if local_rank is not None or local_world_size is not None:
+        rank, size = local_rank or 0, local_world_size or 1
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"local rank {rank} of {size} ranks on this machine")
+        return rank, size
+    try:
+        rank, size = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    except ValueError:
+        rank, size = 0, 1
+    if size < 1 or not 0 <= rank < size:
+        logger.info("LOCAL_RANK %s of LOCAL_WORLD_SIZE %s names no rank: the CPU Adam's team plans on every core",
+                    os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE"))
+        return 0, 1
+    return rank, size
+
+
+def _rank_share(ordered: list[int], rank: int, size: int) -> list[int]:
+    """The ``rank``-th of ``size`` contiguous, near-equal shares of ``ordered`` (every core where there are fewer
+    cores than ranks: they are shared anyway)."""
+    if size <= 1 or len(ordered) < size:
+        return ordered
+    per, extra = divmod(len(ordered), size)
+    start = rank * per + min(rank, extra)
+    return ordered[start:start + per + (1 if rank < extra else 0)]
 
 
 def _ranges(cores) -> str:

@@ -54,8 +54,35 @@ def test_host_threads_binds_the_last_cores_of_the_process():
     assert every.threads == 8 and every.cores is None  # all of them: nothing to leave free
 
 
+def test_ranks_on_one_machine_take_their_own_share_of_its_cores():
+    """torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE: contiguous shares, each leaving its first core to its own feeder,
+    so no two ranks' teams share a core."""
+    cores = frozenset(range(16))
+    plans = [plan_host_cores(CUDA, None, usable=cores, local_rank=r, local_world_size=4) for r in range(4)]
+    assert [p.cores for p in plans] == [frozenset({1, 2, 3}), frozenset({5, 6, 7}), frozenset({9, 10, 11}),
+                                        frozenset({13, 14, 15})]
+    assert all(p.threads == 3 for p in plans) and "core 4 left" in plans[1].describe()
+    uneven = [plan_host_cores(CUDA, None, usable=frozenset(range(10)), local_rank=r, local_world_size=3)
+              for r in range(3)]
+    assert [sorted(p.cores) for p in uneven] == [[1, 2, 3], [5, 6], [8, 9]]  # shares of 4, 3, 3
+    # a count by hand is bound within the rank's share, even when it takes the whole share
+    assert plan_host_cores(CUDA, 4, usable=cores, local_rank=1, local_world_size=4).cores == frozenset({4, 5, 6, 7})
+    with pytest.raises(ValueError, match=f"{HOST_THREADS_KEY} is 5, but this rank may run on 4 cores"):
+        plan_host_cores(CUDA, 5, usable=cores, local_rank=1, local_world_size=4)
+
+
+def test_the_environment_names_the_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert plan_host_cores(CUDA, None, usable=frozenset(range(8))).cores == frozenset({5})
+    monkeypatch.setenv("LOCAL_RANK", "4")  # names no rank of 4: planned as one rank on every core
+    assert plan_host_cores(CUDA, None, usable=frozenset(range(8))).cores == frozenset(range(1, 8))
+    with pytest.raises(ValueError, match="local rank 4 of 4"):
+        plan_host_cores(CUDA, None, usable=frozenset(range(8)), local_rank=4, local_world_size=4)
+
+
 def test_more_host_threads_than_cores_is_refused_by_key():
-    with pytest.raises(ValueError, match=f"{HOST_THREADS_KEY} is 17.*16 cores"):
+    with pytest.raises(ValueError, match=f"{HOST_THREADS_KEY} is 17, but this rank may run on 16 cores"):
         plan_host_cores(CUDA, 17, usable=frozenset(range(16)))
 
 
