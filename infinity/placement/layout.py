@@ -13,7 +13,11 @@ Sub-groups cut the trainable prefix into runs of whole parameters of at most
 optimizer updates and swaps one sub-group at a time. Where parameters have
 weight decays of their own (param groups), a sub-group also ends where the
 decay changes, so each sub-group has one; with one decay for all the cuts are
-those of the size alone.
+those of the size alone. The trainable parameters of one decay are laid out
+together (each decay's in model order, the decays in the order they first
+appear): otherwise the usual groups (no decay on biases and norms) would cut a
+sub-group at every bias, into hundreds of small ones the optimizer steps and
+swaps one by one.
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class ShardLayout:
         ``weight_decay`` for all."""
         self.world_size = world_size
         decay_of = weight_decay or {}
-        ordered = [np for np in named_params if np[1].requires_grad] + [np for np in named_params if not np[1].requires_grad]
+        ordered = _by_decay([np for np in named_params if np[1].requires_grad], decay_of) + \
+            [np for np in named_params if not np[1].requires_grad]
         slots, offset = [], 0
         for index, (name, param) in enumerate(ordered):
             numel = param.numel()
@@ -131,6 +136,16 @@ class ShardLayout:
     @property
     def largest_sub_group_numel(self) -> int:
         return max((g.numel for g in self.sub_groups), default=0)
+
+
+def _by_decay(trainable: list[tuple[str, torch.nn.Parameter]],
+              decay_of: Mapping[str, float]) -> list[tuple[str, torch.nn.Parameter]]:
+    """``trainable`` with the parameters of each decay together: the decays in the order they first appear, each
+    one's parameters in model order."""
+    runs: dict[float | None, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in trainable:
+        runs.setdefault(decay_of.get(name), []).append((name, param))
+    return [named for run in runs.values() for named in run]
 
 
 def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:
