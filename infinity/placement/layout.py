@@ -23,7 +23,7 @@ swaps one by one.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +86,8 @@ class ShardLayout:
         ``weight_decay`` for all."""
         self.world_size = world_size
         decay_of = weight_decay or {}
-        ordered = _by_decay([np for np in named_params if np[1].requires_grad], decay_of) + \
+        trainable = [np for np in named_params if np[1].requires_grad]
+        ordered = [trainable[i] for i in decay_order([decay_of.get(name) for name, _ in trainable])] + \
             [np for np in named_params if not np[1].requires_grad]
         slots, offset = [], 0
         for index, (name, param) in enumerate(ordered):
@@ -138,14 +139,13 @@ class ShardLayout:
         return max((g.numel for g in self.sub_groups), default=0)
 
 
-def _by_decay(trainable: list[tuple[str, torch.nn.Parameter]],
-              decay_of: Mapping[str, float]) -> list[tuple[str, torch.nn.Parameter]]:
-    """``trainable`` with the parameters of each decay together: the decays in the order they first appear, each
-    one's parameters in model order."""
-    runs: dict[float | None, list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, param in trainable:
-        runs.setdefault(decay_of.get(name), []).append((name, param))
-    return [named for run in runs.values() for named in run]
+def decay_order(decays: Sequence[float | None]) -> list[int]:
+    """The order the trainable parameters are laid out in, as indices into ``decays`` (each one's weight decay, in
+    model order): each decay's parameters together, in model order, the decays in the order they first appear."""
+    runs: dict[float | None, list[int]] = {}
+    for index, decay in enumerate(decays):
+        runs.setdefault(decay, []).append(index)
+    return [index for run in runs.values() for index in run]
 
 
 def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:
