@@ -31,7 +31,7 @@ from dataclasses import asdict
 
 from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checks import config_number
-from infinity.commands.train_estimate import model_numels
+from infinity.commands.train_estimate import model_decays, model_numels
 from infinity.commands.train_plan import DEFAULT_LR, DEFAULT_STEPS, complete_file, engine_config, kept_offload_note
 from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.tier_names import OFFLOAD_DEVICES
@@ -185,20 +185,25 @@ def _pick(flag, from_config, default):
     return flag if flag is not None else (from_config if from_config is not None else default)
 
 
-def _model(args: argparse.Namespace) -> tuple[dict, object]:
-    """(what the estimate takes of the model: param_numels or num_params, largest layer; the GPTConfig of a preset
+def _model(args: argparse.Namespace, weight_decay: float) -> tuple[dict, object]:
+    """(what the estimate takes of the model: param_numels or num_params, largest layer, each parameter's weight
+    decay as train gives it (not with --trainable-params: train trains every parameter); the GPTConfig of a preset
     for its activations, else None)."""
     if args.preset is not None:
         cfg = get_preset(args.preset)
         if args.seq_len is not None and not 0 < args.seq_len <= cfg.seq_len:
             raise ValueError(f"--seq-len must be in 1..{cfg.seq_len} for preset {args.preset!r}, got {args.seq_len}")
-        numels, largest = model_numels(cfg)
-        return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest}, cfg
+        return _of_model(args, cfg, weight_decay), cfg
     if args.hf_model is not None:
         model = build_meta_causal_lm(args.hf_model)  # on the meta device: shapes, no memory, no weights read
-        numels, largest = model_numels(model)
-        return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest}, None
+        return _of_model(args, model, weight_decay), None
     return {"num_params": args.params, "largest_layer_params": args.largest_layer}, None
+
+
+def _of_model(args: argparse.Namespace, model, weight_decay: float) -> dict:
+    numels, largest = model_numels(model)
+    decays = model_decays(model, weight_decay) if args.trainable_params is None else None
+    return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest, "param_decays": decays}
 
 
 def _hidden_size(args: argparse.Namespace) -> int | None:
@@ -225,10 +230,10 @@ def run(args: argparse.Namespace) -> int:
         config, _ = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
         return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=not args.cpu),
                                micro_batch=config.micro_batch_size or 1)
-    model, gpt_cfg = _model(args)
+    config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
+    model, gpt_cfg = _model(args, config.optimizer.weight_decay)
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
     trainable = trainable_params(args, total)
-    config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     micro_batch = config.micro_batch_size or 1
     seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
     shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len,

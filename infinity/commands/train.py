@@ -46,6 +46,7 @@ from infinity.engine.engine import initialize
 from infinity.hf.pretrained import build_meta_causal_lm
 from infinity.models.gpt import GPT, count_params, get_preset, load_model_file
 from infinity.models.transformers_lm import causal_lm_loss
+from infinity.optim.param_groups import decay_matrices_only
 from infinity.placement.report import (format_bytes, format_device_budget, format_optimizer_split,
                                       format_split_choice)
 from infinity.runtime.hardware import PRECISION_CHOICES
@@ -252,6 +253,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         check_nvme_room(plan)
         check_output_room(args, plan, num_params, warn=_warn if is_main else None)
         check_memory(plan)
+    # transformers' own rule (the Trainer's get_decay_parameter_names) would need the optional package here, and
+    # it has changed between its versions; on the usual architectures it names the same tensors as this one
+    param_groups = decay_matrices_only(model, plan.config.optimizer.weight_decay)
 
     what = (f"preset {plan.preset}" if plan.preset else
             f"Hugging Face model {plan.hf_model}" if plan.hf_model else f"model {plan.model_file}")
@@ -262,7 +266,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say(f"  {plan.steps} steps x {plan.world_size} rank(s) x {plan.grad_accum} micro-batch(es) x {plan.micro_batch} x "
         f"{plan.seq_len} {getattr(corpus, 'unit', 'bytes')}; {plan.precision_said or plan.precision}; "
         f"params -> {plan.offload_param}, optimizer -> {plan.offload_optimizer}"
-        + (f" ({plan.nvme_path})" if plan.nvme_path else "") + f"; optimizer states {plan.state_dtype}")
+        + (f" ({plan.nvme_path})" if plan.nvme_path else "") + f"; optimizer states {plan.state_dtype}; "
+        + _decay_said(param_groups))
     if plan.precision_warning:
         say(f"  {plan.precision_warning}")
     if plan.offload_note:
@@ -280,7 +285,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say(f"  {prediction_line}")
 
     _init_distributed(plan, cleanup)
-    engine = initialize(model, plan.config, weights=plan.hf_model, step_shape=run_step_shape(plan, model))
+    engine = initialize(model, plan.config, weights=plan.hf_model, step_shape=run_step_shape(plan, model),
+                        param_groups=param_groups)
     cleanup.callbacks.append(engine.close)
     say(f"  {engine.placement.describe()}")
     metrics = engine.step_metrics()
@@ -401,6 +407,15 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         if args.json:
             print(json.dumps(summary), flush=True)
     return 0
+
+
+def _decay_said(param_groups: list[dict]) -> str:
+    """``decay_matrices_only``'s groups in a clause of the start line."""
+    decayed, kept = param_groups
+    decay = decayed["weight_decay"]
+    if not decay:
+        return "no weight decay"
+    return f"weight decay {decay:g} on {len(decayed['params'])} tensors (2-D and up), none on {len(kept['params'])}"
 
 
 def _mean_over_ranks(value: float, world_size: int) -> float:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
+from infinity.optim.param_groups import decay_matrices_only
 from infinity.placement.estimate import estimate_for_config
 from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
 from infinity.placement.split_choice import StepShape, recomputes, step_shape_of
 
-__all__ = ["estimate_for", "model_numels", "run_step_shape"]
+__all__ = ["estimate_for", "model_decays", "model_numels", "run_step_shape"]
 
 
 def model_numels(model) -> tuple[list[int], int]:
@@ -23,6 +24,18 @@ def model_numels(model) -> tuple[list[int], int]:
     numels = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return numels, largest
+
+
+def model_decays(model, weight_decay: float) -> list[float | None]:
+    """Each parameter's weight decay as ``infinity train`` gives it (:func:`decay_matrices_only`), in the order of
+    :func:`model_numels`, for a ``GPTConfig`` (built on the meta device: shapes only) or an ``nn.Module``; None for
+    a frozen one. The layout lays each decay's parameters together, and the estimate follows it."""
+    if isinstance(model, GPTConfig):
+        with torch.device("meta"):
+            model = GPT(model)
+    decay_of = {id(p): group["weight_decay"] for group in decay_matrices_only(model, weight_decay)
+                for p in group["params"]}
+    return [decay_of.get(id(p)) for p in model.parameters()]
 
 
 def run_step_shape(plan, model) -> StepShape | None:
@@ -44,6 +57,7 @@ def estimate_for(plan, model) -> dict:
     result = estimate_for_config(plan.config, param_numels=numels, largest_layer_params=largest,
                                  world_size=plan.world_size,
                                  gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
-                                 activation_nbytes=activations, step_shape=run_step_shape(plan, model))
+                                 activation_nbytes=activations, step_shape=run_step_shape(plan, model),
+                                 param_decays=model_decays(model, plan.config.optimizer.weight_decay))
     result["setting"]["activation_checkpointing"] = plan.activation_checkpointing  # the step-time model's recompute
     return result

@@ -49,7 +49,8 @@ DEFAULT_SUB_GROUP_SIZE = 10**8
 """Sub-groups of 1e8 elements: the NVMe optimizer's staging stays at buffer_count x 1e8 x 14 bytes whatever the
 model, and sub-groups pipeline (as the engine's own default, 1e8)."""
 ADAMW_DEFAULTS = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-"""The optimizer's settings when the config file names no optimizer."""
+"""The optimizer's settings when the config file names no optimizer. The weight decay (this one or the file's)
+falls on the tensors of 2 or more dimensions only (``decay_matrices_only``)."""
 DEFAULT_GRADIENT_CLIPPING = 1.0
 """When the config file gives no ``gradient_clipping``."""
 OFFLOADS = ("param", "optimizer")

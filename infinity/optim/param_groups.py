@@ -11,6 +11,9 @@ The groups are read once, before the engine does any work, into each trainable p
 (:class:`~infinity.placement.layout.ShardLayout`). Every trainable parameter must be in exactly one group (as
 ``torch.optim`` steps only the parameters it is given, a trainable one left out would be a mistake here); a
 frozen one may be listed, and has no optimizer state.
+
+:func:`decay_matrices_only` builds the usual two groups (nanoGPT's and Megatron's): the decay on tensors of 2 or
+more dimensions, none on biases and norm weights; ``infinity train`` passes them.
 """
 
 from __future__ import annotations
@@ -61,6 +64,16 @@ def weight_decay_by_name(model: torch.nn.Module, param_groups, optimizer: Optimi
         raise ValueError(f"parameter {missing[0]!r} (and {len(missing) - 1} more) is trainable but in no param group: "
                          f"list every trainable parameter in a group, or freeze it (requires_grad=False)")
     return decay
+
+
+def decay_matrices_only(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups of ``model``'s trainable parameters: ``weight_decay`` on the tensors of 2 or more dimensions
+    (matmul weights, embeddings), none on the rest (biases, norm weights), as nanoGPT and Megatron decay. On the
+    usual architectures (GPT-2, Llama) it decays what the Hugging Face Trainer's ``get_decay_parameter_names``
+    names. A tensor tied to another is listed once (``model.parameters()`` yields it once)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{PARAMS: [p for p in trainable if p.ndim >= 2], WEIGHT_DECAY: weight_decay},
+            {PARAMS: [p for p in trainable if p.ndim < 2], WEIGHT_DECAY: 0.0}]
 
 
 def decay_of_tiles(decay: dict[str, float], names: Iterable[str], plan: TilingPlan | None) -> dict[str, float]:

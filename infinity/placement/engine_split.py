@@ -28,6 +28,7 @@ def engine_split(config: InfinityConfig, layout: ShardLayout, device: torch.devi
     def choose(device_numels: list[int]) -> SplitChoice | None:
         est = estimate(param_numels=[s.numel for s in layout.slots],
                        trainable_params=sum(s.numel for s in layout.slots if s.trainable),
+                       param_decays=[s.weight_decay for s in layout.slots],
                        **estimate_settings(config, world_size=layout.world_size, gpu=distinct))
         # The layout's flat space pads every shard to an alignment the estimate's element counts leave out: each
         # count's device elements are taken as the same share of the estimate's trainable elements.

@@ -68,7 +68,7 @@ from infinity.placement.estimate_grad_spill import plan_grad_spill, sub_group_nu
 from infinity.placement.host_budget import (gathered_nbytes, kept_free_nbytes, resolve_host_budget,
                                             staged_sub_group_numel, state_bytes_per_numel, state_nbytes,
                                             working_set)
-from infinity.placement.layout import ALIGN_NUMEL, packed_offsets
+from infinity.placement.layout import ALIGN_NUMEL, decay_order, packed_offsets
 from infinity.placement.split_choice import StepShape, apply_optimizer_split
 
 __all__ = [
@@ -128,6 +128,7 @@ def estimate(
     step_undo: bool = False,
     state_dtype: str = "fp32",
     trainable_params: int | None = None,
+    param_decays: Sequence[float | None] | None = None,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -149,6 +150,10 @@ def estimate(
     ``trainable_params``: how many of the parameters train (e.g. LoRA adapters on a frozen base; default
     all): only they have a gradient, a master and moments, and only they are staged for the optimizer.
 
+    ``param_decays``: each parameter's weight decay where param groups give them their own (``infinity train``'s
+    groups), in ``param_numels``' order: the layout lays each decay's parameters together and cuts a sub-group
+    where the decay changes (:func:`~infinity.placement.layout.decay_order`), and so does the estimate.
+
     ``step_undo``: the step overlaps backward and may be undone (clipping or fp16): swapped optimizer states
     take a second extent on NVMe, and in-memory ones an undo copy where the budget leaves room for it.
     """
@@ -162,6 +167,12 @@ def estimate(
     sets = max(2, int(optimizer_buffer_count)) if pipeline else 1
     if param_numels is not None:
         numels = [int(n) for n in param_numels]
+        decays = None
+        if param_decays is not None:
+            if len(param_decays) != len(numels):
+                raise ValueError(f"param_decays has {len(param_decays)} entries for {len(numels)} param_numels")
+            order = decay_order(param_decays)
+            numels, decays = [numels[i] for i in order], [param_decays[i] for i in order]
         num_params = sum(numels)
         shards = [math.ceil(n / world_size) for n in numels]
         if host_memory_budget is not None and offload_optimizer == "nvme":
@@ -172,7 +183,7 @@ def estimate(
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
-        shard_groups = sub_group_shards(shards, sub_group_size)
+        shard_groups = sub_group_shards(shards, sub_group_size, decays)
         sub_groups = [sub_group_numel(group) for group in shard_groups]
         largest_sub_group = max(sub_groups, default=0)
         host_cached, cached_count = _prefix_within(shards, max_in_cpu)
@@ -362,12 +373,13 @@ def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool)
 def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] | None = None,
                         num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
                         gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None,
-                        step_shape: StepShape | None = None) -> dict:
+                        step_shape: StepShape | None = None,
+                        param_decays: Sequence[float | None] | None = None) -> dict:
     """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`; a split optimizer's device
     sub-groups then moved to the device, ``auto``'s count chosen by the step-time model for ``step_shape``):
     ``infinity train``, ``infinity estimate`` and the engine's ``initialize`` all come here."""
     est = estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
-                   activation_nbytes=activation_nbytes, trainable_params=trainable_params,
+                   activation_nbytes=activation_nbytes, trainable_params=trainable_params, param_decays=param_decays,
                    **estimate_settings(config, world_size=world_size, gpu=gpu))
     return apply_optimizer_split(est, config, shape=step_shape) if config.zero.offload_optimizer.splits else est
 

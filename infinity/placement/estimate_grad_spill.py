@@ -29,17 +29,23 @@ class GradSpillPlan:
     """A sub-group of slices in each staging set, read back by the step."""
 
 
-def sub_group_shards(shards: Sequence[int], sub_group_size: int) -> list[list[int]]:
+def sub_group_shards(shards: Sequence[int], sub_group_size: int,
+                     decays: Sequence[float | None] | None = None) -> list[list[int]]:
     """The shards (element counts) of each sub-group, cut as the layout cuts them (runs of whole aligned shards of
-    at most ``sub_group_size`` elements; one shard alone may exceed it)."""
+    at most ``sub_group_size`` elements; one shard alone may exceed it), and where ``decays`` (each shard's
+    weight decay, in the same order) changes."""
     groups: list[list[int]] = []
     current: list[int] = []
     start = offset = 0
-    for n in shards:
+    current_decay = None
+    for index, n in enumerate(shards):
         end = round_up(offset + n, ALIGN_NUMEL)
-        if current and end - start > sub_group_size:
+        decay = decays[index] if decays is not None else None
+        if current and (end - start > sub_group_size or decay != current_decay):
             groups.append(current)
             current, start = [], offset
+        if not current:
+            current_decay = decay
         current.append(n)
         offset = end
     if current:

@@ -13,13 +13,17 @@ Sub-groups cut the trainable prefix into runs of whole parameters of at most
 optimizer updates and swaps one sub-group at a time. Where parameters have
 weight decays of their own (param groups), a sub-group also ends where the
 decay changes, so each sub-group has one; with one decay for all the cuts are
-those of the size alone.
+those of the size alone. The trainable parameters of one decay are laid out
+together (each decay's in model order, the decays in the order they first
+appear): otherwise the usual groups (no decay on biases and norms) would cut a
+sub-group at every bias, into hundreds of small ones the optimizer steps and
+swaps one by one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +86,9 @@ class ShardLayout:
         ``weight_decay`` for all."""
         self.world_size = world_size
         decay_of = weight_decay or {}
-        ordered = [np for np in named_params if np[1].requires_grad] + [np for np in named_params if not np[1].requires_grad]
+        trainable = [np for np in named_params if np[1].requires_grad]
+        ordered = [trainable[i] for i in decay_order([decay_of.get(name) for name, _ in trainable])] + \
+            [np for np in named_params if not np[1].requires_grad]
         slots, offset = [], 0
         for index, (name, param) in enumerate(ordered):
             numel = param.numel()
@@ -131,6 +137,15 @@ class ShardLayout:
     @property
     def largest_sub_group_numel(self) -> int:
         return max((g.numel for g in self.sub_groups), default=0)
+
+
+def decay_order(decays: Sequence[float | None]) -> list[int]:
+    """The order the trainable parameters are laid out in, as indices into ``decays`` (each one's weight decay, in
+    model order): each decay's parameters together, in model order, the decays in the order they first appear."""
+    runs: dict[float | None, list[int]] = {}
+    for index, decay in enumerate(decays):
+        runs.setdefault(decay, []).append(index)
+    return [index for run in runs.values() for index in run]
 
 
 def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:

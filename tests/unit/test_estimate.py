@@ -113,6 +113,24 @@ def test_sub_groups_are_cut_as_the_engine_cuts_them():
         assert _largest_sub_group(shards, sub_group_size) == layout.largest_sub_group_numel
 
 
+def test_sub_groups_follow_the_engines_decay_groups():
+    """With a weight decay per parameter (infinity train's groups) the layout lays each decay's parameters together
+    and cuts where the decay changes: the estimate's sub-groups are the layout's, in its order."""
+    from infinity.placement.layout import ShardLayout
+
+    torch.manual_seed(0)
+    for world_size, sub_group_size in [(1, 5000), (3, 7000), (2, 10**9)]:
+        numels = torch.randint(1, 6000, (12,)).tolist()
+        decays = [0.1 if i % 3 else 0.0 for i in range(12)]
+        params = [(f"p{i}", torch.nn.Parameter(torch.empty(n, device="meta"))) for i, n in enumerate(numels)]
+        layout = ShardLayout(params, world_size=world_size, sub_group_size=sub_group_size,
+                             weight_decay={f"p{i}": d for i, d in enumerate(decays)})
+        est = estimate(param_numels=numels, param_decays=decays, world_size=world_size,
+                       sub_group_size=sub_group_size)
+        assert est["sub_group_numels"] == [g.numel for g in layout.sub_groups]
+        assert len({g.weight_decay for g in layout.sub_groups}) == 2
+
+
 def test_gpt_estimate_adds_activations_outside_the_engines_accounting():
     r = estimate_gpt(PRESETS["small"], micro_batch=4, offload_param="nvme", offload_optimizer="nvme")
     assert r["tiers"]["device"]["activations"] > 0

@@ -137,3 +137,46 @@ def test_train_hf_model_with_activation_checkpointing_trains_the_same_bits(tmp_p
         assert main(argv) == 0
         losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"])
     assert losses[0] == losses[1] and enabled == [True]
+
+
+def _tiny_gpt2(folder):
+    """GPT-2's shape: biases, LayerNorms, a tied head; 256 ids, so the corpus is read as bytes."""
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4,
+                                                         n_positions=64)).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_model_decays_what_the_stock_trainer_decays(tmp_path, capsys, monkeypatch, family):
+    """`infinity train --hf-model`'s weight decay falls on the parameters the stock Trainer's
+    get_decay_parameter_names names (embeddings and matmul weights) and on no other (biases, LayerNorm and RMSNorm
+    weights)."""
+    model_dir = tmp_path / family
+    if family == "llama":
+        _tiny_llama(model_dir, 64, with_tokenizer=True)
+    else:
+        _tiny_gpt2(model_dir)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    engines, initialize = [], train.initialize
+
+    def initialize_and_keep(*args, **kwargs):
+        engines.append(initialize(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(train, "initialize", initialize_and_keep)
+    assert main(["train", "--hf-model", str(model_dir), "--data", str(data), "--steps", "1", "--micro-batch", "2",
+                 "--seq-len", "32", "--precision", "fp32", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    (engine,) = engines
+    decays = {slot.name: slot.weight_decay for slot in engine.layout.slots}
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    stock = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "stock"), report_to=[], use_cpu=True))
+    named = set(stock.get_decay_parameter_names(model))
+    expected = {name: 0.1 if name in named else 0.0 for name, _ in model.named_parameters()}
+    assert decays == expected
+    decayed, kept = sum(d > 0 for d in decays.values()), sum(d == 0 for d in decays.values())
+    assert decayed and kept
+    assert f"; weight decay 0.1 on {decayed} tensors (2-D and up), none on {kept}\n" in capsys.readouterr().out

@@ -86,11 +86,25 @@ def test_one_decay_for_all_keeps_the_sub_groups_of_size_alone(gpt):
     by_size = cuts()
     assert len(by_size) > 1
     assert cuts(weight_decay={name: DECAY for name, _ in named}) == by_size
-    grouped = ShardLayout(named, world_size=2, sub_group_size=5000,
-                          weight_decay={name: 0.0 if no_decay(name) else DECAY for name, _ in named})
-    assert len(grouped.sub_groups) > len(by_size)
+    decay = {name: 0.0 if no_decay(name) else DECAY for name, _ in named}
+    grouped = ShardLayout(named, world_size=2, sub_group_size=5000, weight_decay=decay)
     for group in grouped.sub_groups:
         assert len({s.weight_decay for s in group.slots}) == 1
+
+
+def test_each_decays_parameters_are_laid_out_together(gpt):
+    """Biases and norms sit between the matrices in model order: laid out in that order, every one of them would
+    end a sub-group. Each decay's parameters come together instead (model order within, the decays in the order
+    they first appear), so the decays add one cut each."""
+    model, _ = gpt
+    named = list(model.named_parameters())
+    decay = {name: 0.0 if no_decay(name) else DECAY for name, _ in named}
+    names = [name for name, _ in named]
+    layout = ShardLayout(named, world_size=2, sub_group_size=5000, weight_decay=decay)
+    assert [s.name for s in layout.slots] == [n for n in names if not no_decay(n)] + [n for n in names if no_decay(n)]
+    assert [s.offset for s in layout.slots] == sorted(s.offset for s in layout.slots)
+    whole = ShardLayout(named, world_size=2, sub_group_size=10**6, weight_decay=decay)
+    assert [g.weight_decay for g in whole.sub_groups] == [DECAY, 0.0]  # (the first parameter, wte, is decayed)
 
 
 class WideMLP(nn.Module):

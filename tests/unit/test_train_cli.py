@@ -359,3 +359,63 @@ def test_json_counts_host_device_bytes_in_the_distinct_device_mode(capsys, monke
     # every step: each fp32 gradient slice comes down once, and every parameter goes up at least once
     assert distinct["copies"]["device_to_host_nbytes"] == 2 * params * 4
     assert distinct["copies"]["host_to_device_nbytes"] >= 2 * params * 4
+
+
+# --------------------------------------------------------------------------- weight decay
+
+
+def _decay_reference(corpus_path, *, steps: int, lr: float, decay_all: bool) -> dict:
+    """Plain PyTorch's run of `_run_decay`'s flags: the tiny preset from seed 0, the same batches, a constant lr,
+    clipping 1.0, torch.optim.AdamW with betas (0.9, 0.95) and weight decay 0.1 on the tensors of 2 or more
+    dimensions (nanoGPT's groups), or on every tensor with ``decay_all``."""
+    import torch
+
+    from infinity.train.data import ByteCorpus
+
+    torch.manual_seed(0)
+    model = train.GPT(train.get_preset("tiny"))
+    params = list(model.parameters())
+    groups = ([{"params": params}] if decay_all else
+              [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2],
+                                                                 "weight_decay": 0.0}])
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    corpus = ByteCorpus(corpus_path, seq_len=32, micro_batch=2, seed=0)
+    for _ in range(steps):
+        model(*corpus.next_batch()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_weight_decay_spares_biases_and_norms_as_torch_adamw_groups_do(capsys, tmp_path):
+    """`infinity train`'s default weight decay (0.1) falls on the tensors of 2 or more dimensions only: its weights
+    are plain PyTorch's with those two AdamW groups, and not those of decaying every tensor."""
+    pytest.importorskip("infinity.engine.engine")
+    import torch
+    from safetensors.torch import load_file
+
+    corpus, out, on_cpu = tmp_path / "corpus.txt", tmp_path / "out", tmp_path / "on_cpu.json"
+    corpus.write_bytes(bytes(range(32, 127)) * 200)
+    on_cpu.write_text(json.dumps({"device": "cpu"}))  # the reference computes on the CPU (a GPU's sums differ)
+    steps, lr = 4, 3e-3
+    assert main(["train", "--preset", "tiny", "--data", str(corpus), "--steps", str(steps), "--seq-len", "32",
+                 "--micro-batch", "2", "--lr", str(lr), "--lr-schedule", "constant", "--warmup", "0",
+                 "--precision", "fp32", "--offload-param", "cpu", "--offload-optimizer", "cpu",
+                 "--config", str(on_cpu), "--save-pretrained", str(out)]) == 0
+    assert "; weight decay 0.1 on 10 tensors (2-D and up), none on 18\n" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    trained = {}
+    for file in sorted(set(index["weight_map"].values())):
+        trained.update(load_file(out / file))
+    grouped = _decay_reference(corpus, steps=steps, lr=lr, decay_all=False)
+    d = train.get_preset("tiny").d_model
+    for name, value in grouped.items():
+        if name.endswith("attn.qkv.bias"):  # the key bias's gradient is 0 but for rounding (softmax ignores a
+            keep = torch.ones_like(value, dtype=torch.bool)  # score shift), which Adam scales up to lr-sized steps
+            keep[d:2 * d] = False
+            trained[name], value = trained[name][keep], value[keep]
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    decayed_all = _decay_reference(corpus, steps=steps, lr=lr, decay_all=True)
+    for name in ("blocks.0.ln1.weight", "blocks.1.ln2.weight", "ln_f.weight"):  # ~lr x 0.1 x 4 steps x 1.0 apart
+        assert (trained[name] - decayed_all[name]).abs().max() > 1e-4, name
