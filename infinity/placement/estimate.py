@@ -171,7 +171,7 @@ def estimate(
         if param_decays is not None:
             if len(param_decays) != len(numels):
                 raise ValueError(f"param_decays has {len(param_decays)} entries for {len(numels)} param_numels")
-            order = decay_order(param_decays)
+            order = decay_order(param_decays, numels)
             numels, decays = [numels[i] for i in order], [param_decays[i] for i in order]
         num_params = sum(numels)
         shards = [math.ceil(n / world_size) for n in numels]

@@ -14,10 +14,10 @@ optimizer updates and swaps one sub-group at a time. Where parameters have
 weight decays of their own (param groups), a sub-group also ends where the
 decay changes, so each sub-group has one; with one decay for all the cuts are
 those of the size alone. The trainable parameters of one decay are laid out
-together (each decay's in model order, the decays in the order they first
-appear): otherwise the usual groups (no decay on biases and norms) would cut a
-sub-group at every bias, into hundreds of small ones the optimizer steps and
-swaps one by one.
+together (each decay's in model order, the decay with the fewest elements
+first: :func:`decay_order`): otherwise the usual groups (no decay on biases and
+norms) would cut a sub-group at every bias, into hundreds of small ones the
+optimizer steps and swaps one by one.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class ShardLayout:
         self.world_size = world_size
         decay_of = weight_decay or {}
         trainable = [np for np in named_params if np[1].requires_grad]
-        ordered = [trainable[i] for i in decay_order([decay_of.get(name) for name, _ in trainable])] + \
+        order = decay_order([decay_of.get(name) for name, _ in trainable], [p.numel() for _, p in trainable])
+        ordered = [trainable[i] for i in order] + \
             [np for np in named_params if not np[1].requires_grad]
         slots, offset = [], 0
         for index, (name, param) in enumerate(ordered):
@@ -139,13 +140,21 @@ class ShardLayout:
         return max((g.numel for g in self.sub_groups), default=0)
 
 
-def decay_order(decays: Sequence[float | None]) -> list[int]:
-    """The order the trainable parameters are laid out in, as indices into ``decays`` (each one's weight decay, in
-    model order): each decay's parameters together, in model order, the decays in the order they first appear."""
+def decay_order(decays: Sequence[float | None], numels: Sequence[int]) -> list[int]:
+    """The order the trainable parameters are laid out in, as indices into ``decays`` and ``numels`` (each one's
+    weight decay and size, in model order): each decay's parameters together, in model order, the decay with the
+    fewest elements first (ties: the order the decays first appear).
+
+    Why the smallest first: with the usual groups that is the norms and biases every layer has. The next forward
+    reads them from its first layer on, so a settled step's updates behind it (which go in layout order) make them
+    first; their gradients are final only at the end of backward, so a split optimizer, which keeps the first
+    sub-groups on the device, keeps them there, where no host step waits for them; and the read-ahead's guess (the
+    last sub-groups first) stays the last layers' matrices."""
     runs: dict[float | None, list[int]] = {}
     for index, decay in enumerate(decays):
         runs.setdefault(decay, []).append(index)
-    return [index for run in runs.values() for index in run]
+    ordered = sorted(runs.values(), key=lambda run: sum(numels[i] for i in run))  # stable: ties keep their order
+    return [index for run in ordered for index in run]
 
 
 def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:

@@ -86,11 +86,14 @@ def step_shape_of(model, *, micro_batch: int = 1, seq_len: int | None = None,
 
 def recomputes(model) -> bool:
     """Whether a built model recomputes its blocks in backward: our GPT's ``checkpoint_every``, a transformers
-    model's ``is_gradient_checkpointing`` (both set by ``activation_checkpointing_enable()`` or
-    ``gradient_checkpointing_enable()``)."""
+    model's ``is_activation_checkpointing`` (``is_gradient_checkpointing`` before transformers 5); each set by
+    ``activation_checkpointing_enable()`` or ``gradient_checkpointing_enable()``."""
     if isinstance(getattr(model, "checkpoint_every", None), int):
         return model.checkpoint_every > 0
-    return getattr(model, "is_gradient_checkpointing", False) is True
+    for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers' newer name first
+        if hasattr(type(model), flag) or hasattr(model, flag):
+            return getattr(model, flag, False) is True
+    return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -305,8 +305,8 @@ def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: s
             covered.update(names)
     unexpected = [f"{n} {list(shape)}" for n, shape in written.items() if n not in expected]
     missing = [f"{n} {list(shape)}" for n, shape in expected.items() if n not in covered]
-    mismatched = [f"{n}: {list(shape)} here, {list(expected[n])} in the config's model"
-                  for n, shape in written.items() if n in expected and shape != expected[n]]
+    mismatched = [f"{n}: {list(written[n])} here, {list(shape)} in the config's model"  # in the model's order
+                  for n, shape in expected.items() if n in written and written[n] != shape]
     problems = [(what, items) for what, items in (("shapes differ", mismatched),
                                                   ("tensors the config's model does not take", unexpected),
                                                   ("the config's model has no tensor here for", missing)) if items]

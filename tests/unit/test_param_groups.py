@@ -94,17 +94,18 @@ def test_one_decay_for_all_keeps_the_sub_groups_of_size_alone(gpt):
 
 def test_each_decays_parameters_are_laid_out_together(gpt):
     """Biases and norms sit between the matrices in model order: laid out in that order, every one of them would
-    end a sub-group. Each decay's parameters come together instead (model order within, the decays in the order
-    they first appear), so the decays add one cut each."""
+    end a sub-group. Each decay's parameters come together instead (model order within), so the decays add one cut
+    each; the smaller group (the norms and biases, read from the forward's first layer on and final only at the end
+    of backward) comes first."""
     model, _ = gpt
     named = list(model.named_parameters())
     decay = {name: 0.0 if no_decay(name) else DECAY for name, _ in named}
     names = [name for name, _ in named]
     layout = ShardLayout(named, world_size=2, sub_group_size=5000, weight_decay=decay)
-    assert [s.name for s in layout.slots] == [n for n in names if not no_decay(n)] + [n for n in names if no_decay(n)]
+    assert [s.name for s in layout.slots] == [n for n in names if no_decay(n)] + [n for n in names if not no_decay(n)]
     assert [s.offset for s in layout.slots] == sorted(s.offset for s in layout.slots)
     whole = ShardLayout(named, world_size=2, sub_group_size=10**6, weight_decay=decay)
-    assert [g.weight_decay for g in whole.sub_groups] == [DECAY, 0.0]  # (the first parameter, wte, is decayed)
+    assert [g.weight_decay for g in whole.sub_groups] == [0.0, DECAY]  # (though the first parameter, wte, is decayed)
 
 
 class WideMLP(nn.Module):
@@ -173,4 +174,4 @@ def test_a_groups_lr_betas_and_eps_equal_to_the_configs_are_accepted():
     groups = [{"params": [model.weight], "lr": LR, "betas": (0.9, 0.99), "eps": 1e-8},
               {"params": [model.bias], "weight_decay": 0.0}]
     with infinity.initialize(model, config, param_groups=groups) as engine:
-        assert [g.weight_decay for g in engine.layout.sub_groups] == [DECAY, 0.0]
+        assert [g.weight_decay for g in engine.layout.sub_groups] == [0.0, DECAY]  # the smaller group first
