@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels
-from infinity.optim.param_groups import decay_matrices_only
+from infinity.models.gpt import GPT, GPTConfig, largest_module_params, param_numels, param_shapes
+from infinity.optim.param_groups import decay_matrices_only, decays_ndim
 from infinity.placement.estimate import estimate_for_config
 from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
@@ -30,9 +30,8 @@ def model_decays(model, weight_decay: float) -> list[float | None]:
     """Each parameter's weight decay as ``infinity train`` gives it (:func:`decay_matrices_only`), in the order of
     :func:`model_numels`, for a ``GPTConfig`` (built on the meta device: shapes only) or an ``nn.Module``; None for
     a frozen one. The layout lays each decay's parameters together, and the estimate follows it."""
-    if isinstance(model, GPTConfig):
-        with torch.device("meta"):
-            model = GPT(model)
+    if isinstance(model, GPTConfig):  # from the shapes alone: building even a meta model costs ~75 MiB (gpt.py)
+        return [weight_decay if decays_ndim(len(shape)) else 0.0 for shape in param_shapes(model)]
     decay_of = {id(p): group["weight_decay"] for group in decay_matrices_only(model, weight_decay)
                 for p in group["params"]}
     return [decay_of.get(id(p)) for p in model.parameters()]

@@ -228,21 +228,27 @@ def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 # --------------------------------------------------------------------------- sizes
 
 
-def param_numels(cfg: GPTConfig) -> list[int]:
-    """Each parameter's numel, in ``GPT(cfg).parameters()`` order, without building the model."""
+def param_shapes(cfg: GPTConfig) -> list[tuple[int, ...]]:
+    """Each parameter's shape, in ``GPT(cfg).parameters()`` order, without building the model (building one, even
+    on the meta device, first imports torch's meta kernels: ~75 MiB of a process's memory)."""
     d, ff = cfg.d_model, cfg.ff_dim
     block = [
-        d, d,  # ln1
-        3 * d * d, 3 * d,  # attn.qkv
-        d * d, d,  # attn.proj
-        d, d,  # ln2
-        ff * d, ff,  # mlp.fc
-        d * ff, d,  # mlp.proj
+        (d,), (d,),  # ln1
+        (3 * d, d), (3 * d,),  # attn.qkv
+        (d, d), (d,),  # attn.proj
+        (d,), (d,),  # ln2
+        (ff, d), (ff,),  # mlp.fc
+        (d, ff), (d,),  # mlp.proj
     ]
-    numels = [cfg.vocab_size * d, cfg.seq_len * d] + block * cfg.n_layer + [d, d]
+    shapes = [(cfg.vocab_size, d), (cfg.seq_len, d)] + block * cfg.n_layer + [(d,), (d,)]
     if not cfg.tie_embeddings:
-        numels.append(cfg.vocab_size * d)
-    return numels
+        shapes.append((cfg.vocab_size, d))
+    return shapes
+
+
+def param_numels(cfg: GPTConfig) -> list[int]:
+    """Each parameter's numel, in ``GPT(cfg).parameters()`` order, without building the model."""
+    return [math.prod(shape) for shape in param_shapes(cfg)]
 
 
 def count_params(cfg: GPTConfig) -> int:

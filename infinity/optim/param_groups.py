@@ -72,8 +72,13 @@ def decay_matrices_only(model: torch.nn.Module, weight_decay: float) -> list[dic
     usual architectures (GPT-2, Llama) it decays what the Hugging Face Trainer's ``get_decay_parameter_names``
     names. A tensor tied to another is listed once (``model.parameters()`` yields it once)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return [{PARAMS: [p for p in trainable if p.ndim >= 2], WEIGHT_DECAY: weight_decay},
-            {PARAMS: [p for p in trainable if p.ndim < 2], WEIGHT_DECAY: 0.0}]
+    return [{PARAMS: [p for p in trainable if decays_ndim(p.ndim)], WEIGHT_DECAY: weight_decay},
+            {PARAMS: [p for p in trainable if not decays_ndim(p.ndim)], WEIGHT_DECAY: 0.0}]
+
+
+def decays_ndim(ndim: int) -> bool:
+    """:func:`decay_matrices_only`'s rule: a tensor of ``ndim`` dimensions is decayed (2 or more)."""
+    return ndim >= 2
 
 
 def decay_of_tiles(decay: dict[str, float], names: Iterable[str], plan: TilingPlan | None) -> dict[str, float]:

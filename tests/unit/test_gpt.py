@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infinity.commands.train_estimate import model_decays
 from infinity.models.gpt import (
     GPT,
     PRESETS,
@@ -15,6 +16,7 @@ from infinity.models.gpt import (
     largest_module_params,
     load_model_file,
     param_numels,
+    param_shapes,
 )
 
 TINY = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=12, vocab_size=256)
@@ -208,3 +210,14 @@ def test_hugging_face_config_needs_valid_json_and_transformers(tmp_path):
         model = load_model_file(good)
         ids = torch.randint(0, 256, (1, 8))
         assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_shapes_and_decays_from_the_config_are_the_built_models(tie):
+    """``param_shapes`` and ``infinity train``'s decays read off a config, without building a model, are those of
+    ``GPT(cfg)``: its parameters' shapes in order, and the weight decay on those of 2 or more dimensions."""
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=64, tie_embeddings=tie)
+    model = GPT(cfg)
+    assert param_shapes(cfg) == [tuple(p.shape) for p in model.parameters()]
+    assert model_decays(cfg, 0.1) == model_decays(model, 0.1)
+    assert set(model_decays(cfg, 0.1)) == {0.1, 0.0}
