@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infinity.placement.host_budget import spill_pool_nbytes
-from infinity.placement.layout import ALIGN_NUMEL
+from infinity.placement.layout import ALIGN_NUMEL, cut_runs
 from infinity.storage.buffers import round_up
 
 
@@ -31,26 +31,8 @@ class GradSpillPlan:
 
 def sub_group_shards(shards: Sequence[int], sub_group_size: int,
                      decays: Sequence[float | None] | None = None) -> list[list[int]]:
-    """The shards (element counts) of each sub-group, cut as the layout cuts them (runs of whole aligned shards of
-    at most ``sub_group_size`` elements; one shard alone may exceed it), and where ``decays`` (each shard's
-    weight decay, in the same order) changes."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    start = offset = 0
-    current_decay = None
-    for index, n in enumerate(shards):
-        end = round_up(offset + n, ALIGN_NUMEL)
-        decay = decays[index] if decays is not None else None
-        if current and (end - start > sub_group_size or decay != current_decay):
-            groups.append(current)
-            current, start = [], offset
-        if not current:
-            current_decay = decay
-        current.append(n)
-        offset = end
-    if current:
-        groups.append(current)
-    return groups
+    """The shards (element counts) of each sub-group, cut as the layout cuts them (:func:`cut_runs`)."""
+    return [list(shards[run.start:run.stop]) for run in cut_runs(shards, sub_group_size, decays)]
 
 
 def sub_group_numel(shards: Sequence[int]) -> int:

@@ -158,23 +158,27 @@ def decay_order(decays: Sequence[float | None], numels: Sequence[int]) -> list[i
 
 
 def _cut_sub_groups(trainable: list[ParamSlot], sub_group_size: int) -> tuple[SubGroup, ...]:
-    groups: list[SubGroup] = []
-    current: list[ParamSlot] = []
+    runs = cut_runs([s.shard_numel for s in trainable], sub_group_size, [s.weight_decay for s in trainable])
+    return tuple(SubGroup(i, trainable[run.start].offset, _round_up(trainable[run.stop - 1].end, ALIGN_NUMEL),
+                          tuple(trainable[run.start:run.stop])) for i, run in enumerate(runs))
 
-    def close():
-        if current:
-            start = current[0].offset
-            end = _round_up(current[-1].end, ALIGN_NUMEL)
-            groups.append(SubGroup(len(groups), start, end, tuple(current)))
-            current.clear()
 
-    for slot in trainable:
-        too_large = current and _round_up(slot.end, ALIGN_NUMEL) - current[0].offset > sub_group_size
-        if too_large or (current and slot.weight_decay != current[0].weight_decay):
-            close()
-        current.append(slot)
-    close()
-    return tuple(groups)
+def cut_runs(shard_numels: Sequence[int], sub_group_size: int,
+             decays: Sequence[float | None] | None = None) -> list[range]:
+    """The sub-groups over shards of ``shard_numels`` elements packed end to end (each starting aligned), as
+    index ranges: runs of whole shards of at most ``sub_group_size`` elements (one shard alone may exceed it),
+    cut also where ``decays`` (each shard's weight decay) changes. The layout and the estimate both cut here."""
+    runs: list[range] = []
+    first = start = offset = 0
+    for index, numel in enumerate(shard_numels):
+        end = _round_up(offset + numel, ALIGN_NUMEL)
+        if index > first and (end - start > sub_group_size or (decays is not None and decays[index] != decays[first])):
+            runs.append(range(first, index))
+            first, start = index, offset
+        offset = end
+    if len(shard_numels) > first:
+        runs.append(range(first, len(shard_numels)))
+    return runs
 
 
 def packed_offsets(numels: list[int]) -> tuple[list[int], int]:
