@@ -97,10 +97,11 @@ class OffloadOptimizer:
                 f"keeps fp32 states: offload every sub-group ('cpu' or 'nvme' with ratio 1: the fused CPU kernel), "
                 f"or set state_dtype 'fp32'")
         self._rank = parts.rank
-        self._adam = kernels.adam_step_on_device if self._on_device else kernels.adam_step
-        """The step of every sub-group, or with a split the offloaded ones'."""
+        self._adam = kernels.adam_step
+        """The fused CPU kernel: the step of the sub-groups not stepped on the device (:meth:`stepped_on_device`)."""
         self._device_adam = kernels.adam_step_on_device
-        """A split optimizer's step of its device sub-groups."""
+        """The step of the sub-groups whose states rest on the device (all of them without offload; a split
+        optimizer's first ones)."""
         self.host_cores = placement.host_cores
         """The fused CPU kernel's threads, and the cores the threads that call it bind to."""
         self.delivery = ComputeDelivery(layout, placement, tiers, parts.compute, parts.copies)
