@@ -195,8 +195,8 @@ class InfinityTrainerMixin:
         config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
         # the Trainer turns activation checkpointing on later, in train(): the split's step-time model hears it now
-        shape = step_shape_of(model, micro_batch=config.micro_batch_size or 1,
-                              recompute=bool(self.args.gradient_checkpointing) or recomputes(model))
+        asked = any(getattr(self.args, flag, False) for flag in ("activation_checkpointing", "gradient_checkpointing"))
+        shape = step_shape_of(model, micro_batch=config.micro_batch_size or 1, recompute=asked or recomputes(model))
         self.engine = initialize(model, config, weights=weights, param_groups=self._decay_groups(model),
                                  step_shape=shape)
         self._engine_module = EngineModule(self.engine)
