@@ -28,8 +28,8 @@ def model_numels(model) -> tuple[list[int], int]:
 
 def model_decays(model, weight_decay: float) -> list[float | None]:
     """Each parameter's weight decay as ``infinity train`` gives it (:func:`decay_matrices_only`), in the order of
-    :func:`model_numels`, for a ``GPTConfig`` (built on the meta device: shapes only) or an ``nn.Module``; None for
-    a frozen one. The layout lays each decay's parameters together, and the estimate follows it."""
+    :func:`model_numels`, for a ``GPTConfig`` (from its shapes, not built) or an ``nn.Module``; None for a frozen
+    one. The layout lays each decay's parameters together, and the estimate follows it."""
     if isinstance(model, GPTConfig):  # from the shapes alone: building even a meta model costs ~75 MiB (gpt.py)
         return [weight_decay if decays_ndim(len(shape)) else 0.0 for shape in param_shapes(model)]
     decay_of = {id(p): group["weight_decay"] for group in decay_matrices_only(model, weight_decay)

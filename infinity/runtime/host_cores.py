@@ -122,16 +122,10 @@ def _rank_share(ordered: list[int], rank: int, size: int) -> list[int]:
 
 def _ranges(cores) -> str:
     """``0-3,8,10-11``."""
-    ordered = sorted(cores)
-    parts: list[str] = []
-    start = prev = None
-    for core in ordered:
-        if prev is not None and core == prev + 1:
-            prev = core
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = core
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)

@@ -336,9 +336,6 @@ def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float 
                      host_cores: HostCores | None = None) -> float:
     """Elements a second of the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy; with
     ``host_cores``, on a thread bound as the engine binds its updating threads, with that team."""
-    if host_cores is not None and host_cores.cores is not None:
-        return _on_bound_thread(host_cores, lambda: measure_cpu_adam(
-            state_dtype, numel=numel, budget_s=budget_s, host_cores=dataclasses.replace(host_cores, cores=None)))
     threads = None if host_cores is None else host_cores.threads
     grad = torch.randn(numel).to(torch.bfloat16)
     param_out = torch.empty(numel, dtype=torch.bfloat16)
@@ -359,7 +356,10 @@ def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float 
                                       exp_avg_scale=state.get("exp_avg_scale"),
                                       exp_avg_sq_scale=state.get("exp_avg_sq_scale"), num_threads=threads, **hyper)
 
-    return _best_rate(run, numel, budget_s=budget_s)
+    def rate() -> float:
+        return _best_rate(run, numel, budget_s=budget_s)
+
+    return _on_bound_thread(host_cores, rate) if host_cores is not None and host_cores.cores is not None else rate()
 
 
 def _on_bound_thread(host_cores: HostCores, measure):
