@@ -49,8 +49,19 @@ class _Extent:
         self.nbytes = nbytes
 
 
-def _cleanup(io: AsyncIO | None, fd_box: list, file_path: str, dir_path: str) -> None:
-    """Remove what a store created; used by close() and, as a safety net, at garbage collection/exit."""
+def _cleanup(io: AsyncIO | None, fd_box: list, file_path: str, dir_path: str, inflight: dict | None = None,
+             lock: threading.Lock | None = None) -> None:
+    """Remove what a store created; used by close() and, as a safety net, at garbage collection/exit.
+
+    ``inflight`` (the store's key -> [(handle, op)], guarded by ``lock``): requests not yet waited for. They are
+    waited for before the file is closed, since a shared I/O engine (``io`` None: not the store's to close) would
+    otherwise run them on a closed (or reused) descriptor; at exit that is a write-behind the program never
+    waited for."""
+    if inflight:
+        with lock:
+            handles = [h for pending in inflight.values() for h, _ in pending]
+        for h in handles:
+            h._wait()  # done is all that matters here: whoever waits on it gets its error
     if io is not None:
         io.close()  # first: requests in flight use the file
     remove_swap_dir(fd_box, file_path, dir_path)
@@ -110,7 +121,8 @@ class SwapStore:
         self._tail_buffers: list[torch.Tensor] = []
         self._closed = False
         self._finalizer = weakref.finalize(
-            self, _cleanup, self.io if self._own_io else None, fd_box, self._path, str(self.directory)
+            self, _cleanup, self.io if self._own_io else None, fd_box, self._path, str(self.directory),
+            self._inflight, self._lock,
         )
         logger.debug("swap store at %s (%s I/O, %s backend)", self.directory, "direct" if self.direct else "buffered",
                      self.io.backend)  # fmt: skip

@@ -377,6 +377,20 @@ def test_garbage_collected_store_removes_its_directory(swap_dir):
     assert not directory.exists()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_safety_net_at_exit_lets_writes_queued_on_a_shared_io_finish(swap_dir, backend):
+    """What runs at exit or garbage collection for a store never closed (a program that never closed its engine,
+    its write-behind still queued) waits for the store's requests before closing its file: on a shared I/O engine
+    they would otherwise run on a closed descriptor and fail with EBADF."""
+    with AsyncIO(backend, block_size=1 << 20, queue_depth=1) as io:
+        store = SwapStore(swap_dir, io=io)
+        handles = [store.write(f"k{i}", torch.full((1 << 18,), float(i))) for i in range(64)]
+        store._finalizer()  # as weakref.finalize calls it at exit
+        assert not store.directory.exists()
+        for h in handles:
+            h.wait()  # each write ran on the open file, so none raises
+
+
 def test_storage_imports_only_torch_numpy_stdlib_and_libaio():
     from helpers import absolute_imports
 
