@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 
@@ -49,6 +48,7 @@ from infinity.models.transformers_lm import causal_lm_loss
 from infinity.optim.param_groups import decay_matrices_only
 from infinity.placement.report import (format_bytes, format_device_budget, format_optimizer_split,
                                       format_split_choice)
+from infinity.runtime.comm import local_rank_and_size
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out
@@ -231,9 +231,9 @@ def _process_group_backend() -> str:
     reductions). Otherwise gloo alone, and the ranks compute on the CPU."""
     import torch
 
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank, local_ranks = local_rank_and_size()
     if torch.cuda.is_available() and local_ranks <= torch.cuda.device_count():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
         return "cpu:gloo,cuda:nccl"
     return "gloo"
 

@@ -26,6 +26,7 @@ from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.models.gpt import DEFAULT_PRESET, get_preset
+from infinity.runtime.comm import local_rank_and_size
 from infinity.runtime.hardware import default_device, resolve_precision, slow_precision_warning
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
@@ -126,7 +127,7 @@ def _dist_env() -> tuple[int, int, int]:
     """(rank, world size, ranks on this machine) from torchrun's environment; (0, 1, 1) without it."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
-        return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return int(os.environ["RANK"]), world, local_rank_and_size(default_size=world)[1]
     return 0, 1, 1
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from infinity.config.sections import ZeroConfig
 from infinity.kernels import state_bytes_per_element, state_nbytes as nbytes
 from infinity.placement.layout import packed_offsets
 from infinity.placement.placement import RING_SLICES, GradRoute, Placement
+from infinity.runtime.comm import local_rank_and_size
 from infinity.storage.stats import format_nbytes
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def resolve_host_budget(setting: int | float | None, *, available_nbytes: int | 
         import psutil
         available_nbytes = psutil.virtual_memory().available
     if local_ranks is None:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        local_ranks = local_rank_and_size()[1]
     fraction = DEFAULT_FRACTION if setting is None else setting
     return int(available_nbytes * fraction) // local_ranks
 

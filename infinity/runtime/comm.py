@@ -9,6 +9,7 @@ an all-gather or reduce-scatter of a full tensor of ``B`` bytes moves
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 
@@ -31,6 +32,25 @@ def _distributed() -> bool:
 def rank_in(group: "dist.ProcessGroup | None" = None) -> int:
     """This process's rank in ``group`` (0 without a process group)."""
     return dist.get_rank(group) if _distributed() else 0
+
+
+def local_rank_and_size(*, default_size: int = 1) -> tuple[int, int]:
+    """(this rank's index, the ranks) on this machine, from torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``:
+    (0, ``default_size``) where they are unset. Raises ``ValueError`` naming the variable where one is not a whole
+    number, or where the rank is not one of the ranks."""
+    values = {}
+    for name, default in (("LOCAL_RANK", 0), ("LOCAL_WORLD_SIZE", default_size)):
+        text = os.environ.get(name, "").strip()
+        try:
+            values[name] = int(text) if text else default
+        except ValueError:
+            raise ValueError(f"environment variable {name}={text!r} is not a whole number "
+                             "(torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE)") from None
+    rank, size = values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"environment variables LOCAL_RANK={rank} and LOCAL_WORLD_SIZE={size} name no rank "
+                         "of the ranks on this machine")
+    return rank, size
 
 
 class Collectives:

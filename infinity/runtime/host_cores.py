@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.runtime.comm import local_rank_and_size
+
 __all__ = ["FEEDER_CORES", "HOST_THREADS_KEY", "HostCores", "plan_host_cores", "usable_cores"]
 
 logger = logging.getLogger(__name__)
@@ -92,22 +94,13 @@ def plan_host_cores(device: torch.device, requested: int | None, *, usable: froz
 
 
 def _local_ranks(local_rank: int | None, local_world_size: int | None) -> tuple[int, int]:
-    """(this rank's index, the ranks) on this machine: as given, else torchrun's environment (where it names a rank
-    of its ranks), else (0, 1)."""
+    """(this rank's index, the ranks) on this machine: as given, else torchrun's environment, else (0, 1)."""
     if local_rank is not None or local_world_size is not None:
         rank, size = local_rank or 0, local_world_size or 1
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"local rank {rank} of {size} ranks on this machine")
         return rank, size
-    try:
-        rank, size = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    except ValueError:
-        rank, size = 0, 1
-    if size < 1 or not 0 <= rank < size:
-        logger.info("LOCAL_RANK %s of LOCAL_WORLD_SIZE %s names no rank: the CPU Adam's team plans on every core",
-                    os.environ.get("LOCAL_RANK"), os.environ.get("LOCAL_WORLD_SIZE"))
-        return 0, 1
-    return rank, size
+    return local_rank_and_size()
 
 
 def _rank_share(ordered: list[int], rank: int, size: int) -> list[int]:

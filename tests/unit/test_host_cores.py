@@ -8,6 +8,7 @@ with the team the placement chose, while the main thread keeps its cores; the pl
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import pytest
@@ -17,6 +18,8 @@ import infinity
 from helpers import TinyGPT, engine_config, engine_steps, gpt_batches, reference_train, slow_step_tail
 from infinity import kernels
 from infinity.config.schema import InfinityConfig
+from infinity.placement.host_budget import resolve_host_budget
+from infinity.runtime.comm import local_rank_and_size
 from infinity.runtime.host_cores import HOST_THREADS_KEY, plan_host_cores
 
 CORES = sorted(os.sched_getaffinity(0))
@@ -75,10 +78,36 @@ def test_the_environment_names_the_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert plan_host_cores(CUDA, None, usable=frozenset(range(8))).cores == frozenset({5})
-    monkeypatch.setenv("LOCAL_RANK", "4")  # names no rank of 4: planned as one rank on every core
-    assert plan_host_cores(CUDA, None, usable=frozenset(range(8))).cores == frozenset(range(1, 8))
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 and LOCAL_WORLD_SIZE=4 name no rank"):
+        plan_host_cores(CUDA, None, usable=frozenset(range(8)))
     with pytest.raises(ValueError, match="local rank 4 of 4"):
         plan_host_cores(CUDA, None, usable=frozenset(range(8)), local_rank=4, local_world_size=4)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1)),
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}, (3, 8)),
+    ({"LOCAL_RANK": " 1 ", "LOCAL_WORLD_SIZE": "2"}, (1, 2)),
+    ({"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE='two' is not a whole number"),
+    ({"LOCAL_RANK": "1.0", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK='1.0' is not a whole number"),
+    ({"LOCAL_RANK": "-1", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=-1 and LOCAL_WORLD_SIZE=2 name no rank"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_RANK=0 and LOCAL_WORLD_SIZE=0 name no rank"),
+])
+def test_torchruns_local_ranks_are_read_in_one_place_and_garbage_is_named(monkeypatch, env, expected):
+    """The host budget's share, the CPU Adam's cores, the GPU a rank takes and the run's plan all read them here."""
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if isinstance(expected, tuple):
+        assert local_rank_and_size() == expected
+        assert resolve_host_budget(0.5, available_nbytes=8 << 30) == (4 << 30) // expected[1]
+    else:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            local_rank_and_size()
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            resolve_host_budget(0.5, available_nbytes=8 << 30)
 
 
 def test_more_host_threads_than_cores_is_refused_by_key():
