@@ -61,7 +61,7 @@ def _cleanup(io: AsyncIO | None, fd_box: list, file_path: str, dir_path: str, in
         with lock:
             handles = [h for pending in inflight.values() for h, _ in pending]
         for h in handles:
-            h._wait()  # done is all that matters here: whoever waits on it gets its error
+            h._wait()  # done is all that matters here: its error belongs to whoever waits on it
     if io is not None:
         io.close()  # first: requests in flight use the file
     remove_swap_dir(fd_box, file_path, dir_path)
@@ -334,16 +334,14 @@ class SwapStore:
             if self._closed:
                 return
             self._closed = True
-            handles = [h for pending in self._inflight.values() for h, _ in pending]
-        if cancel:
-            for h in handles:
-                self.io.cancel(h)
+            handles = [h for pending in self._inflight.values() for h, _ in pending] if cancel else []
         for h in handles:
-            h._wait()  # its error belongs to whoever waits on it; here it only has to be done
+            self.io.cancel(h)
         with self._lock:
             self.stats.free(sum(e.capacity for e in self._extents.values()))
             self._extents.clear()
-        self._finalizer()  # closes our AsyncIO (if ours) and the file, removes the file and the directory
+        # waits for the requests in flight, closes our AsyncIO (if ours) and the file, removes the file and directory
+        self._finalizer()
         logger.debug("swap store at %s closed", self.directory)
 
     def __enter__(self) -> "SwapStore":
