@@ -1,33 +1,44 @@
 #!/usr/bin/env bash
-# GPU checks of zero-infinity on a machine with a CUDA GPU: the test suite with CUDA present, the GPU path
-# against plain PyTorch, the compact optimizer states on a disk-bound model, and the largest GPT one GPU
-# trains with host memory and NVMe. Each phase ends within ten minutes.
+# GPU checks of zero-infinity on a machine with a CUDA GPU: the offloaded step's targets against plain PyTorch and
+# the step-time model, a model whose optimizer states do not fit the GPU, the largest GPT one GPU trains with host
+# memory and NVMe, the test suite with CUDA present. A phase ends within its time (GPU_CHECK_PHASE_S, default 540 s:
+# a ten-minute call with the project's setup before it).
 #
 # In a Python whose torch has CUDA, with the project installed (`pip install -e '.[test,hf]'`;
 # without the system libaio the storage engine uses its threads backend):
 #
-#   bash benchmarks/gpu_check.sh quick    # ~6 min: the compact kernels against their bandwidth floor on this CPU,
-#                                         #   bench_gpu.py's 124M table, then the whole suite (tests/gpu first)
-#   bash benchmarks/gpu_check.sh tests    # the whole suite with CUDA present: tests/gpu and tests/unit, with
-#                                         #   tests/distributed (the multi-rank tests) in a second pytest beside them
-#   bash benchmarks/gpu_check.sh bench    # bench_gpu.py at 124M and 1.3B against plain PyTorch, each row with the
-#                                         #   step-time model's prediction (cpu with fp32 and int8 states, the CPU
-#                                         #   Adam unbound, half the optimizer on the device, accumulation 4, nvme
-#                                         #   against the disk, spill against cpu), the CPU Adam beside a feeding
-#                                         #   thread, then the compact states on a disk-bound 1.3B
-#   bash benchmarks/gpu_check.sh scale    # the largest GPT this box holds (estimate --max-params), then a 20.4B GPT
-#                                         #   with int8 states in 110 GiB of host memory and NVMe, 3 steps (~7 min)
-#   bash benchmarks/gpu_check.sh versions # old versions of the engine against the working tree and plain PyTorch in
-#                                         #   one run (bench_versions.py): 1.3B, parameters and optimizer on the CPU,
-#                                         #   accumulation 1; then optimizer alone on the CPU (~9 min)
-#   bash benchmarks/gpu_check.sh all      # versions, bench, scale, tests, one after the other (~40 min: the first
-#                                         #   questions first; each phase is its own call of at most ten minutes)
+#   bash benchmarks/gpu_check.sh step      # ~8 min: the offloaded step's targets, first what decides them:
+#                                          #   1.3B against plain PyTorch with the step-time model's prediction in each
+#                                          #   row (cpu with fp32 and int8 states, half the optimizer on the device,
+#                                          #   accumulation 4; the cpu row traced), then a 6.7B whose states do not fit
+#                                          #   the GPU (cpu against auto, tokens/s and TFLOP/s), then the engine of the
+#                                          #   11.75x figure beside the working tree in one run, if .versions/ holds it
+#   bash benchmarks/gpu_check.sh step-more # ~3 min, the same machine's next call: the other offloaded rows (nvme
+#                                          #   against the disk, spill against cpu, the CPU Adam unbound), 124M
+#   bash benchmarks/gpu_check.sh scale     # ~8 min: the largest GPT this box holds (estimate --max-params), then a
+#                                          #   20.4B GPT with int8 states in 110 GiB of host memory and NVMe, 3 steps
+#   bash benchmarks/gpu_check.sh tests     # ~6 min: the whole suite with CUDA present: tests/gpu and tests/unit, with
+#                                          #   tests/distributed (the multi-rank tests) in a second pytest beside them
+#   bash benchmarks/gpu_check.sh versions  # ~9 min: every tree under .versions/ against the working tree and plain
+#                                          #   PyTorch (bench_versions.py): 1.3B, everything on the CPU, then the
+#                                          #   optimizer alone on the CPU
+#   bash benchmarks/gpu_check.sh bench     # ~9 min: bench_gpu.py's whole table at 124M and 1.3B, the CPU Adam beside
+#                                          #   a feeding thread, the compact states on a disk-bound 1.3B
+#   bash benchmarks/gpu_check.sh quick     # ~6 min: the compact kernels against their floor, 124M, the whole suite
+#   bash benchmarks/gpu_check.sh all       # step, step-more, scale, tests, one after the other
 #
-# The versions phase times the trees under .versions/ (each old commit's infinity/, kernels/ and storage/, made by
-# `bash benchmarks/versions.sh` where git history is at hand: ~1 MB each) beside the working tree. .versions is
-# ignored by git, so a copy of the working tree without history (the device tool's) takes it along only when
-# asked: name `.versions` in the tool's carry list, e.g. run(command="OUT=$OUT bash benchmarks/gpu_check.sh
-# versions", carry=[".versions"]). Nothing needs installing: each tree is imported from its own folder and builds its
+# A lease of 15 minutes of device time (a minute or two of it to start the machine) holds one ten-minute call and
+# one short one: `step` then `step-more`, or `scale` then nothing; the next lease takes the next phase. Set up and
+# run in one call, e.g. with ../shared/gpu copied to .gpu/ and `bash benchmarks/versions.sh f6ac807` run here:
+#   run(command="bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh step",
+#       carry=[".gpu", ".versions"], timeout_s=600)
+#   run(command="export PYTHONPATH=/tmp/site && OUT=$OUT GPU_CHECK_PHASE_S=150 bash benchmarks/gpu_check.sh step-more",
+#       timeout_s=170)                    # at once, while the machine is warm (it keeps /tmp/site)
+#
+# The versions trees are each old commit's infinity/, kernels/ and storage/ under .versions/ (made by
+# `bash benchmarks/versions.sh [COMMIT...]` where git history is at hand: ~1 MB each), timed beside the working tree.
+# .versions is ignored by git, so a copy of the working tree without history (the device tool's) takes it along only
+# when asked (the carry list above). Nothing needs installing: each tree is imported from its own folder and builds its
 # own C++ kernel (under ~/.cache/zero-infinity-versions/NAME).
 #
 # (6.7B with fp32 states: python benchmarks/bench_scale.py --presets 6.7b --host-memory 100GiB --max-rss 120GiB.
@@ -39,18 +50,18 @@
 # step cut off by its limit still leaves what it printed. Benchmarks print a JSON line last. Swap files go under
 # temporary folders the benchmarks remove.
 #
-# Each step has its own limit, and no step runs past the phase's (GPU_CHECK_PHASE_S, default 580 s), so one slow
-# step cannot eat the next one's time and a phase ends within ten minutes. At a limit the step gets SIGINT first,
-# so a cut-off pytest still prints its summary, then KILL 20 s later if it has not stopped.
+# Each step has its own limit, and no step runs past the phase's, so one slow step cannot eat the next one's time.
+# At a limit the step gets SIGINT first, so a cut-off pytest still prints its summary, then KILL 20 s later if it
+# has not stopped.
 #   PYTHON=python3.12 bash benchmarks/gpu_check.sh tests    # another interpreter
 
 set -u
-usage="usage: gpu_check.sh quick|tests|bench|scale|versions|all"
+usage="usage: gpu_check.sh step|step-more|scale|tests|versions|bench|quick|all"
 phase=${1:?$usage}
-case $phase in quick|tests|bench|scale|versions|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
+case $phase in step|step-more|scale|tests|versions|bench|quick|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
 out=${OUT:-./gpu-check-logs}
 py=${PYTHON:-python3}
-phase_s=${GPU_CHECK_PHASE_S:-580}
+phase_s=${GPU_CHECK_PHASE_S:-540}
 grace_s=20
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."  # the project root: the steps name tests/ and benchmarks/ from there
@@ -114,7 +125,36 @@ run_phase() {
   deadline=$((SECONDS + phase_s))
   { echo "== phase $name"; nvidia-smi; nproc; free -g; df -h "${TMPDIR:-/tmp}"; } >> "$out/phases.log" 2>&1
   case $name in
+    step)
+      step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+      # the offloaded step's targets first, rows printed as they finish so a cut-off run still leaves them: cpu with
+      # fp32 and int8 states, half the optimizer on the device, accumulation 4; where the cpu row's step goes (trace)
+      step bench-gpu-1.3b 210 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1,half:1,cpu:4 \
+        --rounds 3 --warmup 1 --trace "$out" --trace-cases cpu:1 --out "$out/bench-gpu-1.3b.json"
+      # a model whose states do not fit the GPU (no plain PyTorch row: 107 GB of training state): auto against cpu,
+      # every block recomputed so that activations leave the device budget room; fp32 states in 110 GiB of host
+      step bench-gpu-6.7b 200 "$py" benchmarks/bench_gpu.py --models 6.7b --cases cpu:1,auto:1 \
+        --activation-checkpointing --host-memory 110GiB --rounds 2 --warmup 1 --out "$out/bench-gpu-6.7b.json"
+      if [[ -f .versions/f6ac807/COMMIT ]]; then
+        # has the engine slowed since the 11.75x figure, or do the hosts differ: that engine beside the working tree
+        # and plain PyTorch, one process each, in what the phase has left
+        step versions-1.3b-cpu 150 "$py" benchmarks/bench_versions.py --tree f6ac807=.versions/f6ac807 \
+          --tree head=. --model 1.3b --micro-batch 8 --seq 1024 --offload-param cpu --offload-optimizer cpu \
+          --sub-group-size 1e8 --grad-accum 1 --rounds 1 --steps 3 --warmup 1 --run-timeout 100 --budget-s 120 \
+          --out "$out/versions-1.3b-cpu.json"
+      else
+        echo "== versions-1.3b-cpu: no .versions/f6ac807 (bash benchmarks/versions.sh f6ac807, then carry .versions)" \
+          | tee -a "$out/phases.log"
+      fi
+      ;;
+    step-more)
+      step bench-gpu-1.3b-more 100 "$py" benchmarks/bench_gpu.py --models 1.3b --cases nvme:1,spill:1,unbound:1 \
+        --rounds 2 --warmup 1 --out "$out/bench-gpu-1.3b-more.json"
+      step bench-gpu-124m 60 "$py" benchmarks/bench_gpu.py --models 124m --cases none:1,cpu:1,cpu:4 --rounds 3 \
+        --warmup 1 --out "$out/bench-gpu-124m.json"
+      ;;
     quick)
+
       step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
       # the short steps first, so a slow suite cannot cut them
       step bench-adam 60 "$py" benchmarks/bench_adam.py --rounds 9 --cases bf16s,int8s
@@ -144,7 +184,7 @@ run_phase() {
         --optimizer-state-dtype int8 --host-memory 110GiB --seq-len 16
       # >= 20B: int8 states (a bf16 master + 8-bit moments) in host memory as far as 110 GiB holds them beside the
       # bf16 gradients, the rest and the compute shards on NVMe; the disk measured first (8 GiB, the engine's blocks)
-      step scale-20b-int8 540 "$py" benchmarks/bench_scale.py --presets 20b --optimizer-state-dtype int8 \
+      step scale-20b-int8 480 "$py" benchmarks/bench_scale.py --presets 20b --optimizer-state-dtype int8 \
         --steps 3 --lr 1e-6 --host-memory 110GiB --max-rss 120GiB --disk-bench-size 8GiB \
         --out "$out/scale-20b-int8.json"
       ;;
@@ -172,7 +212,7 @@ run_phase() {
 }
 
 if [[ $phase == all ]]; then
-  for p in versions bench scale tests; do run_phase "$p"; done
+  for p in step step-more scale tests; do run_phase "$p"; done
 else
   run_phase "$phase"
 fi
