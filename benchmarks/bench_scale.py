@@ -58,6 +58,8 @@ from dataclasses import asdict, replace
 import torch
 
 from infinity.commands.train_checks import ROOM_CHECK_ENV
+from infinity.commands.train_estimate import model_decays
+from infinity.commands.train_plan import ADAMW_DEFAULTS
 from infinity.config.units import parse_host_memory
 from infinity.models.gpt import PRESETS, GPTConfig, count_params, get_preset
 from infinity.placement.estimate_gpt import estimate_gpt
@@ -142,7 +144,8 @@ def largest_that_fits(args, precision: str, nvme_root: str) -> dict:
     found = max_gpt(host_memory_nbytes=host_budget(args), nvme_nbytes=max(0, free), micro_batch=args.micro_batch,
                     seq_len=args.seq_len, precision=precision, offload_param="nvme", offload_optimizer="nvme",
                     gpu=torch.cuda.is_available(), state_dtype=args.optimizer_state_dtype, max_in_cpu=0,
-                    activation_checkpointing=args.activation_checkpointing)
+                    activation_checkpointing=args.activation_checkpointing,
+                    decays=lambda cfg: model_decays(cfg, ADAMW_DEFAULTS["weight_decay"]))  # as infinity train lays out
     if found["config"] is None:
         raise SystemExit(f"bench_scale: no GPT of our presets' shape fits {args.host_memory} and {free / 1e9:.0f} GB")
     return found

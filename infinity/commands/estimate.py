@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_params:
         config, _ = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
         return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=not args.cpu),
-                               micro_batch=config.micro_batch_size or 1)
+                               micro_batch=config.micro_batch_size or 1, weight_decay=config.optimizer.weight_decay)
     config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     model, gpt_cfg = _model(args, config.optimizer.weight_decay)
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
@@ -295,9 +295,10 @@ def predicted_step(est: dict, *, micro_batch: int, seq_len: int | None) -> tuple
     return prediction.as_dict(), f"{format_prediction(prediction)}; {tokens}, on {where}"
 
 
-def _run_max_params(args: argparse.Namespace, settings: dict, *, micro_batch: int) -> int:
+def _run_max_params(args: argparse.Namespace, settings: dict, *, micro_batch: int, weight_decay: float) -> int:
     """``--max-params``: the free disk under ``--nvme-path``, then the largest GPT that fits it and the host budget
-    ``settings`` (:func:`~infinity.placement.estimate.estimate_settings`) resolved."""
+    ``settings`` (:func:`~infinity.placement.estimate.estimate_settings`) resolved, each depth's sub-groups cut by
+    ``weight_decay``'s groups as ``infinity train`` cuts them."""
     settings = dict(settings)
     host = settings.pop("host_memory_budget")
     nvme_path = args.nvme_path or tempfile.gettempdir()
@@ -309,7 +310,8 @@ def _run_max_params(args: argparse.Namespace, settings: dict, *, micro_batch: in
         raise ValueError(f"--device-memory must be a size (80GiB), not a fraction: {args.device_memory!r}")
     found = max_gpt(host_memory_nbytes=host, nvme_nbytes=disk, device_memory_nbytes=device,
                     micro_batch=micro_batch, seq_len=args.seq_len,
-                    activation_checkpointing=args.activation_checkpointing, **settings)
+                    activation_checkpointing=args.activation_checkpointing,
+                    decays=lambda cfg: model_decays(cfg, weight_decay), **settings)
     if args.json:
         print(json.dumps(dict(found, host_memory_nbytes=host, disk_free_nbytes=disk, nvme_path=nvme_path)))
     else:

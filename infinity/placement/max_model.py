@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, replace
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 from infinity.models.gpt import PRESETS, GPTConfig, count_params
 from infinity.placement.estimate import COMPUTE_BYTES, TIERS
@@ -58,12 +58,14 @@ def _nvme_need(result: dict) -> int:
 
 def max_gpt(*, host_memory_nbytes: int, nvme_nbytes: int, device_memory_nbytes: int | None = None,
             templates: Sequence[str] = SHAPE_TEMPLATES, micro_batch: int = 1, seq_len: int | None = None,
-            **setting) -> dict:
+            decays: Callable[[GPTConfig], Sequence[float | None]] | None = None, **setting) -> dict:
     """The largest GPT of our presets' shape (a template preset's width, heads and sequence length, its depth
     scaled within :data:`DEPTH_RANGE`) whose run fits ``host_memory_nbytes`` of host memory (its floor,
     :func:`host_floor_nbytes`, within the budget: everything above the floor spills to NVMe) and
     ``nvme_nbytes`` of disk, and where given ``device_memory_nbytes`` of device memory (its accounted bytes and
-    activations). ``setting``: :func:`estimate`'s keywords (offload tiers, precision, state dtype, gpu, ...).
+    activations). ``setting``: :func:`estimate`'s keywords (offload tiers, precision, state dtype, gpu, ...);
+    ``decays``: each parameter's weight decay for a config, where the run's param groups lay its sub-groups out
+    by decay (``infinity train``'s), so that each depth is cut into sub-groups as the engine cuts it.
 
     Returns ``{"config", "template", "num_params", "bound", "host_floor_nbytes", "nvme_nbytes",
     "bytes_per_param", "estimate"}``: ``bytes_per_param`` is each tier's bytes over the parameter count under
@@ -74,16 +76,19 @@ def max_gpt(*, host_memory_nbytes: int, nvme_nbytes: int, device_memory_nbytes: 
     unknown = [t for t in templates if t not in PRESETS]
     if unknown:
         raise ValueError(f"max_gpt: unknown template preset(s) {', '.join(unknown)}; presets: {', '.join(PRESETS)}")
-    floor_setting = dict(setting, max_in_cpu=0, optimizer_max_in_cpu=0, host_memory_budget=host_memory_nbytes)
+    planned_setting = dict(setting, host_memory_budget=host_memory_nbytes)
+    floor_setting = dict(planned_setting, max_in_cpu=0, optimizer_max_in_cpu=0)
     best: dict | None = None
+
+    def estimate_of(cfg: GPTConfig, kwargs: dict) -> dict:
+        by_decay = {} if decays is None else {"param_decays": decays(cfg)}
+        return estimate_gpt(cfg, micro_batch=micro_batch, seq_len=seq_len, **kwargs, **by_decay)
 
     def verdict(cfg: GPTConfig) -> str | None:
         """None when ``cfg`` fits, else the resource it exceeds."""
-        floor = estimate_gpt(cfg, micro_batch=micro_batch, seq_len=seq_len, **floor_setting)
-        if host_floor_nbytes(floor) > host_memory_nbytes:
+        if host_floor_nbytes(estimate_of(cfg, floor_setting)) > host_memory_nbytes:
             return "host memory"
-        planned = estimate_gpt(cfg, micro_batch=micro_batch, seq_len=seq_len,
-                               **dict(setting, host_memory_budget=host_memory_nbytes))
+        planned = estimate_of(cfg, planned_setting)
         if _nvme_need(planned) > nvme_nbytes:
             return "disk"
         if device_memory_nbytes is not None and planned["totals"]["device"] > device_memory_nbytes:
@@ -116,9 +121,7 @@ def max_gpt(*, host_memory_nbytes: int, nvme_nbytes: int, device_memory_nbytes: 
     if best is None:
         return {"config": None, "template": None, "num_params": 0, "bound": "host memory or disk",
                 "host_floor_nbytes": None, "nvme_nbytes": None, "bytes_per_param": None, "estimate": None}
-    planned = estimate_gpt(best["config"], micro_batch=micro_batch, seq_len=seq_len,
-                           **dict(setting, host_memory_budget=host_memory_nbytes))
-    floor = estimate_gpt(best["config"], micro_batch=micro_batch, seq_len=seq_len, **floor_setting)
+    planned, floor = estimate_of(best["config"], planned_setting), estimate_of(best["config"], floor_setting)
     n = best["num_params"]
     best.update(host_floor_nbytes=host_floor_nbytes(floor), nvme_nbytes=_nvme_need(planned), estimate=planned,
                 bytes_per_param={t: {kind: nbytes / n for kind, nbytes in planned["tiers"][t].items() if nbytes}

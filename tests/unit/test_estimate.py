@@ -314,3 +314,33 @@ def test_cli_max_params(capsys, tmp_path):
     assert found["bytes_per_param"]["nvme"]["gradients"] > 1.5 > 0.5 > found["bytes_per_param"]["host"]["gradients"]
     rc = main(["estimate", "--max-params", "--cpu", "--host-memory", "2GiB", "--nvme-path", str(tmp_path / "no")])
     assert rc == 2 or "not a folder" in capsys.readouterr().err
+
+
+def test_max_gpt_cuts_sub_groups_where_infinity_train_s_decay_groups_cut_them(tmp_path):
+    """With ``decays`` (infinity train's groups: decay on 2-D tensors and up), the estimate of the model max_gpt names
+    has the engine's own sub-groups for those param groups; without, one decay for all, it has fewer."""
+    import infinity
+    from helpers import engine_config
+    from infinity.commands.train_estimate import model_decays
+    from infinity.models.gpt import GPT, GPTConfig
+    from infinity.optim.param_groups import decay_matrices_only
+    from infinity.placement.max_model import max_gpt
+
+    setting = dict(offload_param="cpu", offload_optimizer="cpu", precision="fp32", gpu=False,
+                   param_persistence_threshold=0, sub_group_size=10**6)
+    found = max_gpt(host_memory_nbytes=16 << 30, nvme_nbytes=1 << 40, templates=("10m",), micro_batch=2, seq_len=16,
+                    decays=lambda cfg: model_decays(cfg, 0.1), **setting)
+    alike = max_gpt(host_memory_nbytes=16 << 30, nvme_nbytes=1 << 40, templates=("10m",), micro_batch=2, seq_len=16,
+                    **setting)
+    cfg = GPTConfig(**found["config"])
+    assert alike["config"] == found["config"]
+    model = GPT(cfg)
+    engine = infinity.initialize(model, engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1,
+                                                      clip=1.0, lr=1e-4, sub_group_size=10**6),
+                                 param_groups=decay_matrices_only(model, 0.1))
+    try:
+        engine_numels = [g.numel for g in engine.layout.sub_groups]
+    finally:
+        engine.close()
+    assert found["estimate"]["sub_group_numels"] == engine_numels
+    assert alike["estimate"]["sub_group_numels"] != engine_numels
