@@ -46,6 +46,7 @@ class GradSpill:
         (:func:`~infinity.placement.host_budget.spill_pool_nbytes` counts the same)."""
         self._store = store
         self._copies = copies
+        self._host_cores = placement.host_cores  # the worker's norms: the CPU Adam's team, on its cores
         self._tiers = tiers
         self.grad_dtype = grad_dtype
         self.first_group = placement.nvme_grads_from
@@ -110,6 +111,7 @@ class GradSpill:
 
     # -- the worker ---------------------------------------------------------------
     def _run(self) -> None:
+        self._host_cores.bind_this_thread()  # off the core that feeds the GPU, as the engine's other updaters
         while (job := self._jobs.get()) is not None:
             slot, group, buffer, staged, done, add, final = job
             try:
@@ -130,7 +132,7 @@ class GradSpill:
         if staged is None:  # finalize: the norm of what is on NVMe
             partial = self._partial[:slot.shard_numel]
             self._store.read(self.key(slot), partial).wait()
-            self._sq_norms[slot.index] = sq_norm_fp64(partial)
+            self._sq_norms[slot.index] = sq_norm_fp64(partial, num_threads=self._host_cores.threads)
             return
         if done is not None:
             self._copies.host_waits(done)  # the slice is read (added, normed, written) next
@@ -145,7 +147,7 @@ class GradSpill:
             if self._partial is None:
                 self._tiers.free("host", partial)
         if final:
-            self._sq_norms[slot.index] = sq_norm_fp64(staged)
+            self._sq_norms[slot.index] = sq_norm_fp64(staged, num_threads=self._host_cores.threads)
         # The buffer goes back to the pool once its bytes are on disk.
         self._store.write(self.key(slot), staged).wait()
 

@@ -299,3 +299,29 @@ def test_the_step_tail_binds_its_thread_too(tmp_path, monkeypatch):
     tail_calls = [(cores, threads) for name, cores, threads in calls if name == "infinity-step-tail"]
     assert tail_calls and all(cores == {CORES[-1]} and threads == 1 for cores, threads in tail_calls)
     assert losses == unbound  # the same bits, bound or not
+
+
+@needs_two_cores
+def test_the_gradient_spill_worker_takes_its_norms_bound_with_the_team(tmp_path, monkeypatch):
+    """Gradient slices the host budget cannot hold rest on NVMe; the worker that writes them takes their norms on
+    the CPU Adam's cores with its team, as the optimizer's worker does, and the result is the same bits."""
+    from infinity.placement.placement import distinct_device_requested
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, d=256, n_layer=4, n_head=4, seq=16)
+    batches = list(gpt_batches(3, batch=2, vocab=256))
+    budget = (38 if distinct_device_requested() else 42) << 20  # some of the 13 MiB of fp32 slices, not all
+
+    def config(host_threads):
+        raw = engine_config(param="cpu", optimizer="nvme", nvme_path=str(tmp_path), accum=1, clip=1.0, lr=3e-3,
+                            sub_group_size=262144, host_memory_budget=budget)
+        raw["zero_optimization"]["offload_optimizer"]["host_threads"] = host_threads
+        return raw
+
+    unbound, _, _, _ = engine_steps(model, config(None), batches, steps=3, accum=1)
+    norms = _record_kernel_calls(monkeypatch, "sq_norm_fp64")
+    losses, _, _, placement = engine_steps(model, config(1), batches, steps=3, accum=1)
+    assert placement.nvme_grads_from is not None
+    spill_norms = [(cores, threads) for name, cores, threads in norms if name == "infinity-grad-spill"]
+    assert spill_norms and all(cores == {CORES[-1]} and threads == 1 for cores, threads in spill_norms), spill_norms
+    assert losses == unbound
