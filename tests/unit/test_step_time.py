@@ -303,7 +303,30 @@ def test_a_block_is_measured_with_the_flops_counted_by_hand():
     assert mf.block_flops(64, 16, 16) == 4_915_200
     block = mf._block(64, mf._DTYPES["fp32"], mf.torch.device("cpu"))
     assert sum(p.numel() for p in block.parameters() if p.dim() == 2) == 12 * 64 * 64  # the FLOPs' weights
-    assert mf._block_seconds(64, 1, 16, "fp32", mf.torch.device("cpu"), budget_s=0.0) > 0
+    assert mf.measure_block_now(64, 1, 16, "fp32", overhead_s=0.0, tries=1) > 0
+
+
+def test_a_width_s_figure_is_the_median_of_its_turns_and_the_overhead_its_best(monkeypatch):
+    """What a step of many blocks runs at is the block's typical time, not its best moment; a burst of other work
+    in one turn (the 50 s one) moves neither."""
+    clock = [0.0]
+    turns = {64: [0.02, 0.01, 0.03, 0.02, 50.0, 0.02], 256: [0.2] * 6, 1024: [2.0, 1.0, 3.0, 2.0, 50.0, 2.0]}
+    overheads = iter([0.002, 0.001, 0.003] * 10)
+
+    def scripted(width, batch, seq, precision, device):
+        took = iter([0.5] + turns[width]) if batch > 1 else iter([0.5] + [next(overheads) for _ in range(30)])
+
+        def run():  # the first call is the warm-up
+            clock[0] += next(took)
+        return run
+
+    monkeypatch.setattr(mf, "_block_run", scripted)
+    monkeypatch.setattr(mf.time, "perf_counter", lambda: clock[0])
+    rates, overhead, tokens = mf.measure_blocks(mf.torch.device("cpu"), "fp32")
+    assert overhead == pytest.approx(0.001) and tokens == 4 * 256
+    for width, median in ((64, 0.02), (256, 0.2), (1024, 2.0)):
+        expected = mf.block_flops(width, tokens, 256) / (median - 0.001) / 1e12
+        assert rates[str(width)] == pytest.approx(expected, rel=1e-3), width
 
 
 def test_bench_machine_json_emits_the_figures_and_caches_them(tmp_path, monkeypatch, capsys):
