@@ -59,6 +59,7 @@ from infinity.config.schema import InfinityConfig  # noqa: E402
 from infinity.placement.estimate_gpt import estimate_gpt  # noqa: E402
 from infinity.placement.estimate_split import move_to_device  # noqa: E402
 from infinity.placement.host_budget import resolve_host_budget  # noqa: E402
+from infinity.placement.split_choice import step_shape_of  # noqa: E402
 from infinity.placement.step_time import gpt_shape, predict_from_estimate  # noqa: E402
 from infinity.runtime.host_cores import usable_cores  # noqa: E402
 from infinity.runtime.machine_figures import machine_figures  # noqa: E402
@@ -209,15 +210,18 @@ class Reference:
 
 
 class Ours:
-    def __init__(self, cfg: GPTConfig, config: dict, trace_path: str | None = None, recompute: bool = False):
+    def __init__(self, cfg: GPTConfig, config: dict, *, micro_batch: int, seq: int, trace_path: str | None = None,
+                 recompute: bool = False):
         with infinity.Init():
             model = GPT(cfg)
         if recompute:  # before initialize: a split optimizer's choice hears that backward recomputes
             model.activation_checkpointing_enable()
         if trace_path is not None:
             config["trace"] = {"path": trace_path}
+        # the step the split's count is chosen for: this run's micro-batch and sequence
+        shape = step_shape_of(model, micro_batch=micro_batch, seq_len=seq)
         start = time.perf_counter()
-        self.engine = infinity.initialize(model, config)
+        self.engine = infinity.initialize(model, config, step_shape=shape)
         self.initialize_s = time.perf_counter() - start  # pinning must stay off this path
 
     def pinning(self) -> dict:
@@ -312,7 +316,8 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
     ours = None
     ratios, ref_times, our_times, nvme_bytes = [], [], [], []
     try:
-        ours = Ours(cfg, engine_config(tier, accum, nvme_path, zero_overrides(args)), trace_path, recompute)
+        ours = Ours(cfg, engine_config(tier, accum, nvme_path, zero_overrides(args)), micro_batch=args.micro_batch,
+                    seq=min(args.seq, cfg.seq_len), trace_path=trace_path, recompute=recompute)
         for round_ in range(args.warmup + args.rounds):
             batches = batches_for(cfg, args, accum, device, seed=round_)
             ref_s = timed(device, reference.step, batches)[0] if reference is not None else None
