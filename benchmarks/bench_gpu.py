@@ -262,10 +262,11 @@ def timed(device, fn, *a) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def predicted(cfg: GPTConfig, tier: str, accum: int, args, split: dict | None = None) -> dict:
-    """The step-time model's step for ``engine_config(tier, accum)`` on this machine (crossings always: a GPU, or
-    the distinct-device mode). ``split``: the engine's own optimizer split (``step_metrics()["optimizer_split"]``),
-    so a split case is predicted with the sub-groups the engine put on the device."""
+def predicted(cfg: GPTConfig, tier: str, accum: int, args, config: dict, split: dict | None = None) -> dict:
+    """The step-time model's step for the case's ``config`` (:func:`engine_config`) on this machine (crossings
+    always: a GPU, or the distinct-device mode). ``split``: the engine's own optimizer split
+    (``step_metrics()["optimizer_split"]``), so a split case is predicted with the sub-groups the engine put on the
+    device."""
     offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "auto": "cpu", "unbound": "cpu"}.get(tier, tier)
     seq = min(args.seq, cfg.seq_len)
     recompute = args.activation_checkpointing
@@ -279,8 +280,7 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args, split: dict | None = 
                        host_memory_budget=resolve_host_budget(args.host_memory) if tier == "spill" else None,
                        overlap_step=True)
     if split and split.get("device_sub_groups"):  # its first sub-groups' states and gradients on the device
-        config = InfinityConfig.from_deepspeed(engine_config(tier, accum, args.nvme_path, zero_overrides(args)))
-        move_to_device(est, config, split["device_sub_groups"], split["device_numel"])
+        move_to_device(est, InfinityConfig.from_deepspeed(config), split["device_sub_groups"], split["device_numel"])
     prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
                                        shape=gpt_shape(cfg))
     # plain PyTorch: the same model with nothing offloaded and nothing crossing (a load gauge: on a shared
@@ -313,11 +313,13 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
     reference = Reference(cfg, device, recompute) if with_reference else None
     traced = args.trace is not None and (tier, accum) in parse_cases(args.trace_cases)
     trace_path = os.path.join(args.trace, f"{name}-{tier}-{accum}.json") if traced else None
+    config = engine_config(tier, accum, nvme_path, zero_overrides(args))
+    seq = min(args.seq, cfg.seq_len)
     ours = None
     ratios, ref_times, our_times, nvme_bytes = [], [], [], []
     try:
-        ours = Ours(cfg, engine_config(tier, accum, nvme_path, zero_overrides(args)), micro_batch=args.micro_batch,
-                    seq=min(args.seq, cfg.seq_len), trace_path=trace_path, recompute=recompute)
+        ours = Ours(cfg, config, micro_batch=args.micro_batch, seq=seq, trace_path=trace_path,
+                    recompute=recompute)
         for round_ in range(args.warmup + args.rounds):
             batches = batches_for(cfg, args, accum, device, seed=round_)
             ref_s = timed(device, reference.step, batches)[0] if reference is not None else None
@@ -346,7 +348,7 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    tokens = accum * args.micro_batch * min(args.seq, cfg.seq_len)
+    tokens = accum * args.micro_batch * seq
     step_s = statistics.median(our_times)
     row = {"model": name, "params": count_params(cfg), "tier": tier, "accumulation": accum,
            "reference_step_s": statistics.median(ref_times) if ref_times else None, "step_s": step_s,
@@ -355,7 +357,7 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
            "activation_checkpointing": recompute, "copies": metrics.get("copies", {}),
            "placement": placement, **setup,
            **({"optimizer_split": metrics["optimizer_split"]} if "optimizer_split" in metrics else {}),
-           **predicted(cfg, tier, accum, args, metrics.get("optimizer_split")),
+           **predicted(cfg, tier, accum, args, config, metrics.get("optimizer_split")),
            **({"trace": trace_path} if trace_path else {})}
     row["measured_over_predicted"] = row["step_s"] / row["predicted_s"]
     if row["ratio"] is not None:
@@ -446,11 +448,9 @@ def main(argv=None) -> int:
                 try:
                     row = run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_reference)
                 except (RuntimeError, ValueError, OSError, MemoryError) as err:  # CUDA's out of memory is a RuntimeError
-                    # one case that does not fit must not cost the cases after it (a GPU lease is short)
+                    # one case that does not fit must not cost the cases after it (a GPU lease is short); run_case
+                    # has freed what it held
                     row = failed_row(name, cfg, tier, accum, err)
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
                     rows.append(row)
                     print(f"{name:>6} {tier:>7} {accum:>3} failed: {row['error']}", flush=True)
                     continue
