@@ -27,6 +27,7 @@ from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.models.gpt import DEFAULT_PRESET, get_preset
 from infinity.runtime.comm import local_rank_and_size
+from infinity.runtime.cpu_matmul import matmuls_in_fp32
 from infinity.runtime.hardware import default_device, resolve_precision, slow_precision_warning
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
@@ -290,7 +291,11 @@ def _apply_precision(config: InfinityConfig, args: argparse.Namespace,
     said = f"{precision} (auto: {chosen.reason})" if requested == "auto" else precision
     device = config.device if config.device not in (None, "auto") else default_device()
     fix = "--precision auto" if args.precision is not None else 'bf16.enabled: "auto" in --config (or --precision auto)'
-    slow = slow_precision_warning(precision, device, how_to_fix=fix)
+    slow = None
+    if matmuls_in_fp32(config.cpu_matmul_precision, precision, device):
+        said += ", matmuls in fp32"  # not emulated: infinity.runtime.cpu_matmul
+    else:
+        slow = slow_precision_warning(precision, device, how_to_fix=fix)
     if args.precision is not None or asked in (None, "auto"):
         config = config.replace(precision=precision)
     return config, precision, said, f"WARNING: {slow}" if slow else ""

@@ -151,6 +151,8 @@ class _DeepSpeedTranslator:
             kwargs["tiling"] = TilingConfig(**self._fields("tiling", raw.pop("tiling"), {"max_tile_numel": "max_tile_numel"}))
         if "device" in raw:
             kwargs["device"] = raw.pop("device")
+        if "cpu_matmul_precision" in raw:
+            kwargs["cpu_matmul_precision"] = raw.pop("cpu_matmul_precision")
         if "scheduler" in raw:
             kwargs["scheduler"] = scheduler_from_deepspeed(raw.pop("scheduler"))
         if "trace" in raw:
@@ -302,9 +304,10 @@ class _DeepSpeedTranslator:
         return cls(**fields)
 
 
-_OUR_AUTO_KEYS = frozenset({"bf16.enabled", "device", "aio.backend", "zero_optimization.offload_optimizer.device"})
-"""Keys whose "auto" we resolve ourselves (infinity.runtime.hardware, placement.compute_device, the storage backend,
-the optimizer's split per sub-group)."""
+_OUR_AUTO_KEYS = frozenset({"bf16.enabled", "device", "cpu_matmul_precision", "aio.backend",
+                            "zero_optimization.offload_optimizer.device"})
+"""Keys whose "auto" we resolve ourselves (infinity.runtime.hardware, placement.compute_device,
+infinity.runtime.cpu_matmul, the storage backend, the optimizer's split per sub-group)."""
 
 
 def _reject_auto(block: dict, prefix: str) -> None:

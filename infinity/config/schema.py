@@ -31,6 +31,11 @@ class InfinityConfig:
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    cpu_matmul_precision: Literal["auto", "fp32", "native"] = "auto"
+    """How a bf16 or fp16 run computes its matmuls when the compute device is the CPU (our key
+    ``cpu_matmul_precision``): ``fp32`` from fp32 copies of the operands, the product rounded back (torch's own
+    half-precision matmul on a CPU without units for it is a scalar fallback, 20-70x slower); ``native`` as torch
+    runs them; ``auto`` in fp32 where the CPU has no units for the precision (:mod:`infinity.runtime.cpu_matmul`)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
@@ -49,6 +54,7 @@ class InfinityConfig:
         _require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
         _require_non_negative("gradient_clipping", self.gradient_clipping)
         _require_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        _require_choice("cpu_matmul_precision", self.cpu_matmul_precision, ("auto", "fp32", "native"))
         if self.micro_batch_size is not None:
             _require_positive("train_micro_batch_size_per_gpu", self.micro_batch_size)
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")

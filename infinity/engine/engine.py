@@ -43,6 +43,7 @@ from infinity.placement.split_choice import StepShape
 from infinity.placement.tiers import Tiers
 from infinity.runtime.allocator import keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
+from infinity.runtime.cpu_matmul import HalfMatmulsInFp32, cpu_matmul_mode
 from infinity.runtime.hardware import slow_precision_warning
 from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
@@ -92,9 +93,14 @@ class Engine:
         self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
-        slow = slow_precision_warning(config.precision, self.device.type)
-        if slow is not None:
-            logger.warning("%s", slow)
+        self._matmul_mode = cpu_matmul_mode(config.cpu_matmul_precision, config.precision, self.device)
+        if self._matmul_mode is HalfMatmulsInFp32:
+            logger.info("%s matmuls on the CPU are computed in fp32 and rounded (cpu_matmul_precision %s)",
+                        config.precision, config.cpu_matmul_precision)
+        else:
+            slow = slow_precision_warning(config.precision, self.device.type)
+            if slow is not None:
+                logger.warning("%s", slow)
         self._check_batch_size()
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
@@ -233,7 +239,7 @@ class Engine:
         try:
             fetching = fetch_on_use(self._by_param, self.hooks, self.root_group,
                                     updates_behind=self.optimizer.tail is not None)
-            with fetching, self.timeline.span("compute", "forward"):
+            with fetching, self._matmul_mode(), self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
         except BaseException:
             self._end_pass()
@@ -261,7 +267,7 @@ class Engine:
         try:
             self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
             begun = True
-            with self.timeline.span("compute", "backward"):
+            with self._matmul_mode(), self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
         except BaseException as err:
             if begun:

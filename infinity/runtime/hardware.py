@@ -140,12 +140,15 @@ def resolve_precision(requested: str, device: str | None = None) -> FastPrecisio
 
 def slow_precision_warning(precision: str, device: str, *, how_to_fix: str = 'bf16.enabled: "auto"') -> str | None:
     """The warning for computing in ``precision`` on ``device`` (``cpu``, ``cuda``) where it is emulated: bf16 on
-    a CPU without bf16 units runs several times slower than fp32. None when the precision is fast there.
+    a CPU without bf16 units runs 20-70x slower than fp32 in torch's own kernels. The caller asks only where the
+    matmuls run in torch's own kernels (``cpu_matmul_precision: "native"``, :mod:`infinity.runtime.cpu_matmul`). None when the precision is fast there.
     ``how_to_fix`` names the setting that picks the fast one (``bf16.enabled: "auto"``, ``--precision auto``)."""
     if precision != "bf16" or not device.startswith("cpu"):
         return None
     fast = fast_precision("cpu")
     if fast.precision == "bf16":
         return None
-    return (f"bf16 is asked for but the CPU {cpu_name()} has no bf16 units ({fast.reason}): bf16 is emulated there, "
-            f"several times slower than fp32; set {how_to_fix} to compute in the fast precision (fp32 here)")
+    return (f"bf16 is asked for but the CPU {cpu_name()} has no bf16 units ({fast.reason}) and cpu_matmul_precision is "
+            f"\"native\": torch's bf16 matmul is a scalar fallback there, 20-70x slower than fp32; leave "
+            f"cpu_matmul_precision at \"auto\" (matmuls in fp32, rounded), or set {how_to_fix} to compute in the "
+            f"fast precision (fp32 here)")

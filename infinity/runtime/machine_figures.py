@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from infinity import kernels
+from infinity.runtime.cpu_matmul import cpu_matmul_mode
 from infinity.runtime.hardware import fast_precision, machine_description
 from infinity.runtime.host_cores import HostCores, plan_host_cores
 from infinity.storage.bench import measure_nvme
@@ -46,8 +47,9 @@ __all__ = ["FORMAT", "MachineFigures", "cache_path", "load_cached", "machine_fig
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2
-"""The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite)."""
+FORMAT = 3
+"""The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite; 3: a
+half-precision matmul on a CPU without units for it is timed as the engine computes it, through fp32)."""
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -70,7 +72,8 @@ class MachineFigures:
     """A transformer block's forward and backward (pre-LN, attention by ``scaled_dot_product_attention``, a 4x
     GELU MLP) on ``block_tokens`` tokens, TFLOP/s of its matmuls beyond ``block_overhead_s``: by precision, then by
     width (``{"bf16": {"64": ..., "1024": ...}}``), in the precision the device is fast in (another one scales by
-    ``matmul_tflops``). What a model's forward and backward reach, not a matmul's peak."""
+    ``matmul_tflops``), and on a CPU in bf16 and fp32 both, the fast one first. What a model's forward and backward
+    reach, not a matmul's peak."""
     block_overhead_s: dict
     """Seconds a block's forward and backward take whatever its size (launches, dispatch, autograd): the same
     block at width 64 on 16 tokens, by precision."""
@@ -192,13 +195,16 @@ def _synchronize(device: torch.device) -> None:
 
 
 def measure_matmul_tflops(device: torch.device, precision: str, *, budget_s: float = 0.4) -> float:
-    """Dense ``n x n @ n x n`` throughput in TFLOP/s (n = 8192 on a GPU, 1024 on a CPU)."""
+    """Dense ``n x n @ n x n`` throughput in TFLOP/s (n = 8192 on a GPU, 1024 on a CPU), as the engine computes it
+    by default: a half precision on a CPU without units for it through fp32 (:mod:`infinity.runtime.cpu_matmul`)."""
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(_DTYPES[precision])
     b = torch.randn(n, n, device=device).to(_DTYPES[precision])
+    mode = cpu_matmul_mode("auto", precision, device)
 
     def run():
-        a @ b
+        with mode():
+            a @ b
         _synchronize(device)
 
     return _best_rate(run, 2 * n**3, budget_s=budget_s) / 1e12
@@ -236,9 +242,11 @@ def _block_run(width: int, batch: int, seq: int, precision: str, device: torch.d
     """One forward and backward of a fresh block of ``width`` on ``batch x seq`` tokens, as a callable."""
     block = _block(width, _DTYPES[precision], device)
     x = torch.randn(batch, seq, width, device=device, dtype=_DTYPES[precision], requires_grad=True)
+    mode = cpu_matmul_mode("auto", precision, device)  # its matmuls as the engine computes them by default
 
     def run():
-        block(x).sum().backward()
+        with mode():
+            block(x).sum().backward()
         _synchronize(device)
 
     return run
@@ -406,9 +414,12 @@ def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -
     start = time.perf_counter()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     matmul = {p: round(measure_matmul_tflops(device, p), 4) for p in ("bf16", "fp32")}
-    # the block in the precision the device is fast in (a model's time in the other one scales by the matmuls')
+    # The block in the precision the device is fast in; a GPU's time in the other one scales by the matmuls'. A
+    # CPU's does not (its bf16 norms, activations and attention are not matmuls, and run 2x slower without bf16
+    # units), so a CPU's block is timed in both.
     fast = fast_precision("cuda" if device.type == "cuda" else "cpu").precision
-    blocks = {fast: measure_blocks(device, fast)}
+    precisions = (fast,) if device.type == "cuda" else (fast, *(p for p in ("fp32", "bf16") if p != fast))
+    blocks = {p: measure_blocks(device, p) for p in precisions}
     h2d, d2h, copy_path = measure_copies(device)
     device_memory = measure_device_memory(device)
     host_cores = plan_host_cores(device, None)  # the team the engine takes on this machine by default

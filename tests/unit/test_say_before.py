@@ -278,16 +278,29 @@ def avx2_cpu(monkeypatch):
         cache.cache_clear()
 
 
-def test_bf16_on_a_cpu_without_bf16_units_is_warned_naming_the_cpu(avx2_cpu, tmp_path, caplog):
+def test_bf16_on_a_cpu_without_bf16_units_takes_its_matmuls_in_fp32_or_is_warned_naming_the_cpu(avx2_cpu, tmp_path,
+                                                                                                  caplog):
     import infinity
 
+    # by default (cpu_matmul_precision "auto") the matmuls run in fp32 there: said on the start line, no warning
     plan = _plan("--config", _config(tmp_path, {"bf16": {"enabled": True}}))
+    assert plan.precision == "bf16" and plan.precision_said == "bf16, matmuls in fp32" and plan.precision_warning == ""
+    # in torch's own kernels ("native") it is emulated: warned, naming the CPU and the settings that help
+    native = {"bf16": {"enabled": True}, "cpu_matmul_precision": "native"}
+    plan = _plan("--config", _config(tmp_path, native, "native.json"))
     assert plan.precision == "bf16"  # asked for: kept, and said
     assert "AMD EPYC 7B12" in plan.precision_warning and 'bf16.enabled: "auto"' in plan.precision_warning
-    assert "--precision auto" in _plan("--precision", "bf16").precision_warning
+    assert 'cpu_matmul_precision at "auto"' in plan.precision_warning
+    assert "--precision auto" in _plan("--config", _config(tmp_path, {"cpu_matmul_precision": "native"}, "n.json"),
+                                       "--precision", "bf16").precision_warning
     assert _plan("--config", _config(tmp_path, {"bf16": {"enabled": "auto"}}, "auto.json")).precision_warning == ""
+    with caplog.at_level(logging.INFO, logger="infinity.engine.engine"):
+        infinity.initialize(torch.nn.Linear(4, 4), {"device": "cpu", "bf16": {"enabled": True}}).close()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r for r in caplog.records if "matmuls on the CPU are computed in fp32" in r.getMessage()]
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="infinity.engine.engine"):
-        engine = infinity.initialize(torch.nn.Linear(4, 4), {"device": "cpu", "bf16": {"enabled": True}})
+        engine = infinity.initialize(torch.nn.Linear(4, 4), {"device": "cpu", **native})
         engine.close()
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "AMD EPYC 7B12" in r.getMessage()]
     assert len(warned) == 1 and 'bf16.enabled: "auto"' in warned[0].getMessage()
