@@ -45,13 +45,14 @@ def test_each_matmul_is_the_exact_product_rounded_once(dtype):
         with HalfMatmulsInFp32():
             ours = op()
         assert ours.dtype == native.dtype == dtype and ours.shape == native.shape, name
-        # within one rounding of the exact product (fp32 sums of 40 terms are far finer than a half's step)
+        # within one rounding of the exact product, and the fp32 sums' own error (40 terms of magnitude < 25,
+        # each off by < 2^-24 of itself: < 1e-4, far below a half's step but for a product near zero)
         reference = exact()
-        step = (reference.abs() * torch.finfo(dtype).eps).clamp_min(torch.finfo(dtype).tiny)
+        step = reference.abs() * torch.finfo(dtype).eps + 1e-4
         assert ((ours.to(torch.float64) - reference).abs() <= step).all(), name
-        # and what a plain fp32 matmul rounds to, bit for bit
-        with torch.no_grad():
-            torch.testing.assert_close(ours, native, rtol=2 * torch.finfo(dtype).eps, atol=1e-3, msg=name)
+        # and torch's own kernel's value within a couple of steps of the largest (it may round a partial result)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(ours, native, rtol=2 * eps, atol=2 * eps * native.abs().max().item(), msg=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
