@@ -15,6 +15,7 @@ from typing import Literal
 
 from infinity.config.deepspeed import translate
 from infinity.config.lr_schedule import DeepSpeedScheduler
+from infinity.runtime.cpu_matmul import CPU_MATMUL_CHOICES
 from infinity.config.sections import (AioConfig, LossScaleConfig, OptimizerConfig, TilingConfig, TraceConfig,
                                       ZeroConfig, _require_choice, _require_non_negative, _require_positive)
 
@@ -54,7 +55,7 @@ class InfinityConfig:
         _require_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
         _require_non_negative("gradient_clipping", self.gradient_clipping)
         _require_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
-        _require_choice("cpu_matmul_precision", self.cpu_matmul_precision, ("auto", "fp32", "native"))
+        _require_choice("cpu_matmul_precision", self.cpu_matmul_precision, CPU_MATMUL_CHOICES)
         if self.micro_batch_size is not None:
             _require_positive("train_micro_batch_size_per_gpu", self.micro_batch_size)
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
