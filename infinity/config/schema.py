@@ -15,9 +15,9 @@ from typing import Literal
 
 from infinity.config.deepspeed import translate
 from infinity.config.lr_schedule import DeepSpeedScheduler
-from infinity.runtime.cpu_matmul import CPU_MATMUL_CHOICES
 from infinity.config.sections import (AioConfig, LossScaleConfig, OptimizerConfig, TilingConfig, TraceConfig,
                                       ZeroConfig, _require_choice, _require_non_negative, _require_positive)
+from infinity.runtime.hardware import CPU_MATMUL_CHOICES
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

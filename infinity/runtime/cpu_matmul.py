@@ -27,11 +27,10 @@ import contextlib
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infinity.runtime.hardware import cpu_flags, fast_precision
+from infinity.runtime.hardware import CPU_MATMUL_CHOICES, cpu_flags, fast_precision
 
 __all__ = ["CPU_MATMUL_CHOICES", "HalfMatmulsInFp32", "cpu_matmul_mode", "matmuls_in_fp32"]
 
-CPU_MATMUL_CHOICES = ("auto", "fp32", "native")
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
 """/proc/cpuinfo flags of a CPU with fp16 units."""
 

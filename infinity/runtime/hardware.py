@@ -15,14 +15,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FastPrecision", "cpu_flags", "cpu_name", "fast_precision", "gpu_name", "machine_description",
-           "resolve_precision", "slow_precision_warning"]
+__all__ = ["CPU_MATMUL_CHOICES", "FastPrecision", "cpu_flags", "cpu_name", "fast_precision", "gpu_name",
+           "machine_description", "resolve_precision", "slow_precision_warning"]
 
 logger = logging.getLogger(__name__)
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 """/proc/cpuinfo flags of a CPU with bf16 units."""
 PRECISION_CHOICES = ("auto", "bf16", "fp32")
+CPU_MATMUL_CHOICES = ("auto", "fp32", "native")
+"""``cpu_matmul_precision``'s values (:mod:`infinity.runtime.cpu_matmul`); here, where the config reads them
+without importing torch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +144,8 @@ def resolve_precision(requested: str, device: str | None = None) -> FastPrecisio
 def slow_precision_warning(precision: str, device: str, *, how_to_fix: str = 'bf16.enabled: "auto"') -> str | None:
     """The warning for computing in ``precision`` on ``device`` (``cpu``, ``cuda``) where it is emulated: bf16 on
     a CPU without bf16 units runs 20-70x slower than fp32 in torch's own kernels. The caller asks only where the
-    matmuls run in torch's own kernels (``cpu_matmul_precision: "native"``, :mod:`infinity.runtime.cpu_matmul`). None when the precision is fast there.
+    matmuls run in torch's own kernels (``cpu_matmul_precision: "native"``, :mod:`infinity.runtime.cpu_matmul`).
+    None when the precision is fast there.
     ``how_to_fix`` names the setting that picks the fast one (``bf16.enabled: "auto"``, ``--precision auto``)."""
     if precision != "bf16" or not device.startswith("cpu"):
         return None
