@@ -15,6 +15,7 @@ from infinity.checkpoint.save_dir_lock import release_save_dir
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
+from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
@@ -61,7 +62,8 @@ def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | No
     """Partition ``model`` across the data-parallel ranks and offload its states as ``config`` says.
 
     ``weights``: a Hugging Face model folder (or ``.safetensors`` file) whose tensors are streamed
-    straight into this rank's shards instead of initializing. ``param_init(module)``: initializes
+    straight into this rank's shards instead of initializing (a ``peft`` model: its base's; its new LoRA
+    adapters are initialized as ``peft`` does, see :mod:`infinity.engine.adapter_init`). ``param_init(module)``: initializes
     each module of a model built on the meta device (see :mod:`infinity.engine.materialize`).
     ``step_shape``: the run's model shape and micro-batch, for the step-time model that chooses how many
     sub-groups ``offload_optimizer.device: auto`` keeps on the device (default: the model's own).
@@ -85,6 +87,7 @@ class Engine:
         self._initializer = Initializer(model, param_init)
         self._weights = None
         if weights is not None:
+            check_adapter_init(model)  # a peft model's new adapters over a streamed base: before a file is opened
             self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()

@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from infinity.engine.adapter_init import AdapterInit
+from infinity.engine.stand_ins import stand_ins_for
 from infinity.optim.offload_optimizer import OffloadOptimizer
 from infinity.params.compute_shards import ComputeShards
 from infinity.params.sharded_param import ShardedParam
@@ -189,32 +191,16 @@ class Initializer:
              buffers: dict[str, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """Run ``init`` with every direct parameter (and ``buffers``) of ``module`` swapped for a stand-in
         with real storage; returns the stand-ins' values by the original parameter's id."""
-        stand_ins = {}
-        for local_name, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            source = None if original_data is None else original_data.get(id(param))
-            if source is None or source.is_meta:
-                value = torch.full(param.shape, math.nan, dtype=torch.float32)
-            else:
-                value = source.detach().float().clone()
-            stand_ins[local_name] = (param, torch.nn.Parameter(value, requires_grad=param.requires_grad))
         old_buffers = {local: module._buffers[local] for local in (buffers or {})}
         try:
-            for local_name, (_, stand_in) in stand_ins.items():
-                module._parameters[local_name] = stand_in
             for local, value in (buffers or {}).items():
                 module._buffers[local] = value
-            with torch.no_grad():
+            with stand_ins_for([module], original_data) as values:
                 init()
         finally:
-            for local_name, (orig, _) in stand_ins.items():
-                module._parameters[local_name] = orig
             for local, value in old_buffers.items():
                 module._buffers[local] = value
-        if not keep:
-            return {}
-        return {id(orig): stand_in.detach() for orig, stand_in in stand_ins.values()}
+        return values if keep else {}
 
 
 def _direct_params(module: torch.nn.Module) -> bool:
@@ -270,8 +256,10 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
     pending_master: dict[int, torch.Tensor] = {}
     sharded_by_id = {id(s.param): s for s in params}
     done: set[int] = set()
+    new_adapters = set() if weights is None else weights.initialized  # a peft model's, over a streamed base
+    adapters = AdapterInit(model) if new_adapters else None
     initializing_meta = weights is None and any(t.is_meta for t in original_data.values())
-    seed = _common_seed(comm) if initializing_meta else None
+    seed = _common_seed(comm) if initializing_meta or new_adapters else None
     rng = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
     with rng:
         if seed is not None:
@@ -288,10 +276,12 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
             todo = [(n, p) for n, p in direct if id(p) not in done]
             if not todo:
                 continue
-            if weights is not None:  # each rank reads its own slices, nothing else
-                values = [None] * len(todo)
-            else:
+            if weights is None:
                 values = initializer.values(module, module_name, todo, original_data)
+            elif any(sharded_by_id[id(p)].slot.name in new_adapters for _, p in todo):
+                values = adapters.values(module_name, todo, original_data)
+            else:  # each rank reads its own slices, nothing else
+                values = [None] * len(todo)
             for (local_name, param), value in zip(todo, values):
                 sharded = sharded_by_id[id(param)]
                 if value is None:

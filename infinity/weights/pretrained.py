@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
+from infinity.weights.adapters import base_tensor_name, is_adapter, is_peft_model
 from infinity.placement.layout import ParamSlot
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class PretrainedWeights:
         self._key_of: dict[str, str] = {}  # parameter (slot) name -> tensor name
         self._buffer_keys: dict[str, str] = {}  # buffer name -> tensor name
         self.prefix = ""
+        self.peft = False  # the model is a peft model over the model these files hold
+        self.initialized: set[str] = set()  # parameter (slot) names in no file: a peft model's new adapters
 
     @classmethod
     def open(cls, path) -> "PretrainedWeights":
@@ -128,10 +131,12 @@ class PretrainedWeights:
         """Match every parameter and persistent buffer of ``model`` to a tensor; raise on the first misfit.
 
         Model names are looked up without the model's ``weights_prefix`` (a
-        wrapper's attribute name, e.g. ``"inner."``). Tied parameters need one
-        of their names in the files.
+        wrapper's attribute name, e.g. ``"inner."``); a ``peft`` model's under
+        its base model's names, its LoRA adapters in no file (``initialized``).
+        Tied parameters need one of their names in the files.
         """
         self.prefix = getattr(model, "weights_prefix", "")
+        self.peft = is_peft_model(model)
         aliases: dict[int, list[str]] = {}
         first: dict[int, str] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -139,23 +144,27 @@ class PretrainedWeights:
             first.setdefault(id(param), name)
         used: set[str] = set()
         for pid, names in aliases.items():
-            keys = [self._strip(n) for n in names]
+            if self.peft and all(is_adapter(n) for n in names):
+                self.initialized.add(first[pid])
+                continue
+            keys = [self._key(n) for n in names]
             present = [k for k in keys if k in self._where]
             if not present:
-                raise WeightsError(f"missing weights: parameter {keys[0]!r}"
+                whose = f" (of {names[0]!r}, a peft model's base)" if self.peft else ""
+                raise WeightsError(f"missing weights: parameter {keys[0]!r}{whose}"
                                    f"{' (tied: ' + ', '.join(map(repr, keys[1:])) + ')' if len(keys) > 1 else ''} "
                                    f"is not in {self.path}")
             self._key_of[first[pid]] = present[0]
             used.update(present)
         params = {id(p): p for p in model.parameters()}
-        for pid, key in ((pid, self._key_of[first[pid]]) for pid in aliases):
+        for pid, key in ((pid, self._key_of[first[pid]]) for pid in aliases if first[pid] in self._key_of):
             self._check_tensor(key, params[pid], "parameter")
         for module_name, module in model.named_modules():
             for local, buf in module._buffers.items():
                 if buf is None or local in module._non_persistent_buffers_set:
                     continue
                 name = f"{module_name}.{local}" if module_name else local
-                key = self._strip(name)
+                key = self._key(name)
                 if key not in self._where:
                     raise WeightsError(f"missing weights: buffer {key!r} is not in {self.path}")
                 self._check_tensor(key, buf, "buffer")
@@ -169,8 +178,11 @@ class PretrainedWeights:
             raise WeightsError(f"unexpected weights in {self.path}: {shown}{more} belong to no parameter or buffer "
                                f"of {type(model).__name__}")
 
-    def _strip(self, name: str) -> str:
-        return name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+    def _key(self, name: str) -> str:
+        """The tensor name a model's parameter or buffer name is stored under in these files."""
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix):]
+        return base_tensor_name(name) if self.peft else name
 
     def _check_tensor(self, key: str, target: torch.Tensor, kind: str) -> None:
         dtype, shape = self.info(key)

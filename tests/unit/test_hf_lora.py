@@ -85,3 +85,113 @@ def test_trainer_with_lora_matches_the_stock_trainer_and_saves_adapters_only(tmp
     batch = collate(dataset(4, seed=9))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, stock.model(**batch).logits, rtol=1e-4, atol=1e-5)
+
+
+def meta_lora(folder, **lora_options):
+    """``get_peft_model`` over a model built on the meta device from ``folder``'s config: no weights in memory."""
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    options = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    options.update(lora_options)
+    return peft.get_peft_model(base, peft.LoraConfig(**options))
+
+
+def test_lora_over_a_base_streamed_from_its_folder_trains_as_plain_peft_over_the_loaded_model(tmp_path):
+    """The base is read from its files into the shards (never whole in memory); the new adapters start as peft
+    starts them (lora_B zero, so the model is its base; lora_A Kaiming-uniform), then train as plain peft's."""
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    model = meta_lora(folder)
+    torch.manual_seed(3)
+    config = nvme_config(tmp_path / "swap")
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+    batches = [collate(dataset(2, seed=s)) for s in range(6)]
+    with infinity.initialize(model, config, weights=folder) as engine:
+        initial = engine.full_state_dict()
+        losses = []
+        for batch in batches:
+            out = engine(**batch)
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(out.loss.item())
+        state = engine.full_state_dict()
+
+    reference = lora(transformers.AutoModelForCausalLM.from_pretrained(folder))
+    stored = reference.state_dict()
+    assert set(initial) == set(stored)
+    for name, value in initial.items():
+        if "lora_B" in name:
+            assert torch.equal(value, torch.zeros_like(value)), name
+        elif "lora_A" in name:
+            bound = 1 / value.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)) over fan_in
+            assert value.abs().max() <= bound and value.std() > bound / 3, name
+        else:
+            assert torch.equal(value, stored[name]), name  # the base, as transformers loads it
+    reference.load_state_dict(initial)  # the same random lora_A
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    ref_losses = []
+    for batch in batches:
+        loss = reference(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_adapters_over_a_streamed_base_are_drawn_from_the_seed(tmp_path):
+    """Seeded alike, two runs start from the same adapters; gaussian and False initializations are peft's."""
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    states = {}
+    for run, init in (("a", True), ("b", True), ("gaussian", "gaussian"), ("false", False)):
+        model = meta_lora(folder, init_lora_weights=init)
+        torch.manual_seed(11)
+        with infinity.initialize(model, config, weights=folder) as engine:
+            states[run] = {n: v for n, v in engine.full_state_dict().items() if "lora_" in n}
+    assert states["a"].keys() == states["b"].keys() and len(states["a"]) == 8
+    assert all(torch.equal(states["a"][n], states["b"][n]) for n in states["a"])
+    for name, value in states["gaussian"].items():
+        if "lora_A" in name:
+            assert abs(value.std().item() - 1 / 8) < 0.03, name  # normal with std 1/r
+        else:
+            assert not value.any(), name
+    assert all(value.any() and torch.isfinite(value).all() for value in states["false"].values())  # not zero-init
+
+
+@pytest.mark.parametrize("options, named", [({"init_lora_weights": "orthogonal"}, "init_lora_weights='orthogonal'"),
+                                            ({"use_dora": True}, "use_dora=True")])
+def test_an_adapter_initialized_from_the_base_weights_is_refused_before_any_file_is_read(tmp_path, options, named):
+    tiny_llama().config.save_pretrained(tmp_path)  # the shapes only: no weights anywhere
+    model = meta_lora(tmp_path, **options)
+    with pytest.raises(ValueError, match=f"peft adapter 'default': {named}"):
+        infinity.initialize(model, {"zero_optimization": {"stage": 3}}, weights=tmp_path / "no-such-folder")
+
+
+def test_trainer_with_lora_over_a_base_built_on_meta_streams_it_and_matches_the_stock_trainer(tmp_path):
+    """A LoRA script whose base is built under torch.device("meta"): the Trainer streams the base from the folder
+    the config came from, and trains as the stock Trainer over the loaded base from the same adapters."""
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    data = dataset()
+    ours = Trainer(model=meta_lora(folder), args=training_args(tmp_path / "ours", save_strategy="no"),
+                   train_dataset=data, data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    initial = ours.engine.full_state_dict()
+    stock_model = lora(transformers.AutoModelForCausalLM.from_pretrained(folder))
+    stock_model.load_state_dict(initial)
+    stock = transformers.Trainer(model=stock_model, args=training_args(tmp_path / "stock", save_strategy="no"),
+                                 train_dataset=data, data_collator=collate)
+    stock.train()
+    stock.save_model(tmp_path / "stock-adapter")
+    ours.train()
+    ours.save_model(tmp_path / "adapter")
+    ours.engine.close()
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    files = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    expected = load_file(tmp_path / "stock-adapter" / "adapter_model.safetensors")
+    assert set(files) == set(expected)
+    for name, value in files.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)

@@ -1,0 +1,57 @@
+"""A ``peft`` model's parameters against its base model's files: which tensor each reads, which are new.
+
+``get_peft_model(model, LoraConfig(...))`` renames what it wraps: the base model sits under
+``base_model.model.``, a wrapped layer's own weight under ``<layer>.base_layer.``, and a
+``modules_to_save`` layer twice (``<layer>.original_module.`` and ``<layer>.modules_to_save.<adapter>.``),
+both copies of the same tensor in the base model's files. The LoRA adapters (``lora_A``, ``lora_B``,
+``lora_embedding_A``, ``lora_embedding_B``) are in no file: they are new, and initialized as ``peft``
+initializes them (:mod:`infinity.engine.adapter_init`).
+
+So a model built on the meta device, wrapped by ``peft``, streams its base from the base model's folder
+(``initialize(peft_model, config, weights=folder)``) and is never whole in memory. ``peft`` itself is not
+imported here: its models are known by their classes' names, as :mod:`infinity.models.transformers_lm` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PEFT_PREFIX = "base_model.model."
+"""Where ``PeftModel`` keeps the model it wraps (``PeftModel.base_model`` is the tuner, its ``model`` the base)."""
+
+WRAPPER_PARTS = frozenset({"base_layer", "original_module"})
+"""Name parts a ``peft`` wrapper inserts before the wrapped layer's own tensors."""
+
+SAVED_COPY_PART = "modules_to_save"
+"""``<layer>.modules_to_save.<adapter>.``: a trainable copy of the base layer, read from the base's tensors."""
+
+ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})
+"""Name parts of the LoRA adapters' own parameters: in no base model's files."""
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """True for a ``peft`` ``PeftModel`` (by the classes it derives from; ``peft`` is not imported)."""
+    return any(cls.__name__ == "PeftModel" and cls.__module__.split(".")[0] == "peft" for cls in type(model).__mro__)
+
+
+def is_adapter(name: str) -> bool:
+    """True for a LoRA adapter's parameter of a ``peft`` model (``...q_proj.lora_A.default.weight``)."""
+    return any(part in ADAPTER_PARTS for part in name.split("."))
+
+
+def base_tensor_name(name: str) -> str:
+    """The base model's tensor a ``peft`` model's parameter or buffer ``name`` holds (not an adapter's)."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX):]
+    parts = name.split(".")
+    kept: list[str] = []
+    i = 0
+    while i < len(parts):
+        if parts[i] in WRAPPER_PARTS:
+            i += 1
+        elif parts[i] == SAVED_COPY_PART and i + 1 < len(parts):
+            i += 2  # the part after it is the adapter's name
+        else:
+            kept.append(parts[i])
+            i += 1
+    return ".".join(kept)
