@@ -13,7 +13,7 @@ from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
 from infinity.placement.split_choice import StepShape, recomputes, step_shape_of
 
-__all__ = ["estimate_for", "model_decays", "model_numels", "run_step_shape"]
+__all__ = ["estimate_for", "model_decays", "model_numels", "model_trainable", "run_step_shape"]
 
 
 def model_numels(model) -> tuple[list[int], int]:
@@ -37,6 +37,15 @@ def model_decays(model, weight_decay: float) -> list[float | None]:
     return [decay_of.get(id(p)) for p in model.parameters()]
 
 
+def model_trainable(model) -> list[bool] | None:
+    """Whether each parameter trains, in the order of :func:`model_numels`; None when all do (a ``GPTConfig``, or
+    a model with nothing frozen)."""
+    if isinstance(model, GPTConfig):
+        return None
+    trains = [p.requires_grad for p in model.parameters()]
+    return None if all(trains) else trains
+
+
 def run_step_shape(plan, model) -> StepShape | None:
     """The run's model shape, micro-batch and recompute for the step-time model (the estimate's and the engine's
     alike, so that both choose the same split)."""
@@ -57,6 +66,7 @@ def estimate_for(plan, model) -> dict:
                                  world_size=plan.world_size,
                                  gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
                                  activation_nbytes=activations, step_shape=run_step_shape(plan, model),
-                                 param_decays=model_decays(model, plan.config.optimizer.weight_decay))
+                                 param_decays=model_decays(model, plan.config.optimizer.weight_decay),
+                                 param_trainable=model_trainable(model))
     result["setting"]["activation_checkpointing"] = plan.activation_checkpointing  # the step-time model's recompute
     return result

@@ -129,6 +129,7 @@ def estimate(
     state_dtype: str = "fp32",
     trainable_params: int | None = None,
     param_decays: Sequence[float | None] | None = None,
+    param_trainable: Sequence[bool] | None = None,
 ) -> dict:
     """Bytes per rank in each tier, by kind of state.
 
@@ -154,6 +155,10 @@ def estimate(
     groups), in ``param_numels``' order: the layout lays each decay's parameters together and cuts a sub-group
     where the decay changes (:func:`~infinity.placement.layout.decay_order`), and so does the estimate.
 
+    ``param_trainable``: whether each parameter trains, in ``param_numels``' order: the frozen ones (a LoRA
+    base) are laid out after every trainable one, as the layout lays them, and the trainable part of the flat
+    space and its sub-groups are then exact (``trainable_params`` is their count).
+
     ``step_undo``: the step overlaps backward and may be undone (clipping or fp16): swapped optimizer states
     take a second extent on NVMe, and in-memory ones an undo copy where the budget leaves room for it.
     """
@@ -165,14 +170,24 @@ def estimate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     sub_group_size, max_in_cpu = int(sub_group_size), int(max_in_cpu)
     sets = max(2, int(optimizer_buffer_count)) if pipeline else 1
+    exact_part = None  # (trainable elements, their sub-groups, the largest) when param_trainable marks frozen ones
     if param_numels is not None:
         numels = [int(n) for n in param_numels]
         decays = None
-        if param_decays is not None:
-            if len(param_decays) != len(numels):
-                raise ValueError(f"param_decays has {len(param_decays)} entries for {len(numels)} param_numels")
-            order = decay_order(param_decays, numels)
-            numels, decays = [numels[i] for i in order], [param_decays[i] for i in order]
+        for name, given in (("param_decays", param_decays), ("param_trainable", param_trainable)):
+            if given is not None and len(given) != len(numels):
+                raise ValueError(f"{name} has {len(given)} entries for {len(numels)} param_numels")
+        trains = [True] * len(numels) if param_trainable is None else [bool(t) for t in param_trainable]
+        trained = sum(trains)
+        if param_decays is not None or trained < len(numels):
+            # the trainable parameters first (each decay's together), the frozen ones after, as the layout lays them
+            kept = [i for i, t in enumerate(trains) if t]
+            of_kept = [None] * len(kept) if param_decays is None else [param_decays[i] for i in kept]
+            order = [kept[j] for j in decay_order(of_kept, [numels[i] for i in kept])]
+            order += [i for i, t in enumerate(trains) if not t]
+            if param_decays is not None:
+                decays = [param_decays[i] for i in order[:trained]]
+            numels = [numels[i] for i in order]
         num_params = sum(numels)
         shards = [math.ceil(n / world_size) for n in numels]
         if host_memory_budget is not None and offload_optimizer == "nvme":
@@ -183,9 +198,11 @@ def estimate(
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
-        shard_groups = sub_group_shards(shards, sub_group_size, decays)
+        shard_groups = sub_group_shards(shards[:trained], sub_group_size, decays)
         sub_groups = [sub_group_numel(group) for group in shard_groups]
         largest_sub_group = max(sub_groups, default=0)
+        if trained < len(numels):  # exact: the trainable part of the flat space, and its sub-groups
+            trainable_params, exact_part = sum(numels[:trained]), (sum(sub_groups), sub_groups, largest_sub_group)
         host_cached, cached_count = _prefix_within(shards, max_in_cpu)
         # persistent shards past the cache rest in host memory too, packed (infinity.params.compute_shards)
         persistent_left = [s for i, (n, s) in enumerate(zip(numels, shards))
@@ -211,8 +228,11 @@ def estimate(
     if largest_layer_params is not None:
         largest = int(largest_layer_params)
 
-    train_numel, sub_groups, largest_sub_group = _trainable_part(trainable_params, num_params, world_size,
-                                                                 flat_numel, sub_groups, largest_sub_group)
+    if exact_part is not None:
+        train_numel, sub_groups, largest_sub_group = exact_part
+    else:
+        train_numel, sub_groups, largest_sub_group = _trainable_part(trainable_params, num_params, world_size,
+                                                                     flat_numel, sub_groups, largest_sub_group)
     cbytes = COMPUTE_BYTES[precision]
     tiers: dict[str, dict[str, int]] = {t: dict.fromkeys(KINDS, 0) for t in TIERS}
     param_tier = TIER_OF_OFFLOAD[offload_param]
@@ -276,7 +296,7 @@ def estimate(
     reserve = kept_free_nbytes(floor, scratch_nbytes=largest_sub_group * cbytes)
     if host_memory_budget is not None and offload_optimizer == "nvme":
         minimum = floor.nbytes + reserve
-        groups = (shard_groups if shard_groups is not None and trainable_params is None
+        groups = (shard_groups if shard_groups is not None and (trainable_params is None or exact_part is not None)
                   else [[n] for n in sub_groups])
         spill = plan_grad_spill(minimum, host_memory_budget, groups=groups, grad_itemsize=gbytes,
                                 accumulates=not lossless, staging_sets=sets)
@@ -374,13 +394,14 @@ def estimate_for_config(config: InfinityConfig, *, param_numels: Sequence[int] |
                         num_params: int | None = None, largest_layer_params: int | None = None, world_size: int = 1,
                         gpu: bool, activation_nbytes: int = 0, trainable_params: int | None = None,
                         step_shape: StepShape | None = None,
-                        param_decays: Sequence[float | None] | None = None) -> dict:
+                        param_decays: Sequence[float | None] | None = None,
+                        param_trainable: Sequence[bool] | None = None) -> dict:
     """:func:`estimate` for the engine's ``config`` (:func:`estimate_settings`; a split optimizer's device
     sub-groups then moved to the device, ``auto``'s count chosen by the step-time model for ``step_shape``):
     ``infinity train``, ``infinity estimate`` and the engine's ``initialize`` all come here."""
     est = estimate(num_params, param_numels=param_numels, largest_layer_params=largest_layer_params,
                    activation_nbytes=activation_nbytes, trainable_params=trainable_params, param_decays=param_decays,
-                   **estimate_settings(config, world_size=world_size, gpu=gpu))
+                   param_trainable=param_trainable, **estimate_settings(config, world_size=world_size, gpu=gpu))
     return apply_optimizer_split(est, config, shape=step_shape) if config.zero.offload_optimizer.splits else est
 
 

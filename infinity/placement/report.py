@@ -53,7 +53,10 @@ def format_table(chosen: dict, alts: Sequence[dict]) -> str:
     """The chosen setting's breakdown by kind, then one line per offload alternative."""
     s = chosen["setting"]
     head = (
-        f"{s['num_params']:,} parameters, world size {s['world_size']}, {s['precision']}; "
+        f"{s['num_params']:,} parameters"
+        + (f" ({s['trainable_params']:,} trainable)" if s.get("trainable_params", s["num_params"]) < s["num_params"]
+           else "")
+        + f", world size {s['world_size']}, {s['precision']}; "
         f"shard {chosen['shard_numel']:,} elements per rank"
     )
     if "micro_batch" in s:
