@@ -4,6 +4,7 @@
     infinity estimate --preset 1.3b --micro-batch 4 --json
     infinity estimate --hf-model ./my-llama --config ds_config.json --cpu
     infinity estimate --params 7B --trainable-params 4M --offload-param nvme --offload-optimizer cpu   # LoRA
+    infinity estimate --hf-model ./my-llama --lora-rank 16 --offload-param nvme --offload-optimizer cpu  # exactly
     infinity estimate --max-params --offload-param nvme --offload-optimizer nvme --optimizer-state-dtype int8 --cpu \\
         --host-memory 7GiB --nvme-path /mnt/nvme --seq-len 16
 
@@ -29,9 +30,11 @@ import shutil
 import tempfile
 from dataclasses import asdict
 
+from infinity.commands import train_lora
 from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checks import config_number
-from infinity.commands.train_estimate import model_decays, model_numels
+from infinity.commands.train_estimate import model_decays, model_numels, model_trainable
+from infinity.commands.train_lora import lora_plan, with_lora
 from infinity.commands.train_plan import DEFAULT_LR, DEFAULT_STEPS, complete_file, engine_config, kept_offload_note
 from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.tier_names import OFFLOAD_DEVICES
@@ -120,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
                         "the memory this machine has available; give bytes to plan for another machine)")
     add_trainable_argument(p)
+    train_lora.add_arguments(p)
     p.add_argument("--nvme-path", metavar="DIR", default=None,
                    help="with --max-params: the disk whose free room NVMe states may take (default: the temporary "
                         "folder's)")
@@ -196,6 +200,8 @@ def _model(args: argparse.Namespace, weight_decay: float) -> tuple[dict, object]
         return _of_model(args, cfg, weight_decay), cfg
     if args.hf_model is not None:
         model = build_meta_causal_lm(args.hf_model)  # on the meta device: shapes, no memory, no weights read
+        if args.lora is not None:  # the adapters train; the base is frozen (exact, as train lays it out)
+            model = args.lora_model = with_lora(model, args.lora)
         return _of_model(args, model, weight_decay), None
     return {"num_params": args.params, "largest_layer_params": args.largest_layer}, None
 
@@ -203,7 +209,9 @@ def _model(args: argparse.Namespace, weight_decay: float) -> tuple[dict, object]
 def _of_model(args: argparse.Namespace, model, weight_decay: float) -> dict:
     numels, largest = model_numels(model)
     decays = model_decays(model, weight_decay) if args.trainable_params is None else None
-    return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest, "param_decays": decays}
+    trains = model_trainable(model) if args.trainable_params is None else None
+    return {"param_numels": numels, "largest_layer_params": args.largest_layer or largest, "param_decays": decays,
+            "param_trainable": trains}
 
 
 def _hidden_size(args: argparse.Namespace) -> int | None:
@@ -226,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     raw = read_config_json(args.config) if args.config else {}
     args.hidden_size = _hidden_size(args)
+    args.lora = lora_plan(args, args.hf_model)
+    if args.lora is not None and args.trainable_params is not None:
+        raise ValueError("give --lora-rank or --trainable-params, not both (--lora-rank counts the adapters itself)")
     if args.max_params:
         config, _ = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
         return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=not args.cpu),
@@ -262,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     if args.preset is not None:
         print(f"preset {args.preset}: {chosen['setting']['model']}")
     elif args.hf_model is not None:
-        print(f"Hugging Face model {args.hf_model}")
+        print(f"Hugging Face model {args.hf_model}" + (f"; {args.lora.describe(args.lora_model)}" if args.lora is not None else ""))
     print(f"as `infinity train` would run it{f' with --config {args.config}' if args.config else ''}: {precision_said}; "
           f"gradient clipping {config.gradient_clipping:g}"
           + ("; the extents that undo a speculative step are counted" if chosen["tiers"]["nvme"]["step_undo"] else ""))

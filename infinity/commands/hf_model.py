@@ -44,13 +44,19 @@ def save_pretrained_with_tokenizer(engine, out_dir: str, *, dtype: str, source: 
     """``engine.save_pretrained(out_dir)`` plus the source folder's tokenizer files; returns the line to print."""
 
     summary = engine.save_pretrained(out_dir, dtype=dtype)
+    if engine.rank != 0:
+        return ""
+    copied = copy_tokenizer_files(source, out_dir)
+    return (f"saved {summary['tensors']} tensors ({summary['nbytes'] / 2**20:,.1f} MiB {dtype}, {summary['files']} "
+            f"file(s)) to {out_dir} in the Hugging Face layout" + (f", with {', '.join(copied)}" if copied else ""))
+
+
+def copy_tokenizer_files(source: str | None, out_dir: str) -> list[str]:
+    """The tokenizer's files of the model folder ``source`` copied into ``out_dir``; their names."""
     copied = []
-    if engine.rank == 0 and source is not None:
+    if source is not None:
         for name in TOKENIZER_SIDE_FILES:
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, Path(out_dir) / name)
                 copied.append(name)
-    if engine.rank != 0:
-        return ""
-    return (f"saved {summary['tensors']} tensors ({summary['nbytes'] / 2**20:,.1f} MiB {dtype}, {summary['files']} "
-            f"file(s)) to {out_dir} in the Hugging Face layout" + (f", with {', '.join(copied)}" if copied else ""))
+    return copied

@@ -8,6 +8,7 @@ auto``), long enough to see the loss fall from ~5.5 to under 3 (a few minutes on
     infinity train --preset 125m --steps 1000 --offload-param cpu --offload-optimizer nvme --nvme-path /mnt/nvme
     infinity train --model my_model.py --data corpus/ --config ds_config.json --json
     infinity train --hf-model ./my-llama --data notes.txt --steps 100 --save-pretrained ./my-llama-tuned
+    infinity train --hf-model ./my-llama --data notes.txt --lora-rank 16 --save-pretrained ./my-llama-lora
     infinity train --preset tiny --eval-every 20 --sample-every 50 --prompt "def " --run-dir runs/tiny
     torchrun --nproc_per_node 2 -m infinity.cli train --preset 10m
 
@@ -25,12 +26,13 @@ import math
 import sys
 import time
 
-from infinity.commands import train_checkpoints, train_monitor
+from infinity.commands import train_checkpoints, train_lora, train_monitor
 from infinity.commands.hf_model import save_pretrained_with_tokenizer
 from infinity.commands.train_checkpoints import engine_has_checkpoints, save, stop_on_nonfinite, stop_on_signal
 from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
 from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for, run_step_shape
+from infinity.commands.train_lora import LORA_LR, save_adapters_with_tokenizer, trainable_numel, with_lora
 from infinity.commands.train_monitor import peak_rss_bytes, print_summary
 from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
@@ -80,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     run_.add_argument("--seq-len", type=int, metavar="N", help="bytes (tokens with --hf-model's tokenizer) per sequence (default: the model's, at most 256)")
     run_.add_argument("--lr", type=float,
-                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model; {HF_MODEL_LR} for --hf-model)")
+                      help=f"peak learning rate (default: the preset's, {DEFAULT_LR} for small; {MODEL_FILE_LR} for --model; "
+                           f"{HF_MODEL_LR} for --hf-model, {LORA_LR} with --lora-rank)")
     run_.add_argument("--min-lr", type=float, help="final learning rate of the decay (default lr/10)")
     run_.add_argument("--warmup", type=int, metavar="N", help="linear warmup steps (default 5%% of --steps)")
     run_.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
@@ -114,10 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--wait-for-lock", action="store_true",
                      help="when another live run holds --save-dir, wait for it to end instead of refusing to start")
     out.add_argument("--save-pretrained", metavar="OUT",
-                     help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer)")
+                     help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer; "
+                          "with --lora-rank: the adapters, in peft's layout)")
     out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="dtype of --save-pretrained (default fp32)")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
+    train_lora.add_arguments(p)
     train_monitor.add_arguments(p)
 
 
@@ -245,13 +250,16 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     say = (lambda *a, **k: print(*a, **k, flush=True)) if is_main else (lambda *a, **k: None)
 
     model = _build_model(plan, args.seed)
+    if plan.lora is not None:
+        model = with_lora(model, plan.lora)
     if plan.activation_checkpointing:
         _with_activation_checkpointing(model)
     num_params = sum(p.numel() for p in model.parameters())
+    saved_params = trainable_numel(model) if plan.lora is not None else num_params  # what --save-pretrained writes
     if plan.estimate is None:  # a user's model: its size is known once built
         plan.estimate = estimate_for(plan, model)
         check_nvme_room(plan)
-        check_output_room(args, plan, num_params, warn=_warn if is_main else None)
+        check_output_room(args, plan, saved_params, warn=_warn if is_main else None)
         check_memory(plan)
     # transformers' own rule (the Trainer's get_decay_parameter_names) would need the optional package here, and
     # it has changed between its versions; on the usual architectures it names the same tensors as this one
@@ -260,6 +268,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     what = (f"preset {plan.preset}" if plan.preset else
             f"Hugging Face model {plan.hf_model}" if plan.hf_model else f"model {plan.model_file}")
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
+    if plan.lora is not None:
+        say(f"  {plan.lora.describe(model)}: {saved_params:,} trainable parameters ({100 * saved_params / num_params:.2f}%), "
+            f"the base frozen")
     if validation is not None:
         say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
             f"every {plan.monitor.eval_every} steps")
@@ -364,7 +375,10 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     bar.close()
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
-    if getattr(args, "save_pretrained", None):
+    if getattr(args, "save_pretrained", None) and plan.lora is not None:
+        say(save_adapters_with_tokenizer(engine, model, args.save_pretrained, dtype=args.save_dtype,
+                                         source=plan.hf_model))
+    elif getattr(args, "save_pretrained", None):
         say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
     engine.close()
     monitor.close()
@@ -375,6 +389,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "preset": plan.preset,
         "model": plan.model_file or plan.hf_model,
         "num_params": num_params,
+        "trainable_params": saved_params if plan.lora is not None else num_params,
+        "lora": plan.lora.describe(model) if plan.lora is not None else None,
         "steps": plan.steps,
         "world_size": plan.world_size,
         "tokens_per_step": tokens_per_step,

@@ -19,6 +19,7 @@ from infinity.commands.train_checkpoints import SavePolicy
 from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
                                             check_output_folder, check_writable, config_number, default_swap_location,
                                             finite_positive, nvme_offloads)
+from infinity.commands.train_lora import LORA_LR, LoraPlan, lora_plan
 from infinity.commands.train_monitor import MonitorPlan
 from infinity.config.auto import fill_auto
 from infinity.config.deepspeed import asked_precision
@@ -99,6 +100,8 @@ class Plan:
     """Where the temporary swap folder goes (no --nvme-path): the temporary directory or a disk that takes O_DIRECT."""
     activation_checkpointing: bool = False
     """--activation-checkpointing: the model recomputes its blocks in backward instead of keeping their activations."""
+    lora: LoraPlan | None = None
+    """--lora-rank: LoRA adapters trained on the frozen --hf-model base."""
 
     @property
     def not_applicable(self) -> tuple[str, ...]:
@@ -170,7 +173,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         check_model_file(args.model)
         model_seq = None
-    default_lr = HF_MODEL_LR if hf_model else (PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
+    lora = lora_plan(args, hf_model)
+    default_lr = (LORA_LR if lora else HF_MODEL_LR) if hf_model else (
+        PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
     lr = pick(args.lr, config_number(opt_params, "lr", "optimizer.params.lr", integer=False), default_lr)
     steps = pick(args.steps, None, DEFAULT_STEPS)
     for name, value in (("--steps", steps), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum),
@@ -232,7 +237,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 world_size=world_size, local_world_size=local_world_size, monitor=monitor,
                 precision_said=precision_said, precision_warning=precision_warning,
                 offload_note=offload_note, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
-                swap=swap, activation_checkpointing=args.activation_checkpointing)
+                swap=swap, activation_checkpointing=args.activation_checkpointing, lora=lora)
 
 
 def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,

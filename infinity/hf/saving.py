@@ -16,6 +16,7 @@ from torch import nn
 
 from infinity.checkpoint.state_dict import FullParamGatherer
 from infinity.engine.engine import Engine
+from infinity.weights.export import save_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,12 @@ def trainable_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     return {name: by_index[index] for name, index in source.param_names if index in by_index}
 
 
-def save_adapters(engine: Engine, peft_model: nn.Module, output_dir, *, write: bool = True) -> int:
-    """``peft_model``'s adapters (its trainable parameters) written by peft into ``output_dir``; their count."""
-    state = trainable_state_dict(engine)
+def save_adapters(engine: Engine, peft_model: nn.Module, output_dir, *, write: bool = True,
+                  dtype: str = "fp32") -> tuple[int, int]:
+    """``peft_model``'s adapters (its trainable parameters) written by peft into ``output_dir`` in ``dtype``
+    (fp32, bf16, fp16); their count and bytes."""
+    state = {name: value.to(save_dtype(dtype)) for name, value in trainable_state_dict(engine).items()}
     if write:
         peft_model.save_pretrained(str(output_dir), state_dict=state)
         logger.info("wrote %d adapter tensors to %s", len(state), output_dir)
-    return len(state)
+    return len(state), sum(v.numel() * v.element_size() for v in state.values())

@@ -42,6 +42,7 @@ from infinity.engine.engine import Engine, initialize
 from infinity.hf.saving import save_adapters, save_full_model
 from infinity.hf.trainer_config import trainer_config
 from infinity.placement.split_choice import recomputes, step_shape_of
+from infinity.weights.adapters import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class InfinityTrainerMixin:
         (unless ``save_only_model``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not _internal_call or self.args.save_only_model:
-            if _is_peft(self.model):
+            if is_peft_model(self.model):
                 save_adapters(self.engine, self.model, output_dir, write=self.args.should_save)
             else:
                 save_full_model(self.engine, output_dir)
@@ -310,9 +311,6 @@ class InfinityTrainerMixin:
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
         self.engine.load_checkpoint(best)
 
-
-def _is_peft(model: nn.Module) -> bool:
-    return any(cls.__name__ == "PeftModel" and cls.__module__.startswith("peft") for cls in type(model).__mro__)
 
 
 class Trainer(InfinityTrainerMixin, transformers.Trainer):

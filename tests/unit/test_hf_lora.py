@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 
 import pytest
 import torch
@@ -195,3 +197,103 @@ def test_trainer_with_lora_over_a_base_built_on_meta_streams_it_and_matches_the_
     assert set(files) == set(expected)
     for name, value in files.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_train_cli_with_lora_rank_trains_as_plain_peft_and_saves_what_peft_loads(tmp_path, capsys, monkeypatch):
+    """`infinity train --hf-model DIR --lora-rank 4`: the base streamed and frozen, the adapters trained as plain
+    peft with torch's AdamW trains them (the run's batches, learning rates, clipping and weight decay), and
+    --save-pretrained writes them as peft does, with the tokenizer."""
+    from infinity.cli import main
+    from infinity.commands import train
+    from infinity.models.transformers_lm import causal_lm_loss
+    from test_hf_cli import _tiny_llama
+
+    folder, out = tmp_path / "llama", tmp_path / "adapters"
+    _tiny_llama(folder, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    batches, lrs, initial = [], [], {}
+    initialize = train.initialize
+
+    def initialize_and_watch(*args, **kwargs):
+        engine = initialize(*args, **kwargs)
+        initial.update(engine.full_state_dict())
+        step = engine.step
+        engine.step = lambda: (lrs.append(engine.lr), step())[1]
+        return engine
+
+    monkeypatch.setattr(train, "initialize", initialize_and_watch)
+    monkeypatch.setattr(train, "causal_lm_loss", lambda e, ids, t: (batches.append(ids.clone()), causal_lm_loss(e, ids, t))[1])
+    rc = main(["train", "--hf-model", str(folder), "--data", str(data), "--steps", "6", "--micro-batch", "2",
+               "--seq-len", "32", "--precision", "fp32", "--lora-rank", "4", "--lora-target-modules", "q_proj,v_proj",
+               "--lr", "3e-3", "--save-pretrained", str(out), "--run-dir", str(tmp_path / "run"), "--json"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    summary = json.loads(printed.strip().splitlines()[-1])
+    assert "LoRA rank 4, alpha 8, dropout 0 on q_proj, v_proj: 896 trainable parameters" in printed
+    assert summary["trainable_params"] == 896 and "saved 8 adapter tensors" in printed
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    reference = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           task_type="CAUSAL_LM"))
+    reference.load_state_dict(initial)
+    adapters = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=lrs[0], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # train's defaults
+    ref_losses = []
+    for ids, lr in zip(batches, lrs):
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(adapters, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+    files = load_file(out / "adapter_model.safetensors")
+    assert len(files) == 8 and all("lora_" in name for name in files)
+    reloaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder), out)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=1e-6, msg=name)
+    assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [5, 6]
+
+
+def test_estimate_with_lora_rank_counts_what_the_run_holds(tmp_path, capsys, monkeypatch):
+    """`infinity estimate --hf-model DIR --lora-rank R` lays the frozen base out as train does: its tiers are the
+    run's peaks, to the byte."""
+    from infinity.cli import main
+    from test_hf_cli import _tiny_llama
+
+    folder = tmp_path / "llama"
+    _tiny_llama(folder, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    setting = ["--lora-rank", "4", "--offload-param", "nvme", "--offload-optimizer", "nvme", "--precision", "fp32",
+               "--micro-batch", "2", "--nvme-path", str(tmp_path)]
+    assert main(["estimate", "--hf-model", str(folder), "--cpu", "--json", *setting]) == 0
+    estimate = json.loads(capsys.readouterr().out)["estimate"]
+    assert estimate["setting"]["trainable_params"] == 896
+    assert main(["train", "--hf-model", str(folder), "--data", str(data), "--steps", "2", "--seq-len", "32",
+                 "--run-dir", str(tmp_path / "run"), "--json", *setting]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["estimate"] == estimate["accounted"]
+    assert {tier: summary["tiers"][tier]["peak_nbytes"] for tier in ("host", "nvme")} == \
+        {tier: estimate["accounted"][tier] for tier in ("host", "nvme")}
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank"),
+    (["--lora-rank", "0"], "--lora-rank must be positive"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], r"--lora-dropout must be in \[0, 1\)"),
+    (["--lora-rank", "4", "--lora-target-modules", "nope"], "--lora-target-modules: Target modules {'nope'} not found"),
+])
+def test_bad_lora_flags_are_refused_naming_the_flag(tmp_path, capsys, argv, said):
+    from infinity.cli import main
+    from test_hf_cli import _tiny_llama
+
+    _tiny_llama(tmp_path / "llama", 64, with_tokenizer=True)
+    assert main(["train", "--hf-model", str(tmp_path / "llama"), "--steps", "1", "--run-dir", str(tmp_path / "run"),
+                 *argv]) == 2
+    assert re.search(said, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
