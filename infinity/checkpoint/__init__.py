@@ -12,7 +12,9 @@ Each rank's file is a plain safetensors file holding, for every parameter,
 1-D tensors of ``shard_numel`` elements (the rank's slice of the flattened,
 zero-padded parameter):
 
-* ``param/<name>``: the compute shard, in compute precision (every parameter);
+* ``param/<name>``: the compute shard, in compute precision (every parameter; not the frozen ones when saved
+  with ``exclude_frozen_parameters``: the header then holds the rank's fingerprint of them, and the checkpoint
+  loads only beside the same frozen values at the same world size, :mod:`.frozen`);
 * ``master/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``: fp32 (trainable ones);
 
 plus ``buffer/<name>`` (rank 0 only, full shape) and ``rng/torch`` (uint8,

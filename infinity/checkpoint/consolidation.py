@@ -39,6 +39,11 @@ class _Output:
 def _consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype) -> list[_Output]:
     """The tensors of the plain model's state dict, in order, each with the way to fill it from the shards."""
     meta = ckpt.meta
+    if meta.get("frozen_excluded"):
+        raise CheckpointError(f"checkpoint {ckpt.path} was saved without its frozen parameters "
+                              f"(exclude_frozen_parameters): it holds only those that train, not a whole model; load "
+                              f"it into its run (engine.load_checkpoint, or --resume) and write the model from there "
+                              f"(save_pretrained: a peft model's adapters)")
     slot_of = {alias: p["name"] for p in meta["params"] for alias in p["names"]}
 
     def param_fill(p: dict):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from infinity.checkpoint import rng
+from infinity.checkpoint import frozen, rng
 from infinity.checkpoint.publish import resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.runtime.comm import Collectives
@@ -38,6 +38,8 @@ def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None) ->
         mismatch = _first_mismatch(ckpt, source)
         if mismatch:
             raise CheckpointError(f"checkpoint {path} was saved from another model: {mismatch}")
+        if ckpt.meta.get("frozen_excluded"):
+            _check_frozen_kept(ckpt, source)
         _verify_collectively(ckpt, comm)
         error: BaseException | None = None
         try:
@@ -90,6 +92,26 @@ def _first_mismatch(ckpt: Checkpoint, source: ShardSource) -> str | None:
     return None
 
 
+def _check_frozen_kept(ckpt: Checkpoint, source: ShardSource) -> None:
+    """A checkpoint saved without its frozen parameters loads only where each rank holds the same frozen values
+    it was saved beside (same base, same world size) and they are still frozen; every rank calls it."""
+    comm = source.comm
+    why = f"checkpoint {ckpt.path} was saved without its frozen parameters (exclude_frozen_parameters)"
+    if ckpt.world_size != comm.world_size:
+        raise CheckpointError(f"{why} by {ckpt.world_size} rank(s), so it loads at {ckpt.world_size} rank(s) only "
+                              f"(this run has {comm.world_size}); resume there, or save with the frozen parameters "
+                              f"to reshard")
+    thawed = [p.name for p in source.params if p.trainable and not ckpt.params[p.name]["trainable"]]
+    if thawed:
+        raise CheckpointError(f"{why}, but parameter {thawed[0]!r} was frozen then and trains here: its values "
+                              f"are not in the checkpoint")
+    saved = ckpt.reader(comm.rank).metadata.get(frozen.METADATA_KEY) or None
+    if _agree(comm, saved != source.frozen.hexdigest()):
+        raise CheckpointError(f"{why}, and this run's frozen parameters are not the ones it was saved beside (their "
+                              f"sha256 differs on at least one rank): build the run from the same base weights "
+                              f"(initialize(..., weights=FOLDER), --hf-model FOLDER) as the run that saved it")
+
+
 def _agree(comm: Collectives, failed: bool) -> bool:
     """True when any rank failed (a collective: every rank calls it)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
@@ -136,13 +158,19 @@ def _load_states(ckpt: Checkpoint, source: ShardSource) -> None:
         if shard_numel:
             shard = source.empty_host(shard_numel, source.compute_dtype)
             host.append(shard)
+        excluded = bool(ckpt.meta.get("frozen_excluded"))
         for run in source.compute_runs:
-            for span in run.spans:
-                p = ckpt.params[params[span.param].name]
+            saved = [ckpt.params[params[span.param].name] for span in run.spans]
+            if excluded and not any(p["trainable"] for p in saved):
+                continue  # frozen, left out when saved: this run's own values are the ones it was saved beside
+            for span, p in zip(run.spans, saved):
                 # The compute shard as saved; in another precision, recast from the fp32 master.
                 kind = "param" if same_dtype or not p["trainable"] else "master"
                 ckpt.read_range(kind, p, rank * span.numel, shard[span.start:span.start + span.numel])
             source.write(run, shard[:run.numel])
+            for span in run.spans:
+                if not params[span.param].trainable:  # frozen values replaced: their fingerprint too
+                    source.frozen.add(span.param, shard[span.start:span.start + span.numel].clone())
         for buf in unique_buffers(source):
             tensor = buf.tensor
             if tensor.device.type == "cpu" and tensor.is_contiguous():

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint import rng
+from infinity.checkpoint import frozen, rng
 from infinity.checkpoint.files import FORMAT, VERSION
 from infinity.checkpoint.publish import check_tag, publish_collectively
 from infinity.checkpoint.safetensors_io import _DTYPE_NAMES, SafetensorsWriter
@@ -22,19 +22,23 @@ from infinity.checkpoint.shard_source import ShardRun, ShardSource, require_step
 logger = logging.getLogger(__name__)
 
 
-def save_checkpoint(source: ShardSource, save_dir, *, tag: str | None = None, client_state: dict | None = None) -> str:
+def save_checkpoint(source: ShardSource, save_dir, *, tag: str | None = None, client_state: dict | None = None,
+                    exclude_frozen_parameters: bool = False) -> str:
     """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; every rank calls it.
 
     Only at an optimizer-step boundary (gradients are not saved). ``client_state``
     (rank 0's) must be JSON-able; it comes back from
     :func:`~infinity.checkpoint.load.load_checkpoint`. Returns the tag (default ``global_step<N>``).
+    ``exclude_frozen_parameters`` (DeepSpeed's name): the frozen parameters' compute shards are left out and
+    each rank's file holds its fingerprint of them instead (:mod:`infinity.checkpoint.frozen`).
     """
     require_step_boundary(source, "save_checkpoint")
     tag = f"global_step{source.counters().global_step}" if tag is None else tag
     check_tag(tag)
+    exclude = exclude_frozen_parameters and any(not p.trainable for p in source.params)
     return publish_collectively(source.comm, Path(save_dir), tag,
-                                make_meta=lambda: _meta_body(source, tag, _check_client_state(client_state)),
-                                write_rank_file=lambda path: _write_shard_file(source, path))
+                                make_meta=lambda: _meta_body(source, tag, _check_client_state(client_state), exclude),
+                                write_rank_file=lambda path: _write_shard_file(source, path, exclude))
 
 
 # ---------------------------------------------------------------------------------------------- meta.json
@@ -72,7 +76,7 @@ def _check_client_state(client_state) -> dict:
     return client_state
 
 
-def _meta_body(source: ShardSource, tag: str, client_state: dict) -> dict:
+def _meta_body(source: ShardSource, tag: str, client_state: dict, frozen_excluded: bool) -> dict:
     config = source.config
     counters = source.counters()
     return {
@@ -90,6 +94,7 @@ def _meta_body(source: ShardSource, tag: str, client_state: dict) -> dict:
         "sub_groups": [[run.offset, run.offset + run.numel, [span.param for span in run.spans]]
                        for run in source.state_runs if run.state == "master"],
         **_model_meta(source),
+        "frozen_excluded": frozen_excluded,
         "config": _config_json(config),
         "client_state": client_state,
         "saved_at": time.time(),
@@ -125,12 +130,15 @@ def _config_json(config) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the shard file
 
-def _write_shard_file(source: ShardSource, path: Path) -> tuple[bytes, int]:
+def _write_shard_file(source: ShardSource, path: Path, frozen_excluded: bool) -> tuple[bytes, int]:
     """Stream this rank's shards into ``path``: one run (a sub-group's state, a compute shard) at a time,
-    double-buffered so that reading the next (from NVMe, say) overlaps writing this one."""
+    double-buffered so that reading the next (from NVMe, say) overlaps writing this one. ``frozen_excluded``:
+    no frozen parameter's compute shard (one run each), their fingerprint in the metadata instead."""
     rank = source.comm.rank
+    compute_runs = tuple(run for run in source.compute_runs
+                         if not (frozen_excluded and all(not source.params[s.param].trainable for s in run.spans)))
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    for run in (*source.state_runs, *source.compute_runs):
+    for run in (*source.state_runs, *compute_runs):
         entries += [(span.key, run.dtype, (span.numel,)) for span in run.spans]
     buffers = unique_buffers(source) if rank == 0 else []
     entries += [(f"buffer/{b.name}", b.tensor.dtype, tuple(b.tensor.shape)) for b in buffers]
@@ -138,9 +146,11 @@ def _write_shard_file(source: ShardSource, path: Path) -> tuple[bytes, int]:
     entries += [(name, t.dtype, tuple(t.shape)) for name, t in rng_tensors.items()]
     metadata = {"format": FORMAT, "version": str(VERSION), "rank": str(rank),
                 "world_size": str(source.comm.world_size), rng.METADATA_KEY: json.dumps(rng_state)}
+    if frozen_excluded:
+        metadata[frozen.METADATA_KEY] = source.frozen.hexdigest() or ""
 
     state_numel = max((run.numel for run in source.state_runs), default=0)
-    shard_numel = max((run.numel for run in source.compute_runs), default=0)
+    shard_numel = max((run.numel for run in compute_runs), default=0)
     host: list[torch.Tensor] = []  # host buffers to give back
 
     def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -189,7 +199,7 @@ def _write_shard_file(source: ShardSource, path: Path) -> tuple[bytes, int]:
             states = [host_empty(state_numel, widest) for _ in range(2)] if state_numel else []
             stream(source.state_runs, states)
             shards = [host_empty(shard_numel, source.compute_dtype) for _ in range(2)] if shard_numel else []
-            stream(source.compute_runs, shards)
+            stream(compute_runs, shards)
             for b in buffers:
                 submit(writer.write, f"buffer/{b.name}", b.tensor.detach().cpu())
             for name, tensor in rng_tensors.items():

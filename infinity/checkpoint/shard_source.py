@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.checkpoint.frozen import FrozenDigest
 from infinity.config.schema import InfinityConfig
 from infinity.runtime.comm import Collectives
 from infinity.tiling.plan import TilingPlan
@@ -180,6 +181,11 @@ class ShardSource(Protocol):
 
     def load_loss_scaler_state(self, state: dict) -> None:
         """Restore the loss scaler, where there is one (else nothing)."""
+
+    @property
+    def frozen(self) -> FrozenDigest:
+        """This rank's fingerprint of its frozen parameters' compute shards (:mod:`infinity.checkpoint.frozen`);
+        a load that writes them fingerprints them again."""
 
     def compute_shards_changed(self) -> None:
         """The compute shards were rewritten: full parameters gathered before must be gathered again."""

@@ -198,7 +198,10 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_las
     hf_config = hf_config_of(engine.module, torch.float32)
     if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
         client_state["hf_config"] = hf_config
-    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state)
+    # A frozen base (--lora-rank's) is left out: --resume builds it again from --hf-model, and the checkpoint's
+    # fingerprint of it checks that it did.
+    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state,
+                    exclude_frozen_parameters=True)
     if engine.comm.rank != 0:
         return
     if _step_of(before) is not None and _step_of(before) > step:

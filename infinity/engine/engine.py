@@ -11,6 +11,7 @@ import time
 import torch
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint.frozen import FrozenDigest
 from infinity.checkpoint.save_dir_lock import release_save_dir
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
@@ -140,6 +141,8 @@ class Engine:
                            device_optimizer_budget_nbytes=self.optimizer_split.budget_nbytes)
         self._closed = False
         self._save_dirs: set[str] = set()
+        self.frozen = FrozenDigest()
+        """This rank's fingerprint of its frozen compute shards: a checkpoint may then leave them out."""
         try:
             self._build(model, named, meta_data)
         except BaseException:
@@ -147,6 +150,7 @@ class Engine:
             self.tiers.close()
             if self._weights is not None:
                 self._weights.close()
+            self.frozen.close()
             raise
 
     # -- construction ------------------------------------------------------
@@ -189,7 +193,7 @@ class Engine:
             sharded = ShardedParam(by_name[slot.name], slot, path, persistent=slot.index in persistent)
             self.params.append(sharded)
         write_initial_shards(model, self.params, original_data, initializer=self._initializer, weights=self._weights,
-                             comm=self.comm, compute=self.compute, optimizer=self.optimizer)
+                             comm=self.comm, compute=self.compute, optimizer=self.optimizer, frozen=self.frozen)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
         if self._weights is not None:
@@ -420,14 +424,19 @@ class Engine:
         self.optimizer.land_tail()  # the last step's updates behind the forward write the shards it reads
         owners = ShardOwners(module=self.module, params=self.params, layout=self.layout, compute=self.compute,
                              optimizer=self.optimizer, tiers=self.tiers, comm=self.comm, config=self.config,
-                             tiling_plan=self.tiling_plan, loss_scaler=self.loss_scaler)
+                             tiling_plan=self.tiling_plan, loss_scaler=self.loss_scaler, frozen=self.frozen)
         return EngineShards(owners, self)
 
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None) -> str:
-        """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag."""
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag.
+
+        ``exclude_frozen_parameters`` (DeepSpeed's name): leave out the frozen parameters (a LoRA base); the
+        checkpoint then loads into a run built from the same base at the same world size."""
         self._ensure_open()
         self._cancel_unused_overlap()
-        tag = save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state)
+        tag = save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state,
+                              exclude_frozen_parameters=exclude_frozen_parameters)
         self._save_dirs.add(str(save_dir))  # rank 0 holds it now (one live run saves there), until close()
         return tag
 
@@ -475,7 +484,7 @@ class Engine:
         errors = []
         for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close,
                      self._write_timeline, self.optimizer.close, self.reducer.close, self.compute.close,
-                     self.full_blocks.close, self.tiers.close):
+                     self.full_blocks.close, self.tiers.close, self.frozen.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from infinity.checkpoint.frozen import FrozenDigest
 from infinity.engine.adapter_init import AdapterInit
 from infinity.engine.stand_ins import stand_ins_for
 from infinity.optim.offload_optimizer import OffloadOptimizer
@@ -244,14 +245,14 @@ def _post_order(model: torch.nn.Module, owners: dict[int, torch.nn.Module], pref
 
 def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", original_data: dict[int, torch.Tensor],
                      *, initializer: Initializer, weights, comm: "Collectives", compute: "ComputeShards",
-                     optimizer: "OffloadOptimizer") -> None:
+                     optimizer: "OffloadOptimizer", frozen: FrozenDigest | None = None) -> None:
     """Shard every parameter's initial values into its tiers (compute shards, fp32 masters), one module at a time.
 
     A module whose parameters are on the meta device is materialized here
     (``reset_parameters``), so at most one module's full values exist at once.
     With ``weights`` (a pretrained model's files) each rank reads its own slices
     instead. ``original_data``: each parameter's values (or meta tensor) by id,
-    dropped as it is written.
+    dropped as it is written. ``frozen``: fingerprints the frozen parameters' compute shards as they are written.
     """
     pending_master: dict[int, torch.Tensor] = {}
     sharded_by_id = {id(s.param): s for s in params}
@@ -293,7 +294,10 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
                     shard = shard_values(value, sharded.slot, comm.rank)
                 if sharded.slot.trainable:
                     pending_master[sharded.slot.index] = shard
-                handle = compute.write(sharded.slot, shard.to(compute.dtype))
+                compute_shard = shard.to(compute.dtype)
+                handle = compute.write(sharded.slot, compute_shard)
+                if frozen is not None and not sharded.slot.trainable:
+                    frozen.add(sharded.slot.index, compute_shard)  # hashed beside the next read
                 if handle is not None:
                     handle.wait()
                 done.add(id(param))

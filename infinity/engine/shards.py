@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from infinity.checkpoint.frozen import FrozenDigest
 from infinity.checkpoint.shard_source import COMPUTE_SHARD, ModelBuffer, ParamShard, RunCounters, ShardRun, ShardSpan
 from infinity.config.schema import InfinityConfig
 from infinity.grads.loss_scaler import LossScaler
@@ -51,6 +52,7 @@ class ShardOwners:
     config: InfinityConfig
     tiling_plan: TilingPlan | None
     loss_scaler: LossScaler | None
+    frozen: FrozenDigest
 
 
 class EngineShards:
@@ -164,6 +166,10 @@ class EngineShards:
     def load_loss_scaler_state(self, state: dict) -> None:
         if self._owners.loss_scaler is not None:
             self._owners.loss_scaler.load_state_dict(state)
+
+    @property
+    def frozen(self) -> FrozenDigest:
+        return self._owners.frozen
 
     def compute_shards_changed(self) -> None:
         self._compute.staged.clear()  # what the staging sets hold predates the loaded shards

@@ -288,7 +288,9 @@ class InfinityTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir):
-        self.engine.save_checkpoint(output_dir)  # collective: every rank writes its shards
+        # collective: every rank writes its shards. A frozen base (LoRA) is left out: the script builds it again
+        # from its weights to resume, and the checkpoint's fingerprint of it checks that it did
+        self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=True)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from safetensors.torch import load_file  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.hf import Trainer  # noqa: E402
@@ -297,3 +299,40 @@ def test_bad_lora_flags_are_refused_naming_the_flag(tmp_path, capsys, argv, said
                  *argv]) == 2
     assert re.search(said, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_checkpoints_leave_the_base_out_and_resume_bitwise_only_beside_the_same_base(tmp_path, capsys):
+    """`--lora-rank --save-dir`: a checkpoint holds the adapters and their states, not the frozen base; --resume
+    rebuilds the base from --hf-model and continues the run bit for bit; another base is refused by name."""
+    from infinity.cli import main
+    from test_hf_cli import _tiny_llama
+
+    folder, other = tmp_path / "llama", tmp_path / "llama-other"
+    _tiny_llama(folder, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+
+    def run(*argv, base=folder):
+        code = main(["train", "--hf-model", str(base), "--data", str(data), "--steps", "4", "--micro-batch", "2",
+                     "--seq-len", "32", "--precision", "fp32", "--lora-rank", "4", "--lr", "3e-3",
+                     "--run-dir", str(tmp_path / "run"), "--overwrite", "--json", *argv])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, _ = run("--save-dir", str(tmp_path / "ckpt"), "--save-every", "2")
+    assert code == 0
+    straight = json.loads(out.strip().splitlines()[-1])["losses"]
+    with safe_open(str(tmp_path / "ckpt" / "step2" / "shard-00000-of-00001.safetensors"), "pt") as f:
+        saved = {key.split("/", 1)[1] for key in f.keys() if key.startswith("param/")}
+    assert saved and all("lora_" in name for name in saved)  # no base tensor
+
+    code, out, _ = run("--resume", str(tmp_path / "ckpt" / "step2"), "--save-dir", str(tmp_path / "ckpt2"))
+    assert code == 0
+    assert json.loads(out.strip().splitlines()[-1])["losses"] == straight
+
+    shutil.copytree(folder, other)
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run("--resume", str(tmp_path / "ckpt" / "step2"), "--save-dir", str(tmp_path / "ckpt3"), base=other)
+    assert code != 0 and "saved without its frozen parameters" in err and "not the ones it was saved beside" in err

@@ -10,6 +10,9 @@ import torch
 from safetensors import safe_open
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint.frozen import METADATA_KEY, FrozenDigest
+from infinity.checkpoint.consolidation import consolidate
+from infinity.checkpoint.safetensors_io import CheckpointError
 from infinity.runtime.comm import Collectives
 from infinity.config.schema import InfinityConfig
 from infinity.checkpoint.shard_source import ModelBuffer, ParamShard, RunCounters, ShardRun, ShardSpan
@@ -45,6 +48,8 @@ class MemorySource:
         self.run_counters = RunCounters(global_step=seed + 7, micro_step=seed + 7)
         self.optimizer = {"step": seed + 7, "lr": 0.5 + seed}
         self.changed = False
+        self.frozen = FrozenDigest()
+        self.frozen.add(2, self.compute[2])  # as the engine fingerprints its frozen shards when it writes them
 
     def buffers(self):
         return (ModelBuffer("running", self.buffer, True),)
@@ -113,3 +118,48 @@ def test_a_source_without_an_engine_saves_and_loads_every_shard(tmp_path):
     assert restored.changed
 
 
+
+
+def test_a_checkpoint_without_the_frozen_parameters_loads_only_beside_the_same_ones(tmp_path):
+    """exclude_frozen_parameters: the frozen ``c`` is not in the file, its fingerprint is; a run holding the same
+    ``c`` gets everything else back and keeps its ``c``; a run holding another ``c`` is refused before any change."""
+    saved = MemorySource(0)
+    tag = save_checkpoint(saved, tmp_path, exclude_frozen_parameters=True)
+    with safe_open(str(tmp_path / tag / "shard-00000-of-00001.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()[METADATA_KEY] == saved.frozen.hexdigest()
+    assert "param/c" not in keys and {"param/a", "param/b"} <= keys
+    assert json.loads((tmp_path / tag / "meta.json").read_text())["frozen_excluded"] is True
+
+    same = MemorySource(1)
+    same.compute[2].copy_(saved.compute[2])
+    same.frozen = FrozenDigest()
+    same.frozen.add(2, same.compute[2])
+    load_checkpoint(same, tmp_path)
+    for index, values in saved.compute.items():
+        assert torch.equal(same.compute[index], values)
+    for state in MemorySource.STATES:
+        assert torch.equal(same.states[state][:12], saved.states[state][:12])
+        assert torch.equal(same.states[state][16:21], saved.states[state][16:21])
+
+    other = MemorySource(2)  # its own c
+    before = {state: v.clone() for state, v in other.states.items()}
+    with pytest.raises(CheckpointError, match="saved without its frozen parameters .* not the ones it was saved beside"):
+        load_checkpoint(other, tmp_path)
+    assert all(torch.equal(other.states[s], before[s]) for s in MemorySource.STATES) and not other.changed
+    with pytest.raises(CheckpointError, match="saved without its frozen parameters .* not a whole model"):
+        consolidate(tmp_path, tmp_path / "whole.safetensors")
+    assert not (tmp_path / "whole.safetensors").exists()
+
+
+def test_loading_the_frozen_parameters_fingerprints_them_again(tmp_path):
+    """A checkpoint that holds the frozen values replaces them and their fingerprint, so a later checkpoint without
+    them loads beside them."""
+    saved = MemorySource(0)
+    save_checkpoint(saved, tmp_path / "whole")
+    run = MemorySource(3)
+    assert run.frozen.hexdigest() != saved.frozen.hexdigest()
+    load_checkpoint(run, tmp_path / "whole")
+    assert run.frozen.hexdigest() == saved.frozen.hexdigest()
+    save_checkpoint(saved, tmp_path / "lean", exclude_frozen_parameters=True)
+    load_checkpoint(run, tmp_path / "lean")
