@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
                         "the memory this machine has available; give bytes to plan for another machine)")
     add_trainable_argument(p)
-    train_lora.add_arguments(p)
+    train_lora.add_arguments(p, training=False)
     p.add_argument("--nvme-path", metavar="DIR", default=None,
                    help="with --max-params: the disk whose free room NVMe states may take (default: the temporary "
                         "folder's)")

@@ -32,7 +32,7 @@ from infinity.commands.train_checkpoints import engine_has_checkpoints, save, st
 from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
 from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for, run_step_shape
-from infinity.commands.train_lora import LORA_LR, save_adapters_with_tokenizer, trainable_numel, with_lora
+from infinity.commands.train_lora import LORA_LR, save_lora_with_tokenizer, trainable_numel, with_lora
 from infinity.commands.train_monitor import peak_rss_bytes, print_summary
 from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
@@ -118,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="when another live run holds --save-dir, wait for it to end instead of refusing to start")
     out.add_argument("--save-pretrained", metavar="OUT",
                      help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer; "
-                          "with --lora-rank: the adapters, in peft's layout)")
+                          "with --lora-rank: the adapters, in peft's layout, or with --merge-lora the merged model)")
     out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                      help="dtype of --save-pretrained (default fp32)")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
@@ -255,7 +255,9 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     if plan.activation_checkpointing:
         _with_activation_checkpointing(model)
     num_params = sum(p.numel() for p in model.parameters())
-    saved_params = trainable_numel(model) if plan.lora is not None else num_params  # what --save-pretrained writes
+    trainable = trainable_numel(model)
+    # what --save-pretrained writes: the adapters, or the merged base (without the adapters), or the whole model
+    saved_params = (num_params - trainable if plan.lora.merge else trainable) if plan.lora is not None else num_params
     if plan.estimate is None:  # a user's model: its size is known once built
         plan.estimate = estimate_for(plan, model)
         check_nvme_room(plan)
@@ -269,7 +271,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
             f"Hugging Face model {plan.hf_model}" if plan.hf_model else f"model {plan.model_file}")
     say(f"infinity train: {what}, {num_params:,} parameters; {corpus.description}")
     if plan.lora is not None:
-        say(f"  {plan.lora.describe(model)}: {saved_params:,} trainable parameters ({100 * saved_params / num_params:.2f}%), "
+        say(f"  {plan.lora.describe(model)}: {trainable:,} trainable parameters ({100 * trainable / num_params:.2f}%), "
             f"the base frozen")
     if validation is not None:
         say(f"  validation: {plan.monitor.eval_batches} micro-batch(es) of {validation.description}, "
@@ -376,8 +378,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
     if getattr(args, "save_pretrained", None) and plan.lora is not None:
-        say(save_adapters_with_tokenizer(engine, model, args.save_pretrained, dtype=args.save_dtype,
-                                         source=plan.hf_model))
+        say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=args.save_dtype,
+                                     source=plan.hf_model))
     elif getattr(args, "save_pretrained", None):
         say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
     engine.close()
@@ -389,7 +391,7 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
         "preset": plan.preset,
         "model": plan.model_file or plan.hf_model,
         "num_params": num_params,
-        "trainable_params": saved_params if plan.lora is not None else num_params,
+        "trainable_params": trainable,
         "lora": plan.lora.describe(model) if plan.lora is not None else None,
         "steps": plan.steps,
         "world_size": plan.world_size,

@@ -4,7 +4,8 @@ The model is built on the meta device, wrapped by ``peft``'s own ``get_peft_mode
 and their files are ``peft``'s), and its base read from ``DIR`` into the shards by the engine: the base is never
 whole in memory, and it has no gradient, master or moments in any tier. ``--save-pretrained OUT`` writes the
 adapters as ``peft`` writes them (``adapter_config.json``, ``adapter_model.safetensors``; ``PeftModel.from_pretrained(base,
-OUT)`` loads them), with the folder's tokenizer.
+OUT)`` loads them), or with ``--merge-lora`` the base with them merged in (:mod:`infinity.hf.merge`), with the folder's
+tokenizer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.commands.hf_model import copy_tokenizer_files
+from infinity.hf.merge import save_merged
 from infinity.hf.saving import save_adapters
 from infinity.placement.report import format_bytes
 
@@ -34,6 +36,8 @@ class LoraPlan:
     dropout: float
     target_modules: tuple[str, ...] | str | None
     """Module names, ``"all-linear"``, or None for ``peft``'s default for the model's type."""
+    merge: bool = False
+    """--merge-lora: --save-pretrained writes the merged model, not the adapters."""
 
     def describe(self, model: torch.nn.Module | None = None) -> str:
         """The adapters in words; with the ``peft`` model, on the modules ``peft`` chose."""
@@ -45,7 +49,8 @@ class LoraPlan:
         return f"LoRA rank {self.rank}, alpha {self.alpha:g}, dropout {self.dropout:g} on {said}"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, *, training: bool = True) -> None:
+    """The LoRA flags (``training``: and what ``--save-pretrained`` writes of them)."""
     lora = p.add_argument_group("LoRA (with --hf-model; needs peft)")
     lora.add_argument("--lora-rank", type=int, metavar="R",
                       help="train LoRA adapters of rank R on the frozen base instead of every weight (peft's "
@@ -55,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lora.add_argument("--lora-target-modules", metavar="NAMES",
                       help=f"comma-separated module names (q_proj,v_proj) or {ALL_LINEAR} (default: peft's for the "
                            f"model's type)")
+    if training:
+        lora.add_argument("--merge-lora", action="store_true",
+                          help="--save-pretrained writes the base with the adapters merged into its weights (a plain "
+                               "Hugging Face model, as peft's merge_and_unload) instead of the adapters")
 
 
 def lora_plan(args: argparse.Namespace, hf_model: str | None) -> LoraPlan | None:
@@ -64,6 +73,10 @@ def lora_plan(args: argparse.Namespace, hf_model: str | None) -> LoraPlan | None
                                        ("--lora-dropout", getattr(args, "lora_dropout", None)),
                                        ("--lora-target-modules", getattr(args, "lora_target_modules", None)))
               if value is not None]
+    if getattr(args, "merge_lora", False):
+        others.append("--merge-lora")
+        if not getattr(args, "save_pretrained", None):
+            raise ValueError("--merge-lora needs --save-pretrained (the folder the merged model is written to)")
     if rank is None:
         if others:
             raise ValueError(f"{others[0]} needs --lora-rank")
@@ -85,7 +98,8 @@ def lora_plan(args: argparse.Namespace, hf_model: str | None) -> LoraPlan | None
             raise ValueError(f"--lora-target-modules {targets!r} names no module")
         targets = ALL_LINEAR if names == (ALL_LINEAR,) else names
     _require_peft()
-    return LoraPlan(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets)
+    return LoraPlan(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
+                    merge=bool(getattr(args, "merge_lora", False)))
 
 
 def _require_peft():
@@ -112,13 +126,20 @@ def trainable_numel(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def save_adapters_with_tokenizer(engine, model: torch.nn.Module, out_dir: str, *, dtype: str,
-                                 source: str | None) -> str:
-    """The adapters as ``peft`` writes them, and the source folder's tokenizer files; returns the line to print."""
-    count, nbytes = save_adapters(engine, model, out_dir, dtype=dtype)
+def save_lora_with_tokenizer(engine, model: torch.nn.Module, plan: LoraPlan, out_dir: str, *, dtype: str,
+                             source: str | None) -> str:
+    """The adapters as ``peft`` writes them, or (``plan.merge``) the base with them merged in the Hugging Face
+    layout; and the source folder's tokenizer files. Returns the line to print."""
+    if plan.merge:
+        summary = save_merged(engine, model, out_dir, dtype=dtype)
+        said = (f"saved the base with {summary['merged_layers']} LoRA layer(s) merged: {summary.get('tensors', 0)} "
+                f"tensors ({format_bytes(summary.get('nbytes', 0))} {dtype}) to {out_dir} in the Hugging Face layout")
+    else:
+        count, nbytes = save_adapters(engine, model, out_dir, dtype=dtype)
+        said = (f"saved {count} adapter tensors ({format_bytes(nbytes)} {dtype}) to {out_dir} in peft's layout "
+                f"(adapter_config.json, adapter_model.safetensors)")
     if engine.rank != 0:
         return ""
     copied = copy_tokenizer_files(source, out_dir)
-    return (f"saved {count} adapter tensors ({format_bytes(nbytes)} {dtype}) to {out_dir} in peft's layout "
-            f"(adapter_config.json, adapter_model.safetensors)" + (f", with {', '.join(copied)}" if copied else ""))
+    return said + (f", with {', '.join(copied)}" if copied else "")
 

@@ -236,6 +236,15 @@ def hf_config_of(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
     return None
 
 
+def generation_config_json(model: torch.nn.Module) -> dict[str, str]:
+    """``{"generation_config.json": text}`` when a module of ``model`` has a generation config, else ``{}``."""
+    generation = next((getattr(m, "generation_config", None) for m in model.modules()
+                       if getattr(m, "generation_config", None) is not None), None)
+    if generation is not None and callable(getattr(generation, "to_json_string", None)):
+        return {"generation_config.json": generation.to_json_string()}
+    return {}
+
+
 def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dtype="fp32",
                     max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
     """Write the run's ``model`` in the Hugging Face layout; every rank calls it, rank 0 writes.
@@ -263,11 +272,7 @@ def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dty
         tensors.append(HFTensor(strip(buf.name), tuple(buf.tensor.shape), kind,
                                 lambda out, b=buf.tensor: out.copy_(b.detach().cpu())))
     config = hf_config_of(model, out_dtype)
-    extra = {}
-    generation = next((getattr(m, "generation_config", None) for m in model.modules()
-                       if getattr(m, "generation_config", None) is not None), None)
-    if generation is not None and callable(getattr(generation, "to_json_string", None)):
-        extra["generation_config.json"] = generation.to_json_string()
+    extra = generation_config_json(model)
     try:
         return write_hf_folder(out_dir, tensors, config=config, extra_files=extra, max_shard_nbytes=max_shard_nbytes,
                                write=source.comm.rank == 0)

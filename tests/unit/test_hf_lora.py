@@ -289,6 +289,8 @@ def test_estimate_with_lora_rank_counts_what_the_run_holds(tmp_path, capsys, mon
     (["--lora-rank", "0"], "--lora-rank must be positive"),
     (["--lora-rank", "4", "--lora-dropout", "1"], r"--lora-dropout must be in \[0, 1\)"),
     (["--lora-rank", "4", "--lora-target-modules", "nope"], "--lora-target-modules: Target modules {'nope'} not found"),
+    (["--lora-rank", "4", "--merge-lora"], "--merge-lora needs --save-pretrained"),
+    (["--merge-lora", "--save-pretrained", "out"], "--merge-lora needs --lora-rank"),
 ])
 def test_bad_lora_flags_are_refused_naming_the_flag(tmp_path, capsys, argv, said):
     from infinity.cli import main
@@ -336,3 +338,59 @@ def test_lora_checkpoints_leave_the_base_out_and_resume_bitwise_only_beside_the_
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run("--resume", str(tmp_path / "ckpt" / "step2"), "--save-dir", str(tmp_path / "ckpt3"), base=other)
     assert code != 0 and "saved without its frozen parameters" in err and "not the ones it was saved beside" in err
+
+
+def test_the_merged_model_is_what_peft_merge_and_unload_writes(tmp_path):
+    """save_merged: the base with the trained adapters merged, under the base's names, as plain peft's
+    merge_and_unload gives it from the same adapters; transformers loads it without peft."""
+    from infinity.hf.merge import save_merged
+
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    config = nvme_config(tmp_path / "swap")
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+    model = meta_lora(folder, lora_alpha=32)  # scaling 4: a merge that forgets it shows
+    torch.manual_seed(5)
+    with infinity.initialize(model, config, weights=folder) as engine:
+        for s in range(3):
+            out = engine(**collate(dataset(2, seed=s)))
+            engine.backward(out.loss)
+            engine.step()
+        state = engine.full_state_dict()
+        summary = save_merged(engine, model, tmp_path / "merged", dtype="fp32")
+    assert summary["merged_layers"] == 4
+    reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                                    peft.LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                                    task_type="CAUSAL_LM"))
+    reference.load_state_dict(state)
+    expected = reference.merge_and_unload().state_dict()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    got = merged.state_dict()
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+    base = load_file(folder / "model.safetensors")
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(got["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+
+
+def test_train_cli_with_merge_lora_writes_a_plain_model_with_the_adapters_merged(tmp_path, capsys):
+    """--merge-lora: --save-pretrained writes the base's tensors under its names, the wrapped layers changed by the
+    adapters and no other, loadable by transformers alone, with the tokenizer."""
+    from infinity.cli import main
+    from test_hf_cli import _tiny_llama
+
+    folder, out = tmp_path / "llama", tmp_path / "merged"
+    _tiny_llama(folder, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    assert main(["train", "--hf-model", str(folder), "--data", str(data), "--steps", "3", "--micro-batch", "2",
+                 "--seq-len", "32", "--precision", "fp32", "--lora-rank", "4", "--lr", "3e-3", "--merge-lora",
+                 "--save-pretrained", str(out), "--save-dtype", "bf16", "--run-dir", str(tmp_path / "run")]) == 0
+    assert "saved the base with 4 LoRA layer(s) merged" in capsys.readouterr().out
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert set(merged) == set(base) and all(v.dtype == torch.bfloat16 for v in merged.values())
+    changed = {name for name, value in base.items() if not torch.equal(merged[name], value.to(torch.bfloat16))}
+    assert changed == {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"}
+    assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [5, 6]
