@@ -115,7 +115,8 @@ def check_output_room(args: argparse.Namespace, plan, num_params: int, warn=None
         needs.setdefault(os.stat(where).st_dev, []).append((what, str(where), nbytes))
 
     kept = checkpoints_needed_at_once(args, plan)
-    one = plan.estimate["checkpoint_nbytes"] * plan.world_size
+    # (the run's checkpoints leave the frozen parameters out: train_checkpoints.save)
+    one = (plan.estimate["checkpoint_nbytes"] - plan.estimate.get("checkpoint_frozen_nbytes", 0)) * plan.world_size
     need(f"{kept} checkpoint(s) of {format_bytes(one)} in --save-dir", args.save_dir, kept * one)
     out = getattr(args, "save_pretrained", None)
     need(f"the --save-pretrained model ({args.save_dtype})", out, num_params * SAVE_DTYPE_NBYTES[args.save_dtype])

@@ -229,6 +229,11 @@ def estimate(
         largest = int(largest_layer_params)
 
     if exact_part is not None:
+        trained_shard = sum(shards[:trained])  # (the trainable parameters come first)
+    else:
+        trained_shard = shard_numel if trainable_params is None else min(shard_numel,
+                                                                          math.ceil(trainable_params / world_size))
+    if exact_part is not None:
         train_numel, sub_groups, largest_sub_group = exact_part
     else:
         train_numel, sub_groups, largest_sub_group = _trainable_part(trainable_params, num_params, world_size,
@@ -347,9 +352,11 @@ def estimate(
         "tiers": tiers,
         "totals": totals,
         "accounted": accounted,
-        # What save_checkpoint writes per rank: master and moments (each in the narrowest exact dtype) and
-        # the compute shard, for every element of the rank's shards (a frozen parameter's states are zeros).
-        "checkpoint_nbytes": shard_numel * (checkpoint_bytes_per_element(state_dtype) + cbytes),
+        # What save_checkpoint writes per rank: master and moments (each in the narrowest exact dtype) for the
+        # trainable elements of the rank's shards, and the compute shard of every one; the frozen ones' compute
+        # shards apart (exclude_frozen_parameters leaves them out).
+        "checkpoint_nbytes": trained_shard * checkpoint_bytes_per_element(state_dtype) + shard_numel * cbytes,
+        "checkpoint_frozen_nbytes": (shard_numel - trained_shard) * cbytes,
     }
 
 

@@ -82,7 +82,9 @@ def format_table(chosen: dict, alts: Sequence[dict]) -> str:
             f"offload_param={s['offload_param']}, offload_optimizer={s['offload_optimizer']} (bytes per rank):",
             _table(["kind", *TIERS], breakdown),
             f"a checkpoint: {format_bytes(chosen['checkpoint_nbytes'])} per rank ({s['state_dtype']} states saved "
-            f"at {checkpoint_bytes_per_element(s['state_dtype'])} B an element, plus the compute shard)",
+            f"at {checkpoint_bytes_per_element(s['state_dtype'])} B an element, plus the compute shard)"
+            + (f"; {format_bytes(chosen['checkpoint_nbytes'] - chosen['checkpoint_frozen_nbytes'])} without the "
+               f"frozen parameters" if chosen.get("checkpoint_frozen_nbytes") else ""),
             "",
             "alternatives (offload_param / offload_optimizer; * = requested):",
             _table(["setting", *TIERS], alt_rows),

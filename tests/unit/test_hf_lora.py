@@ -394,3 +394,29 @@ def test_train_cli_with_merge_lora_writes_a_plain_model_with_the_adapters_merged
     changed = {name for name, value in base.items() if not torch.equal(merged[name], value.to(torch.bfloat16))}
     assert changed == {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qv"}
     assert transformers.AutoTokenizer.from_pretrained(out)("w1 w2")["input_ids"] == [5, 6]
+
+
+def test_estimate_gives_a_lora_checkpoint_size_with_and_without_the_base(tmp_path):
+    """checkpoint_nbytes (states of the adapters only, compute shards of all) and checkpoint_frozen_nbytes (the base's
+    compute shards) are the rank file's sizes with and without exclude_frozen_parameters, less header and RNG."""
+    from infinity.checkpoint.files import shard_file
+    from infinity.placement.estimate import estimate
+
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    model = meta_lora(folder)
+    numels = [p.numel() for p in model.parameters()]
+    trains = [p.requires_grad for p in model.parameters()]
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+              "precision": "fp32"}
+    with infinity.initialize(model, config, weights=folder) as engine:
+        sizes = {}
+        for exclude in (False, True):
+            tag = engine.save_checkpoint(tmp_path / f"ckpt-{exclude}", exclude_frozen_parameters=exclude)
+            sizes[exclude] = (tmp_path / f"ckpt-{exclude}" / tag / shard_file(0, 1)).stat().st_size
+    planned = estimate(param_numels=numels, param_trainable=trains, precision="fp32")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert 0 <= sizes[False] - planned["checkpoint_nbytes"] <= buffers + (64 << 10), (sizes, planned)
+    lean = planned["checkpoint_nbytes"] - planned["checkpoint_frozen_nbytes"]
+    assert 0 <= sizes[True] - lean <= buffers + (64 << 10), (sizes, lean)
+    assert abs(sizes[False] - sizes[True] - planned["checkpoint_frozen_nbytes"]) < 8 << 10  # (the headers differ)
