@@ -14,6 +14,8 @@ from helpers import (TiedMLP, TinyGPT, engine_config, engine_train, gpt_batches,
                      run_ranks)
 
 STEPS, ACCUM, CLIP, LR = 10, 2, 1.0, 3e-3
+STEPS_AT_TWO_RANKS = 5
+"""Two gloo ranks on a 2-core box spend their time in some 10,000 small collectives: half the steps, every tier."""
 TIERS = ("none", "cpu", "nvme")
 COMBOS = list(itertools.product(TIERS, TIERS))
 
@@ -26,23 +28,27 @@ def _models():
     }
 
 
-def _run_all(rank: int, world_size: int, precision: str = "fp32"):
+def _run_all(rank: int, world_size: int, precision: str = "fp32", steps: int = STEPS):
     results = {}
     for name, (model, batches) in _models().items():
         for param, optimizer in COMBOS:
             with tempfile.TemporaryDirectory() as nvme:
                 config = engine_config(param=param, optimizer=optimizer, nvme_path=nvme, accum=ACCUM, clip=CLIP,
                                        lr=LR, precision=precision)
-                losses, state, _ = engine_train(model, config, batches, steps=STEPS, accum=ACCUM, rank=rank,
+                losses, state, _ = engine_train(model, config, batches, steps=steps, accum=ACCUM, rank=rank,
                                                 world_size=world_size)
             results[(name, param, optimizer)] = (losses, state)
     return results
 
 
+def _references(steps: int) -> dict:
+    return {name: reference_train(model, batches, steps=steps, accum=ACCUM, clip=CLIP, lr=LR)
+            for name, (model, batches) in _models().items()}
+
+
 @pytest.fixture(scope="module")
 def references():
-    return {name: reference_train(model, batches, steps=STEPS, accum=ACCUM, clip=CLIP, lr=LR)
-            for name, (model, batches) in _models().items()}
+    return _references(STEPS)
 
 
 def _check(results, references, rtol, atol):
@@ -62,9 +68,9 @@ def test_world_size_1_fp32(references):
 
 
 @pytest.mark.timeout(600)
-def test_world_size_2_fp32(references):
-    results = run_ranks(_run_all, world_size=2)
-    _check(results[0], references, rtol=1e-5, atol=1e-6)
+def test_world_size_2_fp32():
+    results = run_ranks(_run_all, "fp32", STEPS_AT_TWO_RANKS, world_size=2)
+    _check(results[0], _references(STEPS_AT_TWO_RANKS), rtol=1e-5, atol=1e-6)
     # both ranks report the same gathered parameters
     for key, (_, state) in results[0].items():
         for name, tensor in state.items():
