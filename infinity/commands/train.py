@@ -54,7 +54,7 @@ from infinity.runtime.comm import local_rank_and_size
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out
-from infinity.train.hf_data import hf_corpus
+from infinity.train.hf_data import hf_corpus, hf_held_out
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +172,16 @@ def _corpora(args: argparse.Namespace, plan: Plan):
 
     monitor = plan.monitor
     if plan.hf_model is not None:
-        return hf_corpus(plan.hf_model, args.data, vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len,
-                         micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size,
-                         max_bytes=args.max_bytes), None
+        ids = dict(vocab_size=plan.hf_vocab_size, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
+                   rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)
+        if not monitor.eval_every:
+            return hf_corpus(plan.hf_model, args.data, **ids), None
+        corpus, held_out = hf_held_out(plan.hf_model, args.data, val_path=monitor.val_data,
+                                       val_fraction=monitor.val_fraction, **ids)
+        validation = Validation(held_out, batches=monitor.eval_batches, seq_len=plan.seq_len,
+                                micro_batch=plan.micro_batch, seed=args.seed, rank=plan.rank, world_size=plan.world_size)
+        validation.description = held_out.description
+        return corpus, validation
     if not monitor.eval_every:
         corpus = ByteCorpus(args.data, seq_len=plan.seq_len, micro_batch=plan.micro_batch, seed=args.seed,
                             rank=plan.rank, world_size=plan.world_size, max_bytes=args.max_bytes)

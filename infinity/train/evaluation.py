@@ -70,12 +70,13 @@ def carve_held_out(path: str | Path | None, *, max_bytes: int | None, seq_len: i
 class Validation:
     """``batches`` fixed micro-batches of held-out bytes for this rank; ``loss(engine)`` is their mean loss."""
 
-    def __init__(self, data: bytes, *, batches: int, seq_len: int, micro_batch: int, seed: int = 0, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(self, data: bytes | ByteCorpus, *, batches: int, seq_len: int, micro_batch: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        """``data``: the held-out bytes, or a corpus of them already made (token ids: ``TokenCorpus``)."""
         if batches <= 0:
             raise ValueError(f"--eval-batches must be positive, got {batches}")
-        corpus = ByteCorpus(data=data, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
-                            world_size=world_size)
+        corpus = data if isinstance(data, ByteCorpus) else ByteCorpus(
+            data=data, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size)
         self.batches = [corpus.next_batch() for _ in range(batches)]
         self.world_size = world_size
 

@@ -22,6 +22,7 @@ import torch
 
 from infinity.hf.pretrained import require_transformers
 from infinity.train.data import DEFAULT_MAX_BYTES, ByteCorpus, read_corpus_bytes
+from infinity.train.evaluation import DEFAULT_VAL_FRACTION, carve_held_out
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +69,64 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
     """The corpus at ``path`` as ids for the model in ``model_dir`` (see the module's docstring)."""
     model_dir = Path(model_dir)
     if not has_tokenizer(model_dir):
-        if vocab_size < 256:
-            raise ValueError(
-                f"model folder {model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) and its vocab_size="
-                f"{vocab_size} cannot take byte ids 0..255: put the model's tokenizer files in the folder")
-        logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
+        _check_byte_vocabulary(model_dir, vocab_size)
         return ByteCorpus(path, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
                           world_size=world_size, max_bytes=max_bytes)
 
+    data, description = read_corpus_bytes(path, max_bytes=max_bytes)
+    tokens, tokenizer = _token_ids(model_dir, data, vocab_size)
+    description = f"{description}, {tokens.numel():,} tokens ({tokenizer})"
+    return TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                       world_size=world_size)
+
+
+def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batch: int, seed: int = 0,
+                rank: int = 0, world_size: int = 1, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                val_path=None, val_fraction: float = DEFAULT_VAL_FRACTION) -> tuple[ByteCorpus, ByteCorpus]:
+    """The training corpus and the held-out one (``--eval-every``), as ids for the model in ``model_dir``: the
+    text of ``val_path``, or else the last ``val_fraction`` of the corpus' tokens (bytes without a tokenizer),
+    never trained on."""
+    model_dir = Path(model_dir)
+    corpus = dict(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size)
+    if not has_tokenizer(model_dir):
+        _check_byte_vocabulary(model_dir, vocab_size)
+        held = carve_held_out(path, max_bytes=max_bytes, seq_len=seq_len, val_path=val_path, val_fraction=val_fraction)
+        train, val = ByteCorpus(data=held.train, **corpus), ByteCorpus(data=held.val, **corpus)
+        train.description, val.description = held.train_description, held.val_description
+        return train, val
+    data, description = read_corpus_bytes(path, max_bytes=max_bytes)
+    tokens, tokenizer = _token_ids(model_dir, data, vocab_size)
+    if val_path is not None:
+        val_data, val_description = read_corpus_bytes(val_path, max_bytes=max_bytes)
+        val_tokens, _ = _token_ids(model_dir, val_data, vocab_size)
+        if val_tokens.numel() < seq_len + 1:
+            raise ValueError(f"--val-data {str(val_path)!r} holds {val_tokens.numel()} tokens, fewer than seq_len + 1 "
+                             f"= {seq_len + 1}")
+        train_tokens, said = tokens, f"{description}, {tokens.numel():,} tokens ({tokenizer})"
+        val_said = f"{val_description}, {val_tokens.numel():,} tokens"
+    else:
+        n_val = int(tokens.numel() * val_fraction)
+        if n_val < seq_len + 1 or tokens.numel() - n_val < seq_len + 1:
+            raise ValueError(f"--val-fraction {val_fraction} of the corpus' {tokens.numel():,} tokens leaves {n_val:,} "
+                             f"for validation and {tokens.numel() - n_val:,} for training; each needs at least seq_len "
+                             f"+ 1 = {seq_len + 1} (give --val-data, a larger corpus or a larger --val-fraction)")
+        train_tokens, val_tokens = tokens[:tokens.numel() - n_val], tokens[tokens.numel() - n_val:]
+        said = f"{description}, {tokens.numel():,} tokens ({tokenizer}; the last {n_val:,} held out)"
+        val_said = f"the last {val_fraction:.0%} of the corpus, {n_val:,} tokens"
+    return TokenCorpus(train_tokens, said, **corpus), TokenCorpus(val_tokens, val_said, **corpus)
+
+
+def _check_byte_vocabulary(model_dir: Path, vocab_size: int) -> None:
+    """Without a tokenizer the ids are bytes: refused, naming the folder, where the vocabulary cannot take them."""
+    if vocab_size < 256:
+        raise ValueError(
+            f"model folder {model_dir} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) and its vocab_size="
+            f"{vocab_size} cannot take byte ids 0..255: put the model's tokenizer files in the folder")
+    logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
+
+
+def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Tensor, str]:
+    """``data`` encoded by the folder's tokenizer (int32 ids, each below ``vocab_size``), and the tokenizer said."""
     transformers = require_transformers("a model folder's tokenizer")
     check_tokenizer_files(model_dir)
     try:
@@ -83,12 +134,9 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
     except Exception as err:  # tokenizers and transformers raise many kinds; the folder is what the user can fix
         raise ValueError(f"cannot load the tokenizer in {model_dir} "
                          f"({', '.join(n for n in TOKENIZER_SIDE_FILES if (model_dir / n).is_file())}): {err}") from err
-    data, description = read_corpus_bytes(path, max_bytes=max_bytes)
     ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     tokens = torch.tensor(ids, dtype=torch.int32)
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"the tokenizer in {model_dir} gives id {int(tokens.max())} but the model's vocab_size is "
                          f"{vocab_size}: the tokenizer is not this model's")
-    description = f"{description}, {tokens.numel():,} tokens ({type(tokenizer).__name__} of {model_dir})"
-    return TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
-                       world_size=world_size)
+    return tokens, f"{type(tokenizer).__name__} of {model_dir}"

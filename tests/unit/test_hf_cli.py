@@ -180,3 +180,32 @@ def test_hf_model_decays_what_the_stock_trainer_decays(tmp_path, capsys, monkeyp
     decayed, kept = sum(d > 0 for d in decays.values()), sum(d == 0 for d in decays.values())
     assert decayed and kept
     assert f"; weight decay 0.1 on {decayed} tensors (2-D and up), none on {kept}\n" in capsys.readouterr().out
+
+
+def test_hf_model_eval_every_measures_held_out_tokens_as_transformers_does(tmp_path, capsys):
+    """--hf-model --eval-every: the last 5% of the corpus' tokens are held out (never trained on), and the final
+    validation loss is the loss transformers computes with the saved model on the same held-out windows."""
+    from infinity.train.evaluation import Validation
+    from infinity.train.hf_data import TokenCorpus
+
+    model_dir, out = tmp_path / "llama", tmp_path / "tuned"
+    _tiny_llama(model_dir, 64, with_tokenizer=True)
+    text = " ".join(f"w{(i * 7) % 60}" for i in range(3000))
+    (tmp_path / "corpus.txt").write_text(text)
+    assert main(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "corpus.txt"), "--steps", "4",
+                 "--micro-batch", "2", "--seq-len", "32", "--precision", "fp32", "--eval-every", "2",
+                 "--eval-batches", "3", "--save-pretrained", str(out), "--run-dir", str(tmp_path / "run"),
+                 "--json"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads(printed.strip().splitlines()[-1])
+    assert "3,000 tokens (" in printed and "the last 150 held out)" in printed
+    assert [step for step, _ in summary["val_losses"]] == [2, 4]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    held_out = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][-150:], dtype=torch.int32)
+    windows = Validation(TokenCorpus(held_out, "held out", seq_len=32, micro_batch=2), batches=3, seq_len=32,
+                         micro_batch=2).batches
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        expected = sum(float(model(input_ids=ids, labels=ids).loss) for ids, _ in windows) / len(windows)
+    assert summary["val_loss"] == pytest.approx(expected, rel=1e-5)
