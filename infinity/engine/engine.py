@@ -43,7 +43,7 @@ from infinity.placement.placement import (Placement, compute_device, device_memo
                                           grad_accumulator_fits_device)
 from infinity.placement.split_choice import StepShape
 from infinity.placement.tiers import Tiers
-from infinity.runtime.allocator import keep_large_blocks_mapped
+from infinity.runtime.allocator import give_back_freed_heap, keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
 from infinity.runtime.cpu_matmul import HalfMatmulsInFp32, cpu_matmul_mode
 from infinity.runtime.hardware import slow_precision_warning
@@ -344,6 +344,8 @@ class Engine:
         self.meter.close_step(step=self.global_step, skipped=skipped, lr=self.lr,
                               loss_scale=self.loss_scaler.scale if self.loss_scaler else None)
         self._apply_lr_schedule()
+        if self.device.type == "cpu":  # the step's freed activations, kept by glibc in pieces: back to the system
+            give_back_freed_heap()
 
     def finish_step(self) -> None:
         """Wait until the last step's updates are all made. With ``overlap_step_with_forward`` those a step makes
