@@ -333,7 +333,8 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     tokens_per_step = plan.world_size * plan.grad_accum * plan.micro_batch * plan.seq_len
     monitor = train_monitor.RunMonitor(plan.monitor, total_steps=plan.steps, tokens_per_step=tokens_per_step,
                                        seq_len=plan.seq_len, validation=validation, is_main=is_main,
-                                       resume_after=start_step if resume else None, say=say)
+                                       resume_after=start_step if resume else None, say=say,
+                                       codec=getattr(corpus, "codec", None))
     cleanup.callbacks.append(monitor.close)
     report_every = max(1, plan.steps // 10)
     bar = tqdm(total=plan.steps, initial=start_step, disable=not is_main, file=sys.stderr, unit="step",

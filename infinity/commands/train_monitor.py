@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"share of the corpus held out for validation when no --val-data (default {DEFAULT_VAL_FRACTION})")
     watch.add_argument("--sample-every", type=int, metavar="N", help="print a sample of the model every N steps")
     watch.add_argument("--prompt", metavar="TEXT", help="what samples continue (default a newline)")
-    watch.add_argument("--sample-tokens", type=int, metavar="N", help=f"bytes per sample (default {DEFAULT_SAMPLE_TOKENS})")
+    watch.add_argument("--sample-tokens", type=int, metavar="N", help=f"bytes (tokens with --hf-model's tokenizer) per sample (default {DEFAULT_SAMPLE_TOKENS})")
     watch.add_argument("--temperature", type=float, metavar="T", help="sampling temperature; 0 (default) is greedy")
 
 
@@ -157,8 +157,10 @@ class RunMonitor:
     """Per step: the metrics row, validation and samples when due, the progress line; at the end, the summary."""
 
     def __init__(self, plan: MonitorPlan, *, total_steps: int, tokens_per_step: int, seq_len: int,
-                 validation: Validation | None, is_main: bool, resume_after: int | None, say):
+                 validation: Validation | None, is_main: bool, resume_after: int | None, say, codec=None):
+        """``codec``: text to ids and back for samples (None: bytes; a ``TokenizerCodec`` for ``--hf-model``)."""
         self.plan = plan
+        self.codec = codec
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.seq_len = seq_len
@@ -211,7 +213,7 @@ class RunMonitor:
             self.log.log(row)
         if self.plan.sample_every and (step % self.plan.sample_every == 0 or step == self.total_steps):
             text = sample_text(engine, self.plan.prompt, max_new_tokens=self.plan.sample_tokens, seq_len=self.seq_len,
-                               temperature=self.plan.temperature, seed=step)
+                               temperature=self.plan.temperature, seed=step, codec=self.codec)
             self.say(f"sample at step {step}: {self.plan.prompt + text!r}")
         return progress_text(loss, tokens_per_s, tiers, metrics.get("step_s") or step_s,
                              val_loss=self.val_losses[-1][1] if self.val_losses else None,

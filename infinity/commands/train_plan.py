@@ -200,8 +200,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if model_seq is not None and seq_len > model_seq:
         what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
         raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
-    if hf_model is not None and monitor.sample_every:
-        raise ValueError("--sample-every writes bytes; with --hf-model it is not supported yet (--eval-every is)")
     if args.save_every is not None and not args.save_dir:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:

@@ -108,16 +108,31 @@ def _loss_of(output) -> torch.Tensor:
     return loss.detach()
 
 
-def sample_text(engine, prompt: str, *, max_new_tokens: int, seq_len: int, temperature: float = 0.0,
-                seed: int = 0) -> str:
-    """The continuation of ``prompt``: ``max_new_tokens`` bytes from the model: greedy at ``temperature`` 0, else sampled.
+class ByteCodec:
+    """Text as the byte models read it: UTF-8 bytes are the ids; a larger vocabulary's extra ids are not text."""
 
-    One forward through the engine per new byte, over the last ``seq_len`` bytes. Every rank computes the
-    same logits and draws from a generator seeded alike, so every rank picks the same bytes.
+    max_id = 255
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def sample_text(engine, prompt: str, *, max_new_tokens: int, seq_len: int, temperature: float = 0.0,
+                seed: int = 0, codec=None) -> str:
+    """The continuation of ``prompt``: ``max_new_tokens`` ids from the model: greedy at ``temperature`` 0, else sampled.
+
+    ``codec`` turns text into ids and back (``encode``, ``decode``, ``max_id``): bytes by default (:class:`ByteCodec`),
+    a model folder's tokenizer for ``--hf-model`` (:class:`infinity.train.hf_data.TokenizerCodec`). One forward
+    through the engine per new id, over the last ``seq_len`` ids. Every rank computes the same logits and draws
+    from a generator seeded alike, so every rank picks the same ids.
     """
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
-    ids = list(prompt.encode("utf-8")) or [ord("\n")]
+    codec = codec or ByteCodec()
+    ids = codec.encode(prompt) or codec.encode("\n") or [0]
     start = len(ids)
     generator = torch.Generator().manual_seed(seed)
     was_training = engine.module.training
@@ -137,7 +152,9 @@ def sample_text(engine, prompt: str, *, max_new_tokens: int, seq_len: int, tempe
                 else:
                     probs = torch.softmax(last / temperature, dim=-1)
                     token = int(torch.multinomial(probs, 1, generator=generator))
-                ids.append(min(token, 255))  # byte-level: a larger vocabulary's extra ids are not text
+                ids.append(min(token, codec.max_id))
     finally:
         engine.train(was_training)
-    return bytes(ids[start:]).decode("utf-8", errors="replace")
+    # the whole text decoded, less the prompt's: a tokenizer's spacing between them is kept
+    whole, head = codec.decode(ids), codec.decode(ids[:start])
+    return whole[len(head):] if whole.startswith(head) else codec.decode(ids[start:])

@@ -48,10 +48,26 @@ def check_tokenizer_files(model_dir) -> None:
                 raise ValueError(f"tokenizer file {path} is not JSON: {err}") from None
 
 
+class TokenizerCodec:
+    """Text as a model folder's tokenizer reads and writes it (``--sample-every``'s prompt and samples)."""
+
+    def __init__(self, tokenizer, vocab_size: int, model_dir: Path):
+        self.tokenizer = tokenizer
+        self.max_id = vocab_size - 1
+        self.said = f"{type(tokenizer).__name__} of {model_dir}"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
 class TokenCorpus(ByteCorpus):
-    """:class:`ByteCorpus` over token ids instead of bytes (``num_bytes`` counts tokens)."""
+    """:class:`ByteCorpus` over token ids instead of bytes (``num_bytes`` counts tokens); ``codec``: the tokenizer."""
 
     unit = "tokens"
+    codec: TokenizerCodec | None = None
 
     def __init__(self, tokens: torch.Tensor, description: str, *, seq_len: int, micro_batch: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1):
@@ -74,10 +90,12 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
                           world_size=world_size, max_bytes=max_bytes)
 
     data, description = read_corpus_bytes(path, max_bytes=max_bytes)
-    tokens, tokenizer = _token_ids(model_dir, data, vocab_size)
-    description = f"{description}, {tokens.numel():,} tokens ({tokenizer})"
-    return TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
-                       world_size=world_size)
+    tokens, codec = _token_ids(model_dir, data, vocab_size)
+    description = f"{description}, {tokens.numel():,} tokens ({codec.said})"
+    corpus = TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                         world_size=world_size)
+    corpus.codec = codec
+    return corpus
 
 
 def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batch: int, seed: int = 0,
@@ -95,14 +113,14 @@ def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_ba
         train.description, val.description = held.train_description, held.val_description
         return train, val
     data, description = read_corpus_bytes(path, max_bytes=max_bytes)
-    tokens, tokenizer = _token_ids(model_dir, data, vocab_size)
+    tokens, codec = _token_ids(model_dir, data, vocab_size)
     if val_path is not None:
         val_data, val_description = read_corpus_bytes(val_path, max_bytes=max_bytes)
         val_tokens, _ = _token_ids(model_dir, val_data, vocab_size)
         if val_tokens.numel() < seq_len + 1:
             raise ValueError(f"--val-data {str(val_path)!r} holds {val_tokens.numel()} tokens, fewer than seq_len + 1 "
                              f"= {seq_len + 1}")
-        train_tokens, said = tokens, f"{description}, {tokens.numel():,} tokens ({tokenizer})"
+        train_tokens, said = tokens, f"{description}, {tokens.numel():,} tokens ({codec.said})"
         val_said = f"{val_description}, {val_tokens.numel():,} tokens"
     else:
         n_val = int(tokens.numel() * val_fraction)
@@ -111,9 +129,11 @@ def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_ba
                              f"for validation and {tokens.numel() - n_val:,} for training; each needs at least seq_len "
                              f"+ 1 = {seq_len + 1} (give --val-data, a larger corpus or a larger --val-fraction)")
         train_tokens, val_tokens = tokens[:tokens.numel() - n_val], tokens[tokens.numel() - n_val:]
-        said = f"{description}, {tokens.numel():,} tokens ({tokenizer}; the last {n_val:,} held out)"
+        said = f"{description}, {tokens.numel():,} tokens ({codec.said}; the last {n_val:,} held out)"
         val_said = f"the last {val_fraction:.0%} of the corpus, {n_val:,} tokens"
-    return TokenCorpus(train_tokens, said, **corpus), TokenCorpus(val_tokens, val_said, **corpus)
+    train, val = TokenCorpus(train_tokens, said, **corpus), TokenCorpus(val_tokens, val_said, **corpus)
+    train.codec = val.codec = codec
+    return train, val
 
 
 def _check_byte_vocabulary(model_dir: Path, vocab_size: int) -> None:
@@ -125,8 +145,8 @@ def _check_byte_vocabulary(model_dir: Path, vocab_size: int) -> None:
     logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
 
 
-def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Tensor, str]:
-    """``data`` encoded by the folder's tokenizer (int32 ids, each below ``vocab_size``), and the tokenizer said."""
+def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Tensor, TokenizerCodec]:
+    """``data`` encoded by the folder's tokenizer (int32 ids, each below ``vocab_size``), and the tokenizer."""
     transformers = require_transformers("a model folder's tokenizer")
     check_tokenizer_files(model_dir)
     try:
@@ -139,4 +159,4 @@ def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Ten
     if tokens.numel() and int(tokens.max()) >= vocab_size:
         raise ValueError(f"the tokenizer in {model_dir} gives id {int(tokens.max())} but the model's vocab_size is "
                          f"{vocab_size}: the tokenizer is not this model's")
-    return tokens, f"{type(tokenizer).__name__} of {model_dir}"
+    return tokens, TokenizerCodec(tokenizer, vocab_size, model_dir)

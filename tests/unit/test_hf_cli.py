@@ -209,3 +209,24 @@ def test_hf_model_eval_every_measures_held_out_tokens_as_transformers_does(tmp_p
     with torch.no_grad():
         expected = sum(float(model(input_ids=ids, labels=ids).loss) for ids, _ in windows) / len(windows)
     assert summary["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_hf_model_samples_are_the_saved_models_greedy_tokens_decoded_by_its_tokenizer(tmp_path, capsys):
+    """--hf-model --sample-every: the prompt tokenized, each new token the argmax of a forward, the text decoded by
+    the folder's tokenizer; the same as transformers' forward of the saved model gives."""
+    model_dir, out = tmp_path / "llama", tmp_path / "tuned"
+    _tiny_llama(model_dir, 64, with_tokenizer=True)
+    (tmp_path / "corpus.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    assert main(["train", "--hf-model", str(model_dir), "--data", str(tmp_path / "corpus.txt"), "--steps", "3",
+                 "--micro-batch", "2", "--seq-len", "32", "--precision", "fp32", "--lr", "1e-2", "--sample-every", "3",
+                 "--prompt", "w1 w2 w3", "--sample-tokens", "6", "--save-pretrained", str(out),
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample at step 3: ")]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tokenizer("w1 w2 w3", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(input_ids=torch.tensor([ids[-32:]])).logits[0, -1].argmax()))
+    assert printed == [f"sample at step 3: {tokenizer.decode(ids)!r}"]
