@@ -49,6 +49,7 @@ from infinity.runtime.cpu_matmul import HalfMatmulsInFp32, cpu_matmul_mode
 from infinity.runtime.hardware import slow_precision_warning
 from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
+from infinity.weights.adapters import is_peft_model, save_adapters
 from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
 from infinity.weights.pretrained import open_for_model
 
@@ -414,8 +415,15 @@ class Engine:
 
     def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
         """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
-        Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`."""
+        Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`.
+
+        A ``peft`` model writes its adapters, as ``peft_model.save_pretrained`` does (``adapter_config.json``,
+        ``adapter_model.safetensors``; :func:`infinity.hf.merge.save_merged` writes the base with them merged)."""
         self._ensure_open()
+        if is_peft_model(self.module):
+            count, nbytes = save_adapters(self.shard_source(), self.module, out_dir, dtype=dtype,
+                                          write=self.comm.rank == 0)
+            return {"path": str(out_dir), "tensors": count, "files": 1, "nbytes": nbytes, "adapters": True}
         return save_pretrained(self.shard_source(), self.module, out_dir, dtype=dtype,
                                max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
 

@@ -51,13 +51,23 @@ def build_meta_causal_lm(path) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def from_pretrained(path, config=None, *, process_group=None):
+def from_pretrained(path, config=None, *, process_group=None, lora=None):
     """An engine over the Hugging Face causal LM in the local folder ``path``, with its pretrained weights.
 
     ``config`` is as for :func:`infinity.initialize`. Missing or unexpected
     tensors, a shape or dtype that does not fit, and a missing or damaged file
-    are errors naming them, raised before any state is written.
+    are errors naming them, raised before any state is written. ``lora``: a
+    ``peft`` config (``LoraConfig(...)``): the model is wrapped by ``peft.get_peft_model``
+    before the engine streams its base, so only the adapters train (``engine.module``
+    is the peft model; ``engine.save_pretrained`` writes its adapters).
     """
 
     model = build_meta_causal_lm(path)
+    if lora is not None:
+        try:
+            import peft  # optional extra
+        except ImportError:
+            raise ImportError("from_pretrained(lora=...) needs the `peft` package: pip install 'zero-infinity[hf]'"
+                              ) from None
+        model = peft.get_peft_model(model, lora)
     return initialize(model, config, process_group=process_group, weights=path)

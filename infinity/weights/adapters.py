@@ -8,13 +8,22 @@ both copies of the same tensor in the base model's files. The LoRA adapters (``l
 initializes them (:mod:`infinity.engine.adapter_init`).
 
 So a model built on the meta device, wrapped by ``peft``, streams its base from the base model's folder
-(``initialize(peft_model, config, weights=folder)``) and is never whole in memory. ``peft`` itself is not
+(``initialize(peft_model, config, weights=folder)``) and is never whole in memory. What such a run saves of it
+is the adapters (:func:`save_adapters`), written by ``peft`` itself, which ``PeftModel.from_pretrained`` loads. ``peft`` itself is not
 imported here: its models are known by their classes' names, as :mod:`infinity.models.transformers_lm` does.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from infinity.checkpoint.shard_source import ShardSource
+from infinity.checkpoint.state_dict import FullParamGatherer
+from infinity.weights.export import save_dtype
+
+logger = logging.getLogger(__name__)
 
 PEFT_PREFIX = "base_model.model."
 """Where ``PeftModel`` keeps the model it wraps (``PeftModel.base_model`` is the tuner, its ``model`` the base)."""
@@ -55,3 +64,25 @@ def base_tensor_name(name: str) -> str:
             kept.append(parts[i])
             i += 1
     return ".".join(kept)
+
+
+def trainable_state_dict(source: ShardSource) -> dict[str, torch.Tensor]:
+    """The trainable parameters' full fp32 values under every name they have (collective: every rank calls it)."""
+    gatherer = FullParamGatherer(source)
+    try:
+        by_index = {p.index: gatherer.gather(p).clone() for p in source.params if p.trainable}
+    finally:
+        gatherer.close()
+    return {name: by_index[index] for name, index in source.param_names if index in by_index}
+
+
+def save_adapters(source: ShardSource, peft_model: torch.nn.Module, out_dir, *, dtype: str = "fp32",
+                  write: bool = True) -> tuple[int, int]:
+    """``peft_model``'s adapters (its trainable parameters) written by ``peft`` into ``out_dir`` in ``dtype``
+    (``adapter_config.json``, ``adapter_model.safetensors``); their count and bytes. Collective: every rank
+    calls it, those with ``write`` write."""
+    state = {name: value.to(save_dtype(dtype)) for name, value in trainable_state_dict(source).items()}
+    if write:
+        peft_model.save_pretrained(str(out_dir), state_dict=state)
+        logger.info("wrote %d adapter tensors to %s", len(state), out_dir)
+    return len(state), sum(v.numel() * v.element_size() for v in state.values())

@@ -420,3 +420,24 @@ def test_estimate_gives_a_lora_checkpoint_size_with_and_without_the_base(tmp_pat
     lean = planned["checkpoint_nbytes"] - planned["checkpoint_frozen_nbytes"]
     assert 0 <= sizes[True] - lean <= buffers + (64 << 10), (sizes, lean)
     assert abs(sizes[False] - sizes[True] - planned["checkpoint_frozen_nbytes"]) < 8 << 10  # (the headers differ)
+
+
+def test_engine_save_pretrained_of_a_peft_model_writes_its_adapters_as_peft_does(tmp_path):
+    """infinity.from_pretrained(folder, config, lora=LoraConfig(...)) streams the base under the adapters;
+    engine.save_pretrained then writes what peft_model.save_pretrained writes (not the peft-named base), which
+    PeftModel.from_pretrained loads onto the base."""
+    folder = tmp_path / "base"
+    tiny_llama().save_pretrained(folder)
+    lora_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with infinity.from_pretrained(folder, nvme_config(tmp_path / "swap"), lora=lora_config) as engine:
+        out = engine(**collate(dataset(2)))
+        engine.backward(out.loss)
+        engine.step()
+        state = engine.full_state_dict()
+        summary = engine.save_pretrained(tmp_path / "adapter")
+    assert summary["adapters"] and summary["tensors"] == 8
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    reloaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                                              tmp_path / "adapter")
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
