@@ -27,19 +27,48 @@ def lora(model=None):
     return peft.get_peft_model(model if model is not None else tiny_llama(), config)
 
 
+def engine_losses(engine, batches) -> list[float]:
+    """The engine's loss of each batch, one optimizer step each."""
+    losses = []
+    for batch in batches:
+        out = engine(**batch)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return losses
+
+
+def plain_peft_losses(model, batches) -> list[float]:
+    """Plain peft's: ``torch.optim.AdamW`` over the trainable parameters, one step a batch."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def trained_adapters(stock, ours, tmp_path) -> tuple[dict, dict]:
+    """Both Trainers trained and their adapters saved; the logged losses compared; (ours, the stock's) files."""
+    stock.train()
+    stock.save_model(tmp_path / "stock-adapter")
+    ours.train()
+    ours.save_model(tmp_path / "adapter")
+    ours.engine.close()
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    return (load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+            load_file(tmp_path / "stock-adapter" / "adapter_model.safetensors"))
+
+
 def test_engine_trains_only_the_adapters_and_matches_plain_peft(tmp_path):
     """The frozen base rests on NVMe with no gradient, master or moments; the adapters train as peft's own."""
     reference, model = lora(), lora()
     model.load_state_dict(reference.state_dict())  # the adapters start equal (lora_A is random)
-    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     batches = [collate(dataset(2, seed=s)) for s in range(6)]
-    ref_losses = []
-    for batch in batches:
-        loss = reference(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = plain_peft_losses(reference, batches)
 
     config = nvme_config(tmp_path / "swap")
     config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
@@ -50,12 +79,7 @@ def test_engine_trains_only_the_adapters_and_matches_plain_peft(tmp_path):
         assert sum(s.numel for s in trainable) == adapters  # the base has no master or moments
         frozen = [s for s in engine.layout.slots if not s.trainable]
         assert frozen and all(".lora_" not in s.name for s in frozen)
-        losses = []
-        for batch in batches:
-            out = engine(**batch)
-            engine.backward(out.loss)
-            engine.step()
-            losses.append(out.loss.item())
+        losses = engine_losses(engine, batches)
         state = engine.full_state_dict()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for name, value in reference.state_dict().items():
@@ -70,17 +94,9 @@ def test_trainer_with_lora_matches_the_stock_trainer_and_saves_adapters_only(tmp
     data = dataset()
     stock = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock", save_strategy="no", **setting),
                                  train_dataset=data, data_collator=collate)
-    stock.train()
-    stock.save_model(tmp_path / "stock-adapter")
     ours = Trainer(model=lora(), args=training_args(tmp_path / "ours", save_strategy="no", **setting),
                    train_dataset=data, data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
-    ours.train()
-    ours.save_model(tmp_path / "adapter")
-    ours.engine.close()
-    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
-
-    files = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    expected = load_file(tmp_path / "stock-adapter" / "adapter_model.safetensors")
+    files, expected = trained_adapters(stock, ours, tmp_path)
     assert set(files) == set(expected) and all("lora_" in k for k in files)  # adapters only, peft's names
     for name, value in files.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
@@ -112,12 +128,7 @@ def test_lora_over_a_base_streamed_from_its_folder_trains_as_plain_peft_over_the
     batches = [collate(dataset(2, seed=s)) for s in range(6)]
     with infinity.initialize(model, config, weights=folder) as engine:
         initial = engine.full_state_dict()
-        losses = []
-        for batch in batches:
-            out = engine(**batch)
-            engine.backward(out.loss)
-            engine.step()
-            losses.append(out.loss.item())
+        losses = engine_losses(engine, batches)
         state = engine.full_state_dict()
 
     reference = lora(transformers.AutoModelForCausalLM.from_pretrained(folder))
@@ -132,14 +143,7 @@ def test_lora_over_a_base_streamed_from_its_folder_trains_as_plain_peft_over_the
         else:
             assert torch.equal(value, stored[name]), name  # the base, as transformers loads it
     reference.load_state_dict(initial)  # the same random lora_A
-    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
-    ref_losses = []
-    for batch in batches:
-        loss = reference(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = plain_peft_losses(reference, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -188,14 +192,7 @@ def test_trainer_with_lora_over_a_base_built_on_meta_streams_it_and_matches_the_
     stock_model.load_state_dict(initial)
     stock = transformers.Trainer(model=stock_model, args=training_args(tmp_path / "stock", save_strategy="no"),
                                  train_dataset=data, data_collator=collate)
-    stock.train()
-    stock.save_model(tmp_path / "stock-adapter")
-    ours.train()
-    ours.save_model(tmp_path / "adapter")
-    ours.engine.close()
-    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
-    files = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    expected = load_file(tmp_path / "stock-adapter" / "adapter_model.safetensors")
+    files, expected = trained_adapters(stock, ours, tmp_path)
     assert set(files) == set(expected)
     for name, value in files.items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
