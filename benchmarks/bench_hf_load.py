@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -71,6 +70,7 @@ def measure(folder: str, nvme: str) -> dict:
     import infinity
     from infinity.engine.engine import Engine
     from infinity.hf.pretrained import build_meta_causal_lm
+    from infinity.runtime.rss import peak_rss_bytes
     from infinity.weights.pretrained import PretrainedWeights
 
     build_meta_causal_lm(folder)  # imports and the meta model's own costs are not the load's
@@ -90,17 +90,17 @@ def measure(folder: str, nvme: str) -> dict:
 
     def timed(self, *a, **k):
         phase["rss_before"] = _rss_bytes()
-        phase["peak_before"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        phase["peak_before"] = peak_rss_bytes()
         original(self, *a, **k)
-        phase["peak_after"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        phase["peak_after"] = peak_rss_bytes()
 
     Engine._initialize_values = timed
     before = _rss_bytes()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_before = peak_rss_bytes()
     started = time.perf_counter()
     engine = infinity.from_pretrained(folder, config)
     seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     Engine._initialize_values = original
     grads_nbytes = engine.optimizer.grads.numel() * engine.optimizer.grads.element_size()
     accounted = engine.tiers.stats["host"].peak_nbytes  # allocated staging sets, mostly never touched by a load

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
     import transformers
 
     from infinity.hf import Trainer
+    from infinity.runtime.rss import peak_rss_bytes
 
     torch.manual_seed(0)
     if mode == "lora-streamed":
@@ -86,7 +86,7 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
         "offload_optimizer": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}}
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, infinity_config=config)
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the model built and sharded, not trained
+    load_peak = peak_rss_bytes()  # the model built and sharded, not trained
     trainer.train()
     engine = trainer.engine
     checkpoint = os.path.join(folder, "checkpoint")
@@ -103,7 +103,7 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
     out = {"mode": mode, "placement": engine.placement.describe(), "swap_keys": keys, "params": total, "trainable": trainable, "nvme_nbytes": by_kind,
            "host_tier_peak_nbytes": host.peak_nbytes, "rss_after_nbytes": psutil.Process().memory_info().rss,
            "load_peak_rss_nbytes": load_peak,
-           "peak_rss_nbytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "peak_rss_nbytes": peak_rss_bytes(),
            "checkpoint_nbytes": checkpoint_nbytes,
            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
     engine.close()

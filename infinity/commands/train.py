@@ -33,7 +33,7 @@ from infinity.commands.train_checks import default_swap_location  # noqa: F401 (
 from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for, run_step_shape
 from infinity.commands.train_lora import LORA_LR, save_lora_with_tokenizer, trainable_numel, with_lora
-from infinity.commands.train_monitor import peak_rss_bytes, print_summary
+from infinity.commands.train_monitor import print_summary
 from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
@@ -51,6 +51,7 @@ from infinity.optim.param_groups import decay_matrices_only
 from infinity.placement.report import (format_bytes, format_device_budget, format_optimizer_split,
                                       format_split_choice)
 from infinity.runtime.comm import local_rank_and_size
+from infinity.runtime.rss import peak_rss_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
 from infinity.train.evaluation import Validation, carve_held_out

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,12 +239,6 @@ def progress_text(loss: float, tokens_per_s: float, tiers: dict, step_s: float, 
         if m and (m.get("bytes_read") or m.get("bytes_written")) and step_s > 0:
             parts.append(f"{t} r/w {m['bytes_read'] / step_s / 1e9:.2f}/{m['bytes_written'] / step_s / 1e9:.2f} GB/s")
     return ", ".join(parts)
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is KiB on Linux, bytes on macOS
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 _OUTCOME_TEXT = {

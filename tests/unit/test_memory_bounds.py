@@ -36,10 +36,11 @@ def test_gathered_bytes_stay_within_live_budget_plus_largest_module(tmp_path):
 
 
 RSS_SCRIPT = textwrap.dedent("""
-    import json, os, resource, sys, tempfile
+    import json, os, sys, tempfile
     import psutil, torch
     sys.path.insert(0, {tests!r})
     import infinity
+    from infinity.runtime.rss import peak_rss_bytes
     from helpers import TinyGPT
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -76,7 +77,7 @@ RSS_SCRIPT = textwrap.dedent("""
         tiers = engine.tiers.snapshot()
         budget = engine.tiers.host_memory.snapshot()["budget_nbytes"]
         engine.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()  # its own: ru_maxrss would start at the test runner's peak (carried across exec)
     status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("RssAnon", "RssFile")))
     print(json.dumps({{"numel": numel, "states": states, "baseline": baseline, "peak": peak, "losses": losses,
                       "host_peak": tiers["host"]["peak_nbytes"], "device_peak": tiers["device"]["peak_nbytes"],
