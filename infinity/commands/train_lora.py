@@ -17,7 +17,6 @@ import torch
 
 from infinity.commands.hf_model import copy_tokenizer_files
 from infinity.hf.merge import save_merged
-from infinity.hf.saving import save_adapters
 from infinity.placement.report import format_bytes
 
 LORA_LR = 2e-4
@@ -135,7 +134,8 @@ def save_lora_with_tokenizer(engine, model: torch.nn.Module, plan: LoraPlan, out
         said = (f"saved the base with {summary['merged_layers']} LoRA layer(s) merged: {summary.get('tensors', 0)} "
                 f"tensors ({format_bytes(summary.get('nbytes', 0))} {dtype}) to {out_dir} in the Hugging Face layout")
     else:
-        count, nbytes = save_adapters(engine, model, out_dir, dtype=dtype)
+        written = engine.save_pretrained(out_dir, dtype=dtype)  # collective; rank 0 writes
+        count, nbytes = written["tensors"], written["nbytes"]
         said = (f"saved {count} adapter tensors ({format_bytes(nbytes)} {dtype}) to {out_dir} in peft's layout "
                 f"(adapter_config.json, adapter_model.safetensors)")
     if engine.rank != 0:

@@ -86,6 +86,18 @@ class InfinityConfig:
 
         return cls(**translate(raw))
 
+    def check_batch_size(self, world_size: int) -> None:
+        """``train_batch_size``, where given with the micro batch, against micro batch × accumulation steps ×
+        ``world_size`` (known only once the ranks are)."""
+        if self.train_batch_size is None or self.micro_batch_size is None:
+            return
+        expected = self.micro_batch_size * self.gradient_accumulation_steps * world_size
+        if expected != self.train_batch_size:
+            raise ValueError(
+                f"train_batch_size={self.train_batch_size} but train_micro_batch_size_per_gpu × "
+                f"gradient_accumulation_steps × world size = {self.micro_batch_size} × "
+                f"{self.gradient_accumulation_steps} × {world_size} = {expected}")
+
     # -- typed changes: each returns a copy, validated as at construction -------------------------
     def replace(self, **changes) -> "InfinityConfig":
         """A copy with top-level fields changed (``precision="bf16"``, ``trace=TraceConfig(...)``)."""

@@ -49,8 +49,7 @@ from infinity.runtime.cpu_matmul import HalfMatmulsInFp32, cpu_matmul_mode
 from infinity.runtime.hardware import slow_precision_warning
 from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
-from infinity.weights.adapters import is_peft_model, save_adapters
-from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
+from infinity.weights.save_model import save_model
 from infinity.weights.pretrained import open_for_model
 
 logger = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ class Engine:
             slow = slow_precision_warning(config.precision, self.device.type)
             if slow is not None:
                 logger.warning("%s", slow)
-        self._check_batch_size()
+        config.check_batch_size(self.comm.world_size)
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
         if config.tiling.max_tile_numel is not None:
@@ -219,16 +218,6 @@ class Engine:
     def _step_may_be_undone(self) -> bool:
         """Clipping or fp16 loss scaling can reject a step's speculative updates."""
         return self.config.gradient_clipping > 0 or self.config.precision == "fp16"
-
-    def _check_batch_size(self) -> None:
-        c = self.config
-        if c.train_batch_size is not None and c.micro_batch_size is not None:
-            expected = c.micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size
-            if expected != c.train_batch_size:
-                raise ValueError(
-                    f"train_batch_size={c.train_batch_size} but train_micro_batch_size_per_gpu × "
-                    f"gradient_accumulation_steps × world size = {c.micro_batch_size} × "
-                    f"{c.gradient_accumulation_steps} × {self.comm.world_size} = {expected}")
 
     # -- training ----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -420,12 +409,7 @@ class Engine:
         A ``peft`` model writes its adapters, as ``peft_model.save_pretrained`` does (``adapter_config.json``,
         ``adapter_model.safetensors``; :func:`infinity.hf.merge.save_merged` writes the base with them merged)."""
         self._ensure_open()
-        if is_peft_model(self.module):
-            count, nbytes = save_adapters(self.shard_source(), self.module, out_dir, dtype=dtype,
-                                          write=self.comm.rank == 0)
-            return {"path": str(out_dir), "tensors": count, "files": 1, "nbytes": nbytes, "adapters": True}
-        return save_pretrained(self.shard_source(), self.module, out_dir, dtype=dtype,
-                               max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
+        return save_model(self.shard_source(), self.module, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes)
 
     # -- checkpoints ---------------------------------------------------------------
     def shard_source(self) -> ShardSource:

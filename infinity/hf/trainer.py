@@ -39,7 +39,6 @@ import transformers  # optional extra: this module is reached only through infin
 from torch import nn
 
 from infinity.engine.engine import Engine, initialize
-from infinity.hf.saving import save_adapters, save_full_model
 from infinity.hf.trainer_config import trainer_config
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
@@ -272,10 +271,7 @@ class InfinityTrainerMixin:
         (unless ``save_only_model``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not _internal_call or self.args.save_only_model:
-            if is_peft_model(self.model):
-                save_adapters(self.engine, self.model, output_dir, write=self.args.should_save)
-            else:
-                save_full_model(self.engine, output_dir)
+            self.engine.save_pretrained(output_dir)  # collective; rank 0 writes (a peft model: its adapters)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             config = getattr(self.model, "config", None)
