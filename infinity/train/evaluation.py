@@ -56,15 +56,22 @@ def carve_held_out(path: str | Path | None, *, max_bytes: int | None, seq_len: i
         if len(val) < seq_len + 1:
             raise ValueError(f"--val-data {str(val_path)!r} holds {len(val)} bytes, fewer than seq_len + 1 = {seq_len + 1}")
         return HeldOut(data, description, val, val_description)
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
-    n_val = int(len(data) * val_fraction)
-    if n_val < seq_len + 1 or len(data) - n_val < seq_len + 1:
-        raise ValueError(f"--val-fraction {val_fraction} of the corpus' {len(data):,} bytes leaves "
-                         f"{n_val:,} bytes for validation and {len(data) - n_val:,} for training; each needs at least "
-                         f"seq_len + 1 = {seq_len + 1} (give --val-data, a larger corpus or a larger --val-fraction)")
+    n_val = held_out_tail(len(data), val_fraction, seq_len=seq_len, unit="bytes")
     return HeldOut(data[: len(data) - n_val], f"{description} (last {n_val:,} bytes held out)",
                    data[len(data) - n_val:], f"the last {val_fraction:.0%} of the corpus, {n_val:,} bytes")
+
+
+def held_out_tail(n: int, val_fraction: float, *, seq_len: int, unit: str) -> int:
+    """How many of a corpus' last ``n`` ids (``unit``: bytes or tokens) ``--val-fraction`` holds out; ``ValueError``
+    naming the flag where it is not a fraction, or where either part is shorter than one window of ``seq_len + 1``."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
+    n_val = int(n * val_fraction)
+    if n_val < seq_len + 1 or n - n_val < seq_len + 1:
+        raise ValueError(f"--val-fraction {val_fraction} of the corpus' {n:,} {unit} leaves {n_val:,} {unit} for "
+                         f"validation and {n - n_val:,} for training; each needs at least seq_len + 1 = {seq_len + 1} "
+                         "(give --val-data, a larger corpus or a larger --val-fraction)")
+    return n_val
 
 
 class Validation:

@@ -22,7 +22,7 @@ import torch
 
 from infinity.hf.pretrained import require_transformers
 from infinity.train.data import DEFAULT_MAX_BYTES, ByteCorpus, read_corpus_bytes
-from infinity.train.evaluation import DEFAULT_VAL_FRACTION, carve_held_out
+from infinity.train.evaluation import DEFAULT_VAL_FRACTION, carve_held_out, held_out_tail
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class TokenizerCodec:
     def __init__(self, tokenizer, vocab_size: int, model_dir: Path):
         self.tokenizer = tokenizer
         self.max_id = vocab_size - 1
+        self.model_dir = model_dir
         self.said = f"{type(tokenizer).__name__} of {model_dir}"
 
     def encode(self, text: str) -> list[int]:
@@ -67,10 +68,9 @@ class TokenCorpus(ByteCorpus):
     """:class:`ByteCorpus` over token ids instead of bytes (``num_bytes`` counts tokens); ``codec``: the tokenizer."""
 
     unit = "tokens"
-    codec: TokenizerCodec | None = None
 
-    def __init__(self, tokens: torch.Tensor, description: str, *, seq_len: int, micro_batch: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, tokens: torch.Tensor, description: str, codec: TokenizerCodec | None, *, seq_len: int,
+                 micro_batch: int, seed: int = 0, rank: int = 0, world_size: int = 1):
         super().__init__(seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank, world_size=world_size,
                          data=b"\0" * (seq_len + 1))  # validation of the arguments; the ids replace these bytes
         if tokens.numel() < seq_len + 1:
@@ -78,6 +78,7 @@ class TokenCorpus(ByteCorpus):
         self.bytes = tokens
         self.num_windows = (tokens.numel() - 1) // seq_len
         self.description = description
+        self.codec = codec
 
 
 def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batch: int, seed: int = 0,
@@ -90,12 +91,11 @@ def hf_corpus(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batc
                           world_size=world_size, max_bytes=max_bytes)
 
     data, description = read_corpus_bytes(path, max_bytes=max_bytes)
-    tokens, codec = _token_ids(model_dir, data, vocab_size)
+    codec = _tokenizer_codec(model_dir, vocab_size)
+    tokens = _token_ids(codec, data)
     description = f"{description}, {tokens.numel():,} tokens ({codec.said})"
-    corpus = TokenCorpus(tokens, description, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
-                         world_size=world_size)
-    corpus.codec = codec
-    return corpus
+    return TokenCorpus(tokens, description, codec, seq_len=seq_len, micro_batch=micro_batch, seed=seed, rank=rank,
+                       world_size=world_size)
 
 
 def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_batch: int, seed: int = 0,
@@ -113,27 +113,22 @@ def hf_held_out(model_dir, path=None, *, vocab_size: int, seq_len: int, micro_ba
         train.description, val.description = held.train_description, held.val_description
         return train, val
     data, description = read_corpus_bytes(path, max_bytes=max_bytes)
-    tokens, codec = _token_ids(model_dir, data, vocab_size)
+    codec = _tokenizer_codec(model_dir, vocab_size)
+    tokens = _token_ids(codec, data)
     if val_path is not None:
         val_data, val_description = read_corpus_bytes(val_path, max_bytes=max_bytes)
-        val_tokens, _ = _token_ids(model_dir, val_data, vocab_size)
+        val_tokens = _token_ids(codec, val_data)
         if val_tokens.numel() < seq_len + 1:
             raise ValueError(f"--val-data {str(val_path)!r} holds {val_tokens.numel()} tokens, fewer than seq_len + 1 "
                              f"= {seq_len + 1}")
         train_tokens, said = tokens, f"{description}, {tokens.numel():,} tokens ({codec.said})"
         val_said = f"{val_description}, {val_tokens.numel():,} tokens"
     else:
-        n_val = int(tokens.numel() * val_fraction)
-        if n_val < seq_len + 1 or tokens.numel() - n_val < seq_len + 1:
-            raise ValueError(f"--val-fraction {val_fraction} of the corpus' {tokens.numel():,} tokens leaves {n_val:,} "
-                             f"for validation and {tokens.numel() - n_val:,} for training; each needs at least seq_len "
-                             f"+ 1 = {seq_len + 1} (give --val-data, a larger corpus or a larger --val-fraction)")
+        n_val = held_out_tail(tokens.numel(), val_fraction, seq_len=seq_len, unit="tokens")
         train_tokens, val_tokens = tokens[:tokens.numel() - n_val], tokens[tokens.numel() - n_val:]
         said = f"{description}, {tokens.numel():,} tokens ({codec.said}; the last {n_val:,} held out)"
         val_said = f"the last {val_fraction:.0%} of the corpus, {n_val:,} tokens"
-    train, val = TokenCorpus(train_tokens, said, **corpus), TokenCorpus(val_tokens, val_said, **corpus)
-    train.codec = val.codec = codec
-    return train, val
+    return TokenCorpus(train_tokens, said, codec, **corpus), TokenCorpus(val_tokens, val_said, codec, **corpus)
 
 
 def _check_byte_vocabulary(model_dir: Path, vocab_size: int) -> None:
@@ -145,8 +140,8 @@ def _check_byte_vocabulary(model_dir: Path, vocab_size: int) -> None:
     logger.info("%s has no tokenizer: training on bytes (ids 0..255 of a %d-token vocabulary)", model_dir, vocab_size)
 
 
-def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Tensor, TokenizerCodec]:
-    """``data`` encoded by the folder's tokenizer (int32 ids, each below ``vocab_size``), and the tokenizer."""
+def _tokenizer_codec(model_dir: Path, vocab_size: int) -> TokenizerCodec:
+    """The folder's tokenizer (``ValueError`` naming the folder, or a broken file, where it does not load)."""
     transformers = require_transformers("a model folder's tokenizer")
     check_tokenizer_files(model_dir)
     try:
@@ -154,9 +149,13 @@ def _token_ids(model_dir: Path, data: bytes, vocab_size: int) -> tuple[torch.Ten
     except Exception as err:  # tokenizers and transformers raise many kinds; the folder is what the user can fix
         raise ValueError(f"cannot load the tokenizer in {model_dir} "
                          f"({', '.join(n for n in TOKENIZER_SIDE_FILES if (model_dir / n).is_file())}): {err}") from err
-    ids = tokenizer(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
-    tokens = torch.tensor(ids, dtype=torch.int32)
-    if tokens.numel() and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"the tokenizer in {model_dir} gives id {int(tokens.max())} but the model's vocab_size is "
-                         f"{vocab_size}: the tokenizer is not this model's")
-    return tokens, TokenizerCodec(tokenizer, vocab_size, model_dir)
+    return TokenizerCodec(tokenizer, vocab_size, model_dir)
+
+
+def _token_ids(codec: TokenizerCodec, data: bytes) -> torch.Tensor:
+    """``data`` encoded by the tokenizer (int32 ids), each below the model's vocabulary (else ``ValueError``)."""
+    tokens = torch.tensor(codec.encode(data.decode("utf-8", errors="replace")), dtype=torch.int32)
+    if tokens.numel() and int(tokens.max()) > codec.max_id:
+        raise ValueError(f"the tokenizer in {codec.model_dir} gives id {int(tokens.max())} but the model's vocab_size "
+                         f"is {codec.max_id + 1}: the tokenizer is not this model's")
+    return tokens

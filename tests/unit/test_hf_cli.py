@@ -203,12 +203,33 @@ def test_hf_model_eval_every_measures_held_out_tokens_as_transformers_does(tmp_p
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     held_out = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][-150:], dtype=torch.int32)
-    windows = Validation(TokenCorpus(held_out, "held out", seq_len=32, micro_batch=2), batches=3, seq_len=32,
+    windows = Validation(TokenCorpus(held_out, "held out", None, seq_len=32, micro_batch=2), batches=3, seq_len=32,
                          micro_batch=2).batches
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         expected = sum(float(model(input_ids=ids, labels=ids).loss) for ids, _ in windows) / len(windows)
     assert summary["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_hf_held_out_with_val_data_loads_the_tokenizer_once_and_keeps_each_files_ids(tmp_path, monkeypatch):
+    """--val-data with a tokenizer: both files are encoded by one tokenizer loaded once, and each corpus holds exactly
+    the ids transformers' own tokenizer gives its file."""
+    from infinity.train.hf_data import hf_held_out
+
+    model_dir = tmp_path / "llama"
+    _tiny_llama(model_dir, 64, with_tokenizer=True)
+    (tmp_path / "train.txt").write_text(" ".join(f"w{i % 60}" for i in range(400)))
+    (tmp_path / "val.txt").write_text(" ".join(f"w{(i * 7) % 60}" for i in range(100)))
+    reference = transformers.AutoTokenizer.from_pretrained(model_dir)
+    loads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: loads.append(a) or real(*a, **k))
+    train_set, val_set = hf_held_out(model_dir, tmp_path / "train.txt", vocab_size=64, seq_len=16, micro_batch=2,
+                                     val_path=tmp_path / "val.txt")
+    assert len(loads) == 1
+    for corpus, name in ((train_set, "train.txt"), (val_set, "val.txt")):
+        expected = reference((tmp_path / name).read_text(), add_special_tokens=False)["input_ids"]
+        assert corpus.bytes.tolist() == expected and corpus.codec is train_set.codec
 
 
 def test_hf_model_samples_are_the_saved_models_greedy_tokens_decoded_by_its_tokenizer(tmp_path, capsys):
