@@ -6,6 +6,8 @@ import torch
 from infinity.train.data import ByteCorpus, default_corpus_path, read_corpus_bytes
 from infinity.config.lr_schedule import lr_at
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 
 def _corpus(data: bytes, **kw) -> ByteCorpus:
     kw.setdefault("seq_len", 8)

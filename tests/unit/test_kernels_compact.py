@@ -17,6 +17,8 @@ from infinity.kernels.constants import AdamConstants
 
 from helpers import kernel_bodies
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 COMPACT = ("bf16", "int8")
 

@@ -23,6 +23,8 @@ from infinity.cli import main
 from infinity.commands import train_checks
 from infinity.weights.export import HFTensor, write_hf_folder
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 TINY = ["--preset", "tiny", "--seq-len", "16", "--micro-batch", "1", "--max-bytes", "100000"]
 
 

@@ -10,6 +10,8 @@ import torch
 
 from infinity.runtime.rss import peak_rss_bytes
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 CHILD = "from infinity.runtime.rss import peak_rss_bytes; print(peak_rss_bytes())"
 
 

@@ -10,6 +10,8 @@ import infinity.storage.aio as aio_module
 from infinity.storage import AsyncIO, aligned_empty, libaio_unavailable_reason
 from infinity.storage.swap_store import direct_io_problem
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 BACKENDS = [
     "threads",
     pytest.param("libaio", marks=pytest.mark.skipif(libaio_unavailable_reason() is not None,

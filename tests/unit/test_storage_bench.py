@@ -6,6 +6,8 @@ from infinity.storage import libaio_unavailable_reason
 from infinity.storage.bench import BenchBuffers, SustainedResult, measure_nvme_sustained
 from infinity.storage.swap_store import direct_io_problem
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 BACKENDS = [
     "threads",
     pytest.param("libaio", marks=pytest.mark.skipif(libaio_unavailable_reason() is not None,

@@ -9,6 +9,8 @@ import torch
 
 from infinity.storage import HostBufferPool, TierStats, aligned_empty
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.float64, torch.bool])
 @pytest.mark.parametrize("numel", [0, 1, 1023, 4096, 3 * 1024 * 1024 + 5])

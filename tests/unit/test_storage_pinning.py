@@ -12,6 +12,8 @@ import torch
 
 from infinity.storage import ALIGNMENT, BackgroundPinner, HostBufferPool, aligned_empty
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 
 class FakeCuda:
     """Records registrations; ``hold`` makes the next registrations wait until released."""

@@ -6,6 +6,8 @@ import pytest
 
 from infinity.storage import TierStats
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 
 def test_allocate_free_peak_and_snapshot_keys():
     s = TierStats("host", budget_nbytes=100)

@@ -22,6 +22,8 @@ from infinity.storage import (
 )
 from infinity.storage.swap_store import direct_io_problem
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = [
     "threads",

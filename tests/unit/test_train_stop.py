@@ -16,7 +16,8 @@ import pytest
 from infinity.cli import main
 from infinity.commands import train, train_checks
 
-pytestmark = pytest.mark.skipif(not train.engine_has_checkpoints(), reason="the engine has no checkpoints yet")
+pytestmark = [pytest.mark.skipif(not train.engine_has_checkpoints(), reason="the engine has no checkpoints yet"),
+              pytest.mark.device_independent]  # the distinct-device pass leaves it out
 
 TINY = ["--preset", "tiny", "--seq-len", "16", "--micro-batch", "1", "--max-bytes", "100000"]
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
+
 REPO = Path(__file__).resolve().parents[2]
 
 WINGS = ("runtime", "config", "models", "placement", "params", "tiling", "grads", "optim", "checkpoint", "weights",
