@@ -43,7 +43,8 @@ def _consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype) -> list[_Output]
         raise CheckpointError(f"checkpoint {ckpt.path} was saved without its frozen parameters "
                               f"(exclude_frozen_parameters): it holds only those that train, not a whole model; load "
                               f"it into its run (engine.load_checkpoint, or --resume) and write the model from there "
-                              f"(save_pretrained: a peft model's adapters)")
+                              f"(save_pretrained: a peft model's adapters); an `infinity train --lora-rank` run's "
+                              f"checkpoint gives its adapters with `infinity consolidate --hf`")
     slot_of = {alias: p["name"] for p in meta["params"] for alias in p["names"]}
 
     def param_fill(p: dict):

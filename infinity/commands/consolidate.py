@@ -3,6 +3,7 @@
     infinity consolidate runs/ckpt model.safetensors              # the `latest` checkpoint, fp32
     infinity consolidate runs/ckpt/step1000 model.safetensors --dtype bf16
     infinity consolidate runs/ckpt tuned-llama/ --hf [--hf-config my-llama/]   # AutoModelForCausalLM loads it
+    infinity consolidate runs/lora-ckpt adapters/ --hf    # a --lora-rank run's: its adapters, as peft writes them
 
 The output is a safetensors file under the model's original parameter names
 (tied parameters under each of their names, tiled layers as the dense
@@ -17,7 +18,11 @@ import argparse
 import time
 
 from infinity.checkpoint.consolidation import consolidate
+from infinity.checkpoint.publish import resolve_checkpoint
+from infinity.checkpoint.reader import Checkpoint
 from infinity.commands.train_outputs import check_model_folder
+from infinity.hf.checkpoint_adapters import consolidate_adapters, records_adapters
+from infinity.placement.report import format_bytes
 from infinity.weights.export import consolidate_hf
 
 
@@ -44,6 +49,15 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.hf:
         check_model_folder("OUT", args.out, overwrite=args.overwrite)  # before reading a byte of the checkpoint
+        if _records_adapters(args.checkpoint, args.tag):
+            if args.hf_config:
+                raise ValueError("--hf-config: a LoRA checkpoint is written as its adapters, which need no config.json")
+            s = consolidate_adapters(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)
+            print(f"wrote {s['path']} (peft's layout: adapter_config.json, adapter_model.safetensors): {s['tensors']} "
+                  f"adapter tensors, {format_bytes(s['nbytes'])} {args.dtype} from {s['checkpoint']} (step "
+                  f"{s['global_step']}, {s['world_size']} rank(s); the base was not saved in it) in "
+                  f"{time.perf_counter() - started:.1f} s")
+            return 0
         s = consolidate_hf(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify,
                            config_dir=args.hf_config)
         print(f"wrote {s['path']} (Hugging Face layout): {s['tensors']} tensors in {s['files']} file(s), "
@@ -59,3 +73,12 @@ def run(args: argparse.Namespace) -> int:
           f"(largest {summary['largest_tensor_nbytes'] / 2**20:,.1f} MiB) from {summary['checkpoint']} "
           f"(step {summary['global_step']}, {summary['world_size']} rank(s)) in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def _records_adapters(checkpoint: str, tag: str | None) -> bool:
+    """The checkpoint is a LoRA run's, saved without its base: ``--hf`` writes its adapters."""
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        return records_adapters(ckpt.meta)
+    finally:
+        ckpt.close()

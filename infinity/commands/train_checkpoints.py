@@ -19,6 +19,7 @@ from pathlib import Path
 
 from infinity.checkpoint import CheckpointError
 from infinity.engine.engine import Engine
+from infinity.weights.adapters import adapter_config_record, is_peft_model
 from infinity.weights.export import hf_config_of
 
 __all__ = ["SavePolicy", "add_arguments", "call_checkpoint", "checkpoint_dir_and_tag", "checkpoint_tags",
@@ -198,6 +199,8 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_las
     hf_config = hf_config_of(engine.module, torch.float32)
     if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
         client_state["hf_config"] = hf_config
+    if is_peft_model(engine.module):  # and, the base left out, the adapters in peft's layout
+        client_state["peft_config"] = adapter_config_record(engine.module)
     # A frozen base (--lora-rank's) is left out: --resume builds it again from --hf-model, and the checkpoint's
     # fingerprint of it checks that it did.
     call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state,

@@ -268,9 +268,11 @@ class InfinityTrainerMixin:
     def save_model(self, output_dir=None, _internal_call=False):
         """The model in the Hugging Face layout (a peft model: its adapters), the tokenizer and the arguments.
         Inside a checkpoint the weights are in our sharded checkpoint, so only the small files are written
-        (unless ``save_only_model``)."""
+        (unless ``save_only_model``), and a peft model's adapters."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not _internal_call or self.args.save_only_model:
+        # A peft model's adapters are small, and a checkpoint holds them as the stock Trainer's does (what
+        # PeftModel.from_pretrained(base, "checkpoint-N") loads).
+        if not _internal_call or self.args.save_only_model or is_peft_model(self.model):
             self.engine.save_pretrained(output_dir)  # collective; rank 0 writes (a peft model: its adapters)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)

@@ -43,6 +43,14 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     return any(cls.__name__ == "PeftModel" and cls.__module__.split(".")[0] == "peft" for cls in type(model).__mro__)
 
 
+def adapter_config_record(model: torch.nn.Module) -> dict:
+    """A ``peft`` model's active adapter config as ``peft`` writes it into ``adapter_config.json`` (its sets as sorted
+    lists): what a checkpoint without the base records, so that ``infinity consolidate --hf`` writes the adapters
+    from the checkpoint alone (``peft.PeftConfig.from_peft_type(**record)`` builds it again)."""
+    record = model.peft_config[model.active_adapter].to_dict()
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in record.items()}
+
+
 def is_adapter(name: str) -> bool:
     """True for a LoRA adapter's parameter of a ``peft`` model (``...q_proj.lora_A.default.weight``)."""
     return any(part in ADAPTER_PARTS for part in name.split("."))

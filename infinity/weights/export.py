@@ -280,11 +280,9 @@ def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dty
         gatherer.close()
 
 
-def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: str, shown: int = 3) -> None:
-    """Every tensor's name and shape against the model ``config`` (a ``config.json``) describes, before anything is
-    written: that model is built on the meta device (no memory) and its state dict compared. A tensor the model
-    does not take, a parameter or persistent buffer with no tensor (a tied one is covered by its twin), or a shape
-    that differs is a ``ValueError`` naming the first few and ``source``."""
+def causal_lm_on_meta(config: dict, *, source: str) -> torch.nn.Module:
+    """The causal LM a ``config.json`` describes, built on the meta device (no memory); ``ValueError`` naming
+    ``source`` where transformers is missing or cannot build it."""
     try:  # (transformers is an optional extra: needed for --hf, checked for by the caller's path)
         import transformers
     except ImportError:
@@ -296,9 +294,17 @@ def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: s
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **fields)
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+            return transformers.AutoModelForCausalLM.from_config(hf_config)
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{source}: cannot build a causal LM from its config.json: {err}") from None
+
+
+def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: str, shown: int = 3) -> None:
+    """Every tensor's name and shape against the model ``config`` (a ``config.json``) describes, before anything is
+    written: that model is built on the meta device (no memory) and its state dict compared. A tensor the model
+    does not take, a parameter or persistent buffer with no tensor (a tied one is covered by its twin), or a shape
+    that differs is a ``ValueError`` naming the first few and ``source``."""
+    model = causal_lm_on_meta(config, source=source)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     twins: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -107,6 +107,27 @@ def test_trainer_with_lora_matches_the_stock_trainer_and_saves_adapters_only(tmp
         torch.testing.assert_close(reloaded(**batch).logits, stock.model(**batch).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_trainer_checkpoints_of_a_lora_model_hold_its_adapters_as_the_stock_trainers_do(tmp_path):
+    """`checkpoint-N/` holds the adapters the stock Trainer's holds at that step, which PeftModel.from_pretrained
+    loads (the engine's own shards, without the base, beside them)."""
+    data = dataset()
+    stock = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock", max_steps=4, save_steps=2),
+                                 train_dataset=data, data_collator=collate)
+    ours = Trainer(model=lora(), args=training_args(tmp_path / "ours", max_steps=4, save_steps=2), train_dataset=data,
+                   data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    stock.train()
+    ours.train()
+    ours.engine.close()
+    checkpoint = sorted((tmp_path / "ours").glob("checkpoint-*"))[-1]
+    files = load_file(checkpoint / "adapter_model.safetensors")
+    expected = load_file(tmp_path / "stock" / checkpoint.name / "adapter_model.safetensors")
+    assert set(files) == set(expected) and files
+    for name, value in files.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+    reloaded = peft.PeftModel.from_pretrained(tiny_llama(), checkpoint)
+    assert sum(p.numel() for n, p in reloaded.named_parameters() if "lora_" in n) == sum(v.numel() for v in files.values())
+
+
 def meta_lora(folder, **lora_options):
     """``get_peft_model`` over a model built on the meta device from ``folder``'s config: no weights in memory."""
     with torch.device("meta"):
@@ -342,6 +363,40 @@ def test_lora_checkpoints_leave_the_base_out_and_resume_bitwise_only_beside_the_
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     code, _, err = run("--resume", str(tmp_path / "ckpt" / "step2"), "--save-dir", str(tmp_path / "ckpt3"), base=other)
     assert code != 0 and "saved without its frozen parameters" in err and "not the ones it was saved beside" in err
+
+
+def test_consolidate_hf_of_a_lora_checkpoint_writes_the_adapters_peft_wrote_at_that_step(tmp_path, capsys):
+    """`infinity consolidate CKPT OUT --hf` of a `--lora-rank` run's checkpoint (no base in it): the adapters as the
+    run's own `--save-pretrained` (peft's save_pretrained) wrote them at the same step, tensor for tensor; a single
+    file of the whole model is refused, naming --hf."""
+    from infinity.cli import main
+    from test_hf_cli import _tiny_llama
+
+    folder = tmp_path / "llama"
+    _tiny_llama(folder, 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    assert main(["train", "--hf-model", str(folder), "--data", str(data), "--steps", "4", "--micro-batch", "2",
+                 "--seq-len", "32", "--precision", "fp32", "--lora-rank", "4", "--lora-target-modules", "all-linear",
+                 "--run-dir", str(tmp_path / "run"), "--save-dir", str(tmp_path / "ckpt"), "--save-every", "4",
+                 "--save-pretrained", str(tmp_path / "saved")]) == 0
+    capsys.readouterr()
+
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "whole.safetensors")]) == 2
+    assert "infinity consolidate --hf" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "adapters"), "--hf"]) == 0
+    assert "adapter tensors" in capsys.readouterr().out
+
+    expected, written = load_file(tmp_path / "saved" / "adapter_model.safetensors"), \
+        load_file(tmp_path / "adapters" / "adapter_model.safetensors")
+    assert written.keys() == expected.keys() and len(expected) == 2 * 7 * 2  # A and B, 7 linears, 2 layers
+    for name, value in expected.items():
+        assert torch.equal(written[name], value), name
+
+    def config(path):
+        record = json.loads((path / "adapter_config.json").read_text())
+        return record | {"target_modules": sorted(record["target_modules"])}  # a set: peft writes it in any order
+    assert config(tmp_path / "adapters") == config(tmp_path / "saved")
 
 
 def test_the_merged_model_is_what_peft_merge_and_unload_writes(tmp_path):

@@ -1,0 +1,85 @@
+"""``infinity consolidate --hf`` of a checkpoint saved without its frozen base (an ``infinity train --lora-rank``
+run's): its adapters written in ``peft``'s layout, which ``PeftModel.from_pretrained`` loads over the base.
+
+Such a checkpoint holds the trainable parameters' fp32 masters and records the model's ``config.json``
+(``hf_config``) and the adapters' ``adapter_config.json`` (``peft_config``). The base model is built on the meta
+device from the one, wrapped by ``peft.get_peft_model`` with the other, and ``peft``'s own ``save_pretrained``
+writes the masters under that model's names, as the run's ``--save-pretrained`` would have at that step. Nothing
+of the base is read or needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.checkpoint import CheckpointError
+from infinity.checkpoint.publish import resolve_checkpoint
+from infinity.checkpoint.reader import Checkpoint
+from infinity.weights.export import causal_lm_on_meta, save_dtype
+
+
+def records_adapters(meta: dict) -> bool:
+    """The checkpoint (its ``meta``) left out its frozen base and recorded the adapters' config."""
+    return bool(meta.get("frozen_excluded")) and "peft_config" in (meta.get("client_state") or {})
+
+
+def consolidate_adapters(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None,
+                         verify: bool = True) -> dict:
+    """The adapters of a checkpoint that :func:`records_adapters`, written by ``peft`` into ``out_dir`` in
+    ``dtype``; a summary (``path``, ``tensors``, ``nbytes``, ``checkpoint``, ``global_step``, ``world_size``)."""
+    out_dtype = save_dtype(dtype)
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        client_state = ckpt.meta.get("client_state") or {}
+        if not records_adapters(ckpt.meta) or client_state.get("hf_config") is None:
+            raise CheckpointError(f"checkpoint {ckpt.path} does not record its adapters' config and its model's "
+                                  f"(infinity train --lora-rank records both)")
+        peft_model = _peft_model_on_meta(client_state["hf_config"], client_state["peft_config"], source=str(ckpt.path))
+        expected = {name: tuple(p.shape) for name, p in peft_model.named_parameters() if p.requires_grad}
+        if verify:
+            ckpt.verify()
+        state = {}
+        for p in ckpt.meta["params"]:
+            if not p["trainable"]:
+                continue
+            master = torch.empty(p["numel"], dtype=torch.float32)
+            ckpt.read_range("master", p, 0, master)
+            value = master.view(p["shape"]).to(out_dtype)
+            for name in p["names"]:
+                state[name] = value
+        _check_names(state, expected, ckpt.path)
+        peft_model.save_pretrained(str(out_dir), state_dict=state)
+    finally:
+        ckpt.close()
+    return {"path": str(out_dir), "tensors": len(state), "nbytes": sum(v.numel() * v.element_size()
+                                                                      for v in state.values()),
+            "checkpoint": str(ckpt.path), "global_step": ckpt.meta["global_step"], "world_size": ckpt.world_size}
+
+
+def _peft_model_on_meta(hf_config: dict, peft_config: dict, *, source: str) -> torch.nn.Module:
+    try:
+        import peft  # optional extra
+    except ImportError:
+        raise ValueError("writing a LoRA checkpoint's adapters needs the `peft` package: "
+                         "pip install 'zero-infinity[hf]'") from None
+    model = causal_lm_on_meta(hf_config, source=f"the config recorded in {source}")
+    try:
+        return peft.get_peft_model(model, peft.PeftConfig.from_peft_type(**peft_config))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"the adapters' config recorded in {source} does not build a peft model: {err}") from None
+
+
+def _check_names(state: dict, expected: dict, path, shown: int = 3) -> None:
+    """The checkpoint's trainable parameters are the recorded adapters', by name and shape; else nothing is
+    written and the first few differences are named."""
+    differ = [f"{n}: {list(v.shape)} here, {list(expected[n])} in the recorded config"
+              for n, v in state.items() if n in expected and tuple(v.shape) != expected[n]]
+    extra = [n for n in state if n not in expected]
+    missing = [n for n in expected if n not in state]
+    problems = [(what, items) for what, items in (("shapes differ", differ), ("not adapters of the recorded config",
+                                                                                extra), ("missing", missing)) if items]
+    if problems:
+        said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
+                         for what, items in problems)
+        raise CheckpointError(f"checkpoint {path} does not hold the adapters its recorded config describes: {said}; "
+                              f"nothing was written")
