@@ -17,6 +17,7 @@ import torch
 
 from infinity.commands.hf_model import copy_tokenizer_files
 from infinity.hf.merge import save_merged
+from infinity.hf.peft_models import require_peft, wrap_with_peft
 from infinity.placement.report import format_bytes
 
 LORA_LR = 2e-4
@@ -96,27 +97,19 @@ def lora_plan(args: argparse.Namespace, hf_model: str | None) -> LoraPlan | None
         if not names:
             raise ValueError(f"--lora-target-modules {targets!r} names no module")
         targets = ALL_LINEAR if names == (ALL_LINEAR,) else names
-    _require_peft()
+    require_peft("--lora-rank")
     return LoraPlan(rank=rank, alpha=alpha, dropout=dropout, target_modules=targets,
                     merge=bool(getattr(args, "merge_lora", False)))
 
 
-def _require_peft():
-    try:
-        import peft  # optional extra
-    except ImportError:
-        raise ImportError("--lora-rank needs the `peft` package: pip install 'zero-infinity[hf]'") from None
-    return peft
-
-
 def with_lora(model: torch.nn.Module, plan: LoraPlan) -> torch.nn.Module:
     """``model`` (on the meta device) wrapped by ``peft.get_peft_model`` with the plan's adapters."""
-    peft = _require_peft()
+    peft = require_peft("--lora-rank")
     config = peft.LoraConfig(r=plan.rank, lora_alpha=plan.alpha, lora_dropout=plan.dropout, task_type="CAUSAL_LM",
                              target_modules=list(plan.target_modules) if isinstance(plan.target_modules, tuple)
                              else plan.target_modules)
     try:
-        return peft.get_peft_model(model, config)
+        return wrap_with_peft(model, config, needed_for="--lora-rank")
     except ValueError as err:  # e.g. target modules not found, or no default for this model type
         raise ValueError(f"--lora-target-modules: {err}") from None
 

@@ -15,6 +15,7 @@ import torch
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint.publish import resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
+from infinity.hf.peft_models import require_peft, wrap_with_peft
 from infinity.weights.export import causal_lm_on_meta, save_dtype
 
 
@@ -57,14 +58,10 @@ def consolidate_adapters(checkpoint, out_dir, *, dtype: str = "fp32", tag: str |
 
 
 def _peft_model_on_meta(hf_config: dict, peft_config: dict, *, source: str) -> torch.nn.Module:
-    try:
-        import peft  # optional extra
-    except ImportError:
-        raise ValueError("writing a LoRA checkpoint's adapters needs the `peft` package: "
-                         "pip install 'zero-infinity[hf]'") from None
+    peft = require_peft("writing a LoRA checkpoint's adapters")
     model = causal_lm_on_meta(hf_config, source=f"the config recorded in {source}")
     try:
-        return peft.get_peft_model(model, peft.PeftConfig.from_peft_type(**peft_config))
+        return wrap_with_peft(model, peft.PeftConfig.from_peft_type(**peft_config), needed_for="consolidate")
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"the adapters' config recorded in {source} does not build a peft model: {err}") from None
 

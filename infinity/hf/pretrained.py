@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from infinity.engine.engine import initialize
+from infinity.hf.peft_models import wrap_with_peft
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,5 @@ def from_pretrained(path, config=None, *, process_group=None, lora=None):
 
     model = build_meta_causal_lm(path)
     if lora is not None:
-        try:
-            import peft  # optional extra
-        except ImportError:
-            raise ImportError("from_pretrained(lora=...) needs the `peft` package: pip install 'zero-infinity[hf]'"
-                              ) from None
-        model = peft.get_peft_model(model, lora)
+        model = wrap_with_peft(model, lora, needed_for="from_pretrained(lora=...)")
     return initialize(model, config, process_group=process_group, weights=path)
