@@ -50,7 +50,7 @@ from infinity.models.transformers_lm import causal_lm_loss
 from infinity.optim.param_groups import decay_matrices_only
 from infinity.placement.report import (format_bytes, format_device_budget, format_optimizer_split,
                                       format_split_choice)
-from infinity.runtime.comm import local_rank_and_size
+from infinity.runtime.comm import process_group_backend
 from infinity.runtime.rss import peak_rss_bytes
 from infinity.runtime.hardware import PRECISION_CHOICES
 from infinity.train.data import ByteCorpus
@@ -234,21 +234,8 @@ def _init_distributed(plan: Plan, cleanup: Cleanup) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group(backend=_process_group_backend())
+        dist.init_process_group(backend=process_group_backend())
         cleanup.callbacks.append(dist.destroy_process_group)
-
-
-def _process_group_backend() -> str:
-    """One GPU per rank when this machine has one for each of its ranks (torchrun's LOCAL_RANK picks it):
-    NCCL for device tensors, gloo for the host ones (the gradient norm, flags, checkpoint and metric
-    reductions). Otherwise gloo alone, and the ranks compute on the CPU."""
-    import torch
-
-    local_rank, local_ranks = local_rank_and_size()
-    if torch.cuda.is_available() and local_ranks <= torch.cuda.device_count():
-        torch.cuda.set_device(local_rank)
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
 
 
 def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cleanup, stop: GracefulStop) -> int:

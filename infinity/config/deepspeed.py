@@ -136,6 +136,8 @@ class _DeepSpeedTranslator:
             kwargs["train_batch_size"] = _int("train_batch_size", raw.pop("train_batch_size"))
         if "gradient_accumulation_steps" in raw:
             kwargs["gradient_accumulation_steps"] = _int("gradient_accumulation_steps", raw.pop("gradient_accumulation_steps"))
+        elif "train_batch_size" in kwargs and "micro_batch_size" in kwargs:
+            kwargs["accumulation_from_batch"] = True  # DeepSpeed's: the third of the three from the other two
         if "gradient_clipping" in raw:
             kwargs["gradient_clipping"] = _float("gradient_clipping", raw.pop("gradient_clipping"))
         kwargs.update(self._precision(raw.pop("fp16", None), raw.pop("bf16", None), raw.pop("precision", None)))

@@ -29,6 +29,9 @@ class InfinityConfig:
     train_batch_size: int | None = None
     """If given, must equal micro batch × accumulation steps × world size."""
     gradient_accumulation_steps: int = 1
+    accumulation_from_batch: bool = False
+    """``gradient_accumulation_steps`` was not given but ``train_batch_size`` and the micro batch were: it is their
+    quotient over the world size, as DeepSpeed derives it, set at initialize (:meth:`for_world_size`)."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -86,17 +89,35 @@ class InfinityConfig:
 
         return cls(**translate(raw))
 
-    def check_batch_size(self, world_size: int) -> None:
-        """``train_batch_size``, where given with the micro batch, against micro batch × accumulation steps ×
-        ``world_size`` (known only once the ranks are)."""
-        if self.train_batch_size is None or self.micro_batch_size is None:
-            return
-        expected = self.micro_batch_size * self.gradient_accumulation_steps * world_size
-        if expected != self.train_batch_size:
-            raise ValueError(
-                f"train_batch_size={self.train_batch_size} but train_micro_batch_size_per_gpu × "
-                f"gradient_accumulation_steps × world size = {self.micro_batch_size} × "
-                f"{self.gradient_accumulation_steps} × {world_size} = {expected}")
+    def for_world_size(self, world_size: int) -> "InfinityConfig":
+        """The config of a run of ``world_size`` ranks: as DeepSpeed does, the one of ``train_batch_size``, the
+        micro batch and ``gradient_accumulation_steps`` left out is the quotient of the other two (over the world
+        size); ``train_batch_size`` given with both must equal micro batch × accumulation steps × ``world_size``."""
+        config = self
+        if self.accumulation_from_batch:
+            per_step = self.micro_batch_size * world_size
+            if self.train_batch_size % per_step:
+                raise ValueError(f"train_batch_size={self.train_batch_size} is not a multiple of "
+                                 f"train_micro_batch_size_per_gpu × world size = {self.micro_batch_size} × {world_size}: "
+                                 f"no whole gradient_accumulation_steps gives it")
+            config = self.replace(gradient_accumulation_steps=self.train_batch_size // per_step,
+                                  accumulation_from_batch=False)
+        elif self.train_batch_size is not None and self.micro_batch_size is None:
+            per_micro = self.gradient_accumulation_steps * world_size
+            if self.train_batch_size % per_micro:
+                raise ValueError(f"train_batch_size={self.train_batch_size} is not a multiple of "
+                                 f"gradient_accumulation_steps × world size = {self.gradient_accumulation_steps} × "
+                                 f"{world_size}: no whole train_micro_batch_size_per_gpu gives it")
+            config = self.replace(micro_batch_size=self.train_batch_size // per_micro)
+        c = config
+        if c.train_batch_size is not None and c.micro_batch_size is not None:
+            expected = c.micro_batch_size * c.gradient_accumulation_steps * world_size
+            if expected != c.train_batch_size:
+                raise ValueError(
+                    f"train_batch_size={c.train_batch_size} but train_micro_batch_size_per_gpu × "
+                    f"gradient_accumulation_steps × world size = {c.micro_batch_size} × "
+                    f"{c.gradient_accumulation_steps} × {world_size} = {expected}")
+        return config
 
     # -- typed changes: each returns a copy, validated as at construction -------------------------
     def replace(self, **changes) -> "InfinityConfig":

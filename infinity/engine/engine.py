@@ -105,7 +105,7 @@ class Engine:
             slow = slow_precision_warning(config.precision, self.device.type)
             if slow is not None:
                 logger.warning("%s", slow)
-        config.check_batch_size(self.comm.world_size)
+        config = self.config = config.for_world_size(self.comm.world_size)  # DeepSpeed's batch-size arithmetic
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))
         if config.tiling.max_tile_numel is not None:

@@ -370,6 +370,7 @@ def estimate_settings(config: InfinityConfig, *, world_size: int = 1, gpu: bool)
     memory available now unless the config gives bytes); the undo extents of a speculative step are counted when
     the step overlaps the backward and may be undone (gradient clipping or fp16 loss scaling), as
     :mod:`infinity.optim.overlapped_step` reserves them. ``gpu``: device memory apart from host memory."""
+    config = config.for_world_size(world_size)  # DeepSpeed's batch-size arithmetic, as initialize does it
     zero = config.zero
     offload = zero.offload_optimizer
     return dict(

@@ -53,6 +53,18 @@ def local_rank_and_size(*, default_size: int = 1) -> tuple[int, int]:
     return rank, size
 
 
+def process_group_backend() -> str:
+    """The backend for ``torch.distributed.init_process_group`` on this machine: one GPU per rank where it has one
+    for each of its ranks (torchrun's ``LOCAL_RANK`` picks it, made the current device here), NCCL for device
+    tensors and gloo for the host ones (the gradient norm, flags, checkpoint and metric reductions). Otherwise
+    gloo alone, and the ranks compute on the CPU."""
+    local_rank, local_ranks = local_rank_and_size()
+    if torch.cuda.is_available() and local_ranks <= torch.cuda.device_count():
+        torch.cuda.set_device(local_rank)
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
 class Collectives:
     """The engine's only door to torch.distributed."""
 

@@ -109,6 +109,26 @@ def test_train_batch_size_must_add_up():
                                                     "gradient_accumulation_steps": 2})
 
 
+@pytest.mark.parametrize("given, micro, accumulation", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 4, 8),
+    ({"train_batch_size": 12, "gradient_accumulation_steps": 3}, 4, 3),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5}, 2, 5),
+])
+def test_the_batch_size_left_out_is_derived_as_deepspeed_derives_it(given, micro, accumulation):
+    """Any two of train_batch_size, the micro batch and the accumulation steps give the third (world size 1), and
+    the engine steps at every derived boundary."""
+    model = torch.nn.Linear(2, 1)
+    with infinity.initialize(model, given) as engine:
+        assert (engine.config.micro_batch_size, engine.config.gradient_accumulation_steps) == (micro, accumulation)
+        for _ in range(accumulation):
+            assert engine.global_step == 0
+            engine.backward(engine(torch.ones(micro, 2)).sum())
+            engine.step()
+        assert engine.global_step == 1
+    with pytest.raises(ValueError, match="train_batch_size=10 is not a multiple"):
+        infinity.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})
+
+
 # -- a split optimizer: DeepSpeed's offload_optimizer.ratio, our device "auto" and device_memory_budget -------------
 @pytest.mark.parametrize("block, device, ratio", [
     ({"device": "cpu", "ratio": 0.3}, "cpu", 0.3),
