@@ -14,7 +14,7 @@ pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves i
 REPO = Path(__file__).resolve().parents[2]
 
 WINGS = ("runtime", "config", "models", "placement", "params", "tiling", "grads", "optim", "checkpoint", "weights",
-         "engine", "hf", "train", "commands")
+         "engine", "hf", "deepspeed", "train", "commands")
 """The wings in order: each may import the ones before it, none after."""
 
 BELOW_ALL = ("infinity.storage", "infinity.kernels")

@@ -1,0 +1,149 @@
+"""The engine under DeepSpeed's names: what ``deepspeed.initialize`` returns, with the methods a DeepSpeed script
+calls on it (``train_batch_size()``, ``get_lr()``, ``deepspeed_io``, ``save_16bit_model``, ...) and DeepSpeed's
+``load_checkpoint`` returning ``(load_path, client_state)``.
+
+Where DeepSpeed's engine takes an argument this one cannot honour (``retain_graph``, ``load_optimizer_states=False``,
+...), a value other than the default is refused naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from infinity.checkpoint.files import META_FILE
+from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
+from infinity.engine.engine import Engine
+from infinity.runtime.comm import local_rank_and_size
+
+logger = logging.getLogger(__name__)
+
+
+class DeepSpeedEngine(Engine):
+    """:class:`~infinity.engine.engine.Engine` as DeepSpeed's ``DeepSpeedEngine`` is called."""
+
+    def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, **kwargs):
+        """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`."""
+        super().__init__(model, config, **kwargs)
+        self._drop_last = drop_last
+
+    # -- DeepSpeed's names for what the engine knows ----------------------------------------------------------
+    @property
+    def global_rank(self) -> int:
+        return self.rank
+
+    @property
+    def local_rank(self) -> int:
+        return local_rank_and_size()[0]
+
+    @property
+    def global_steps(self) -> int:
+        return self.global_step
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        if self.config.micro_batch_size is None:
+            raise ValueError("the config gives no train_micro_batch_size_per_gpu (nor train_batch_size with "
+                             "gradient_accumulation_steps to derive it from)")
+        return self.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.train_micro_batch_size_per_gpu() * self.config.gradient_accumulation_steps * self.world_size
+
+    def get_lr(self) -> list[float]:
+        return [self.lr]
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped (an fp16 overflow)."""
+        return not self.step_metrics().get("skipped", False)
+
+    def zero_grad(self) -> None:
+        """Nothing to do: the engine hands each gradient to its reducer as backward makes it, and a step's
+        accumulation starts afresh after each optimizer step (as DeepSpeed's ``step`` zeroes them)."""
+
+    # -- training, with DeepSpeed's arguments --------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
+                 retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        _refuse_non_default("backward", allreduce_gradients=(allreduce_gradients, True),
+                            retain_graph=(retain_graph, False))
+        super().backward(loss, scale_wrt_gas=scale_wrt_gas)
+
+    def step(self, lr_kwargs=None) -> None:
+        _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
+        super().step()
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None) -> DataLoader:
+        """A loader of micro-batches of ``dataset`` for this rank, as DeepSpeed's: each rank a disjoint share
+        (torch's ``DistributedSampler``) where there are several, else a random order; the config's
+        ``dataloader_drop_last``."""
+        if data_sampler is None:
+            data_sampler = (DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank)
+                            if self.world_size > 1 else RandomSampler(dataset))
+        return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                          sampler=data_sampler, collate_fn=collate_fn, num_workers=num_local_io_workers or 0,
+                          pin_memory=pin_memory and self.device.type == "cuda", drop_last=self._drop_last)
+
+    # -- checkpoints, with DeepSpeed's returns -------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns."""
+        _refuse_non_default("save_checkpoint", save_latest=(save_latest, True))
+        super().save_checkpoint(save_dir, tag=tag, client_state=client_state or None,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """``(the checkpoint's folder, its client_state)``; ``(None, None)`` without a tag where ``load_dir`` holds
+        no ``latest`` (nothing saved yet), as DeepSpeed returns (a script then starts afresh)."""
+        _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
+                            load_optimizer_states=(load_optimizer_states, True),
+                            load_lr_scheduler_states=(load_lr_scheduler_states, True),
+                            load_module_only=(load_module_only, False), custom_load_fn=(custom_load_fn, None))
+        folder = Path(load_dir)
+        if tag is None and not (folder / LATEST_FILE).is_file() and not (folder / META_FILE).is_file():
+            logger.warning("no %s file in %s: no checkpoint loaded (pass a tag to load one by name)", LATEST_FILE,
+                           load_dir)
+            return None, None
+        client_state = super().load_checkpoint(load_dir, tag=tag)
+        return str(resolve_checkpoint(load_dir, tag)), client_state
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's state dict in the compute precision (fp32 runs: fp32), gathered whole on rank 0 and written
+        there with ``torch.save`` (a ``.safetensors`` name: safetensors), replacing the file atomically, as
+        DeepSpeed's does. Collective: every rank calls it. The whole model passes through host memory at once:
+        :meth:`save_pretrained` writes a tensor at a time."""
+        state = self.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        if self.rank != 0:
+            return True
+        state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
+        os.makedirs(save_dir, exist_ok=True)
+        path = Path(save_dir) / save_filename
+        partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        if path.suffix == ".safetensors":
+            from safetensors.torch import save_file
+            save_file({name: value.contiguous() for name, value in state.items()}, str(partial),
+                      metadata={"format": "pt"})
+        else:
+            torch.save(state, partial)
+        os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
+        return True
+
+
+def _refuse_non_default(method: str, **given) -> None:
+    """``ValueError`` naming the first argument of ``method`` given other than its default (``name=(value, default)``)."""
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise ValueError(f"{method}({name}={value!r}) is not supported here (only {name}={default!r})")

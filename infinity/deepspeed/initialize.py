@@ -1,0 +1,234 @@
+"""``deepspeed.initialize`` and its companions (``init_distributed``, ``add_config_arguments``) over the engine.
+
+``initialize`` takes DeepSpeed's arguments and returns DeepSpeed's four: the engine
+(:class:`~infinity.deepspeed.engine.DeepSpeedEngine`), the optimizer as a script sees it (:class:`OptimizerView`:
+its ``param_groups``), a loader of ``training_data`` (or None) and the config's learning-rate schedule (or None).
+
+* The config: ``config`` (a dict or a JSON file's path; ``config_params``, its older name) or ``args.deepspeed_config``,
+  not both. Any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+  ``gradient_accumulation_steps`` give the third, as DeepSpeed's do.
+* ``model_parameters``: ``torch.optim``'s groups (their weight decay per group), or the parameters, which must be
+  all those of the model that require grad (the engine trains those; a subset is refused naming what it leaves out).
+* ``optimizer``: a ``torch.optim.AdamW`` or ``Adam`` made by the script, where the config has no ``optimizer`` block:
+  its lr, betas, eps and its groups' weight decay become the engine's (its states are the engine's own, fused CPU
+  Adam or the device's). Any other optimizer, and a callable making one, is refused by name.
+* Refused, naming the argument: ``mpu`` (model parallelism), ``lr_scheduler`` (give the config's ``scheduler``
+  block: WarmupLR, WarmupDecayLR, WarmupCosineLR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from infinity.config.schema import InfinityConfig, read_config_json
+from infinity.deepspeed.engine import DeepSpeedEngine
+from infinity.runtime.comm import process_group_backend
+
+logger = logging.getLogger(__name__)
+
+_TORCH_ADAM_HOW = {"foreach", "fused", "capturable", "differentiable"}
+"""Options of torch's Adam and AdamW that say how torch runs it, not what it computes: nothing to honour."""
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, config_params=None, **others):
+    """``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed's ``initialize`` returns them (see the
+    module's docstring). Everything is checked before the model is sharded."""
+    if others:
+        raise TypeError(f"initialize() got argument(s) not supported here: {', '.join(sorted(others))}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"initialize(model=...) must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None:
+        raise ValueError("initialize(mpu=...): model parallelism is not supported (the engine is data parallel, "
+                         "ZeRO stage 3)")
+    if lr_scheduler is not None:
+        raise ValueError("initialize(lr_scheduler=...): a client scheduler is not supported; give the config's "
+                         "scheduler block (WarmupLR, WarmupDecayLR, WarmupCosineLR) and the engine sets each step's lr")
+    raw = _config_dict(args, config, config_params)
+    param_groups = _groups_of_model_parameters(model, model_parameters)
+    if optimizer is not None:
+        raw, param_groups = _with_client_optimizer(raw, optimizer)
+    drop_last = bool(raw.get("dataloader_drop_last", False))
+    infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
+    if dist_init_required is not False:
+        init_distributed()
+    engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last)
+    loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
+    schedule = ScheduleView(engine) if engine.config.scheduler is not None else None
+    return engine, OptimizerView(engine), loader, schedule
+
+
+def init_distributed(dist_backend: str | None = None, **ignored) -> None:
+    """The process group of a run started by ``torchrun`` (or DeepSpeed's launcher: ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``), made once; nothing to make for one process. The backend: ``dist_backend``,
+    or NCCL for the GPUs with gloo for host tensors where each rank has a GPU, else gloo."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    dist.init_process_group(backend=dist_backend or process_group_backend())
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` on ``parser``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="run under the engine (accepted for DeepSpeed's scripts; always on here)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
+    return parser
+
+
+class OptimizerView:
+    """The optimizer ``initialize`` returns: ``param_groups`` as ``torch.optim`` shows them. The engine has one
+    learning rate: setting a group's ``"lr"`` sets it (a value other than the other groups' is refused), and the
+    other keys are read-only. ``zero_grad()`` does nothing, as the engine's step starts each accumulation afresh."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self._engine = engine
+        default = engine.config.optimizer.weight_decay
+        decays = sorted({default if slot.weight_decay is None else slot.weight_decay
+                         for slot in engine.layout.slots if slot.trainable}) or [default]
+        lr_set: dict[int, tuple[int, float]] = {}  # group -> (the step it was set at, the value), shared
+        self._groups = [_LiveGroup(engine, decay, index, lr_set) for index, decay in enumerate(decays)]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do (see the class)."""
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError("call engine.step(): the optimizer steps inside the engine")
+
+
+class _LiveGroup(dict):
+    """One group of :class:`OptimizerView`: ``lr`` read from and written to the engine."""
+
+    def __init__(self, engine: DeepSpeedEngine, weight_decay: float, index: int, lr_set: dict):
+        optimizer = engine.config.optimizer
+        super().__init__(betas=optimizer.betas, eps=optimizer.eps, weight_decay=weight_decay)
+        self._engine = engine
+        self._index = index
+        self._lr_set = lr_set
+
+    def __getitem__(self, key):
+        return self._engine.lr if key == "lr" else super().__getitem__(key)
+
+    def get(self, key, default=None):
+        return self[key] if key == "lr" or key in self else default
+
+    def __contains__(self, key) -> bool:
+        return key == "lr" or super().__contains__(key)
+
+    def __setitem__(self, key, value) -> None:
+        if key != "lr":
+            raise ValueError(f"param_groups[...][{key!r}] cannot be set: the engine's optimizer takes it from the "
+                             f"config (only 'lr' may be set)")
+        value, step = float(value), self._engine.global_step
+        for other, (at, other_value) in self._lr_set.items():
+            if other != self._index and at == step and other_value != value:
+                raise ValueError(f"param_groups[{self._index}]['lr'] = {value} but param_groups[{other}]['lr'] was set "
+                                 f"to {other_value} for the same step: the engine has one learning rate")
+        self._lr_set[self._index] = (step, value)
+        self._engine.set_lr(value)
+
+
+class ScheduleView:
+    """The learning-rate schedule ``initialize`` returns where the config has a ``scheduler`` block: the engine
+    sets each step's lr from it, as DeepSpeed's engine steps its own scheduler; ``step()`` does nothing."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self._engine = engine
+
+    def get_last_lr(self) -> list[float]:
+        return [self._engine.lr]
+
+    get_lr = get_last_lr
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing to do: ``engine.step()`` moves the schedule."""
+
+
+def _config_dict(args, config, config_params) -> dict:
+    """The DeepSpeed config from ``config``, ``config_params`` or ``args.deepspeed_config``: exactly one."""
+    if config is not None and config_params is not None:
+        raise ValueError("initialize: give config or config_params (its older name), not both")
+    given = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if given is not None and from_args is not None:
+        raise ValueError(f"initialize: a config was given both as args.deepspeed_config ({from_args!r}) and as "
+                         f"config=...: give one (DeepSpeed refuses both too)")
+    given = given if given is not None else from_args
+    if given is None:
+        raise ValueError("initialize: no DeepSpeed config: pass config= (a dict, or a JSON file's path) or "
+                         "args.deepspeed_config")
+    if isinstance(given, (str, os.PathLike)):
+        return read_config_json(given)
+    if isinstance(given, dict):
+        return copy.deepcopy(given)
+    raise ValueError(f"initialize(config=...) must be a dict or a JSON file's path, got {type(given).__name__}")
+
+
+def _groups_of_model_parameters(model: torch.nn.Module, model_parameters) -> list[dict] | None:
+    """``torch.optim``'s groups as they are; parameters only where they are every trainable one (then None)."""
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and all(isinstance(item, dict) for item in items):
+        return items  # the engine checks them (weight decay per group; one lr, betas, eps)
+    given = {id(item) for item in items}
+    left_out = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in given]
+    if left_out:
+        shown = ", ".join(left_out[:3]) + (f" and {len(left_out) - 3} more" if len(left_out) > 3 else "")
+        raise ValueError(f"initialize(model_parameters=...) leaves out {len(left_out)} parameter(s) of the model that "
+                         f"require grad ({shown}): the engine trains every parameter that requires grad; freeze the "
+                         f"others with requires_grad_(False)")
+    return None
+
+
+def _with_client_optimizer(raw: dict, optimizer) -> tuple[dict, list[dict]]:
+    """The config with an ``optimizer`` block made from the script's ``torch.optim.AdamW`` or ``Adam``, and its
+    groups (their weight decay)."""
+    if "optimizer" in raw:
+        raise ValueError("initialize: both the config's optimizer block and optimizer=... were given: give one "
+                         "(DeepSpeed refuses both too)")
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        what = getattr(optimizer, "__name__", type(optimizer).__name__)
+        raise ValueError(f"initialize(optimizer={what}) is not supported: the engine's optimizer is Adam or AdamW "
+                         f"(give a torch.optim.AdamW or Adam, or the config's optimizer block)")
+    groups = optimizer.param_groups
+    first = groups[0]
+    for i, group in enumerate(groups):
+        for key in ("amsgrad", "maximize"):
+            if group.get(key):
+                raise ValueError(f"initialize(optimizer=...): param_groups[{i}] has {key}=True, which the engine's "
+                                 f"Adam does not do")
+        for key in ("lr", "betas", "eps"):
+            if _number(group[key]) != _number(first[key]):
+                raise ValueError(f"initialize(optimizer=...): param_groups[{i}]['{key}'] is {group[key]!r} but group "
+                                 f"0's is {first[key]!r}: the engine's Adam has one {key} (only the weight decay may "
+                                 f"differ between groups)")
+        unknown = set(group) - {"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+                                "decoupled_weight_decay", "initial_lr"} - _TORCH_ADAM_HOW
+        if unknown:
+            raise ValueError(f"initialize(optimizer=...): param_groups[{i}] has key(s) {sorted(unknown)} the engine "
+                             f"cannot honour")
+    decoupled = type(optimizer) is torch.optim.AdamW or bool(first.get("decoupled_weight_decay", False))
+    params = {"lr": _number(first["lr"]), "betas": [_number(b) for b in first["betas"]], "eps": _number(first["eps"]),
+              "weight_decay": _number(first["weight_decay"])}
+    if not decoupled:
+        params["adam_w_mode"] = False  # torch's Adam adds the decay to the gradient (L2), as DeepSpeed's does then
+    block = {"type": "AdamW" if decoupled else "Adam", "params": params}
+    return raw | {"optimizer": block}, [{"params": g["params"], "weight_decay": _number(g["weight_decay"])}
+                                        for g in groups]
+
+
+def _number(value):
+    """A float from a plain number or a one-element tensor (torch's optimizers take both for lr)."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,226 @@
+"""A DeepSpeed script with ``import infinity.deepspeed as deepspeed``: the four things ``initialize`` returns, the
+loop ``engine(batch); engine.backward(loss); engine.step()`` against plain PyTorch with ``torch.optim``, DeepSpeed's
+checkpoint returns, and what cannot be honoured refused by name before any work."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import infinity.deepspeed as deepspeed
+
+LR = 1e-2
+
+
+class Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(8, 16)
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.out(torch.tanh(self.hidden(x))), y)
+
+
+def data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+def config(**extra):
+    return {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}} | extra
+
+
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
+
+
+def reference(model, optimizer, batches, accumulation, clip=1.0) -> list[float]:
+    """Plain PyTorch: ``optimizer`` over ``model``, the losses of ``batches`` averaged over each accumulation."""
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses
+
+
+def run(engine, loader) -> tuple[list[float], list]:
+    losses, batches = [], []
+    for batch in loader:
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        batches.append(batch)
+    return losses, batches
+
+
+def assert_same_model(engine, model):
+    state = engine.full_state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_deepspeed_loop_trains_as_plain_pytorch_and_its_loader_covers_the_data_once():
+    torch.manual_seed(0)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    engine, optimizer, loader, schedule = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                               training_data=data(), config=config(**ADAMW))
+    with engine:
+        # DeepSpeed's arithmetic: 16 = 4 per micro-batch x 4 accumulation steps x 1 rank
+        assert (engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                engine.gradient_accumulation_steps()) == (16, 4, 4)
+        assert schedule is None and optimizer.param_groups[0]["lr"] == LR
+        losses, batches = run(engine, loader)
+        assert engine.global_steps == 4 and engine.was_step_applied()
+        seen = torch.cat([x for x, _ in batches])
+        assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, data().tensors[0].tolist()))
+        expected = reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), batches, 4)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert_same_model(engine, ref)
+
+
+@pytest.mark.parametrize("make", [
+    lambda groups: torch.optim.AdamW(groups, lr=LR, betas=(0.8, 0.95), eps=1e-6),
+    lambda groups: torch.optim.Adam(groups, lr=LR),  # its weight decay is L2, added to the gradient
+], ids=["AdamW", "Adam"])
+def test_a_client_adam_is_the_engines_optimizer_with_its_groups_decay(make):
+    torch.manual_seed(1)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+
+    def groups(m):
+        return [{"params": [m.hidden.weight, m.out.weight], "weight_decay": 0.1},
+                {"params": [m.hidden.bias, m.out.bias], "weight_decay": 0.0}]
+    engine, optimizer, loader, _ = deepspeed.initialize(model=model, optimizer=make(groups(model)),
+                                                        training_data=data(), config=config())
+    with engine:
+        assert sorted(g["weight_decay"] for g in optimizer.param_groups) == [0.0, 0.1]
+        losses, batches = run(engine, loader)
+    expected = reference(ref, make(groups(ref)), batches, 4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_checkpoints_return_as_deepspeeds_and_resume_bitwise(tmp_path):
+    torch.manual_seed(2)
+    model = Regressor()
+    batches = [tuple(t[i:i + 4] for t in data().tensors) for i in range(0, 64, 4)]
+    cfg = config(**ADAMW)
+
+    def engine_of(m):
+        return deepspeed.initialize(model=m, config=cfg)[0]
+
+    with engine_of(copy.deepcopy(model)) as engine:
+        assert engine.load_checkpoint(tmp_path / "nothing-yet") == (None, None)  # a script then starts afresh
+        straight = [engine.backward(loss := engine(*b)) or engine.step() or loss.item() for b in batches]
+    with engine_of(copy.deepcopy(model)) as engine:
+        for b in batches[:8]:
+            engine.backward(engine(*b))
+            engine.step()
+        assert engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 3}) is True
+    with engine_of(copy.deepcopy(model)) as engine:
+        path, client_state = engine.load_checkpoint(tmp_path / "ckpt")
+        assert path == str(tmp_path / "ckpt" / "global_step2") and client_state["epoch"] == 3
+        resumed = [engine.backward(loss := engine(*b)) or engine.step() or loss.item() for b in batches[8:]]
+    assert resumed == straight[8:]
+
+
+def test_the_lr_a_script_sets_on_the_groups_is_the_engines_and_a_scheduler_block_is_returned():
+    model = Regressor()
+    schedule_cfg = config(**ADAMW, scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
+                                                                             "warmup_max_lr": LR,
+                                                                             "warmup_num_steps": 4,
+                                                                             "warmup_type": "linear"}})
+    engine, optimizer, loader, schedule = deepspeed.initialize(model=model, training_data=data(), config=schedule_cfg)
+    with engine:
+        run(engine, loader)
+        assert schedule.get_last_lr() == [engine.lr] and 0.0 < engine.lr < LR  # warming up (test_lr_schedule: how)
+    decayed = [{"params": [model.hidden.weight], "weight_decay": 0.1},
+               {"params": [model.hidden.bias, model.out.weight, model.out.bias], "weight_decay": 0.0}]
+    engine, optimizer, _, _ = deepspeed.initialize(model=Regressor(), config=config(**ADAMW))
+    with engine:
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3
+        assert engine.get_lr() == [3e-3] and optimizer.param_groups[0]["lr"] == 3e-3
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=decayed, config=config(**ADAMW))
+    with engine:
+        optimizer.param_groups[0]["lr"] = 1e-3
+        with pytest.raises(ValueError, match="one learning rate"):
+            optimizer.param_groups[1]["lr"] = 2e-3
+        with pytest.raises(ValueError, match="'weight_decay'.*cannot be set"):
+            optimizer.param_groups[0]["weight_decay"] = 0.5
+
+
+def test_zero_init_builds_on_meta_and_initialize_gives_the_values_eager_construction_gives():
+    torch.manual_seed(5)
+    eager = Regressor()
+    torch.manual_seed(5)
+    with deepspeed.zero.Init(config_dict_or_path=config(**ADAMW)):
+        model = Regressor()
+    assert all(p.is_meta for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(**ADAMW))
+    with engine:
+        state = engine.full_state_dict()
+    for name, value in eager.state_dict().items():  # the modules' reset_parameters replayed in order
+        assert torch.equal(state[name], value), name
+
+
+def test_save_16bit_model_writes_the_state_dict_in_the_compute_precision(tmp_path):
+    model = Regressor()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(**ADAMW, bf16={"enabled": True}))
+    with engine:
+        assert engine.save_16bit_model(tmp_path, "model.bin") is True
+        expected = {name: value.to(torch.bfloat16) for name, value in engine.full_state_dict().items()}
+    written = torch.load(tmp_path / "model.bin")
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(mpu=object()), "mpu"),
+    (dict(lr_scheduler=object()), "lr_scheduler"),
+    (dict(optimizer=torch.optim.SGD, config=config()), "optimizer=SGD"),
+    (dict(model_parameters="the hidden layer"), "leaves out 2 parameter"),
+    (dict(config=config(**ADAMW), args=argparse.Namespace(deepspeed_config="ds.json")), "both as args"),
+    (dict(config=None), "no DeepSpeed config"),
+    (dict(config=config(train_micro_batch_size_per_gpu=3)), "is not a multiple"),
+    (dict(client_adam=True), "both the config's optimizer block"),
+], ids=["mpu", "lr_scheduler", "sgd", "subset", "two-configs", "no-config", "batch", "two-optimizers"])
+def test_what_cannot_be_honoured_is_refused_by_name(kwargs, said, monkeypatch):
+    from infinity.deepspeed import engine as door
+
+    model = Regressor()
+    monkeypatch.setattr(door.Engine, "__init__", lambda *a, **k: pytest.fail("the model was sharded"))
+    if kwargs.pop("client_adam", False):
+        kwargs = dict(optimizer=torch.optim.AdamW(model.parameters()), config=config(**ADAMW))
+    if kwargs.get("model_parameters") == "the hidden layer":
+        kwargs["model_parameters"] = model.hidden.parameters()
+    kwargs.setdefault("config", config(**ADAMW))
+    if said == "is not a multiple":
+        monkeypatch.undo()  # the batch arithmetic needs the world size: refused as the engine starts
+    with pytest.raises(ValueError, match=said):
+        deepspeed.initialize(model=model, **kwargs)
+
+
+def test_engine_arguments_it_cannot_honour_are_refused_by_name(tmp_path):
+    engine, _, _, _ = deepspeed.initialize(model=Regressor(), config=config(**ADAMW))
+    with engine:
+        x, y = data().tensors
+        with pytest.raises(ValueError, match="retain_graph=True"):
+            engine.backward(engine(x[:4], y[:4]), retain_graph=True)
+        with pytest.raises(ValueError, match="load_optimizer_states=False"):
+            engine.load_checkpoint(tmp_path, tag="global_step0", load_optimizer_states=False)
+    with pytest.raises(NotImplementedError, match="full_state_dict"):
+        deepspeed.zero.GatheredParameters(list(Regressor().parameters()))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"]).deepspeed_config == "ds.json"
