@@ -56,6 +56,12 @@ class DeepSpeedEngine(Engine):
     def train_batch_size(self) -> int:
         return self.train_micro_batch_size_per_gpu() * self.config.gradient_accumulation_steps * self.world_size
 
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
     def get_lr(self) -> list[float]:
         return [self.lr]
 

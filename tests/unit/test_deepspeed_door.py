@@ -180,6 +180,7 @@ def test_save_16bit_model_writes_the_state_dict_in_the_compute_precision(tmp_pat
     model = Regressor()
     engine, _, _, _ = deepspeed.initialize(model=model, config=config(**ADAMW, bf16={"enabled": True}))
     with engine:
+        assert engine.bfloat16_enabled() and not engine.fp16_enabled()
         assert engine.save_16bit_model(tmp_path, "model.bin") is True
         expected = {name: value.to(torch.bfloat16) for name, value in engine.full_state_dict().items()}
     written = torch.load(tmp_path / "model.bin")
