@@ -324,7 +324,7 @@ def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: s
     if problems:
         said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
                          for what, items in problems)
-        raise ValueError(f"the checkpoint does not fit {source} ({model_type}): {said}; nothing was written. Give "
+        raise ValueError(f"the checkpoint does not fit {source} ({config.get('model_type')}): {said}; nothing was written. Give "
                          f"--hf-config the model folder the run started from")
 
 
