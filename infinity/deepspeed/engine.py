@@ -149,7 +149,8 @@ class DeepSpeedEngine(Engine):
 
 
 def _refuse_non_default(method: str, **given) -> None:
-    """``ValueError`` naming the first argument of ``method`` given other than its default (``name=(value, default)``)."""
+    """``ValueError`` naming the first argument of ``method`` given other than its default
+    (``name=(value, default)``)."""
     for name, (value, default) in given.items():
         if value is not default and value != default:
             raise ValueError(f"{method}({name}={value!r}) is not supported here (only {name}={default!r})")

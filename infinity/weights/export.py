@@ -324,8 +324,8 @@ def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: s
     if problems:
         said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
                          for what, items in problems)
-        raise ValueError(f"the checkpoint does not fit {source} ({config.get('model_type')}): {said}; nothing was written. Give "
-                         f"--hf-config the model folder the run started from")
+        raise ValueError(f"the checkpoint does not fit {source} ({config.get('model_type')}): {said}; nothing was "
+                         f"written. Give --hf-config the model folder the run started from")
 
 
 def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None, verify: bool = True,
