@@ -68,6 +68,9 @@ _ZERO_NOT_APPLICABLE = {
     "log_trace_cache_warnings", "use_all_reduce_for_fetch_params", "stage3_module_granularity_threshold",
     "module_granularity_threshold", "cpu_offload_use_pin_memory",
 }
+LOWER_STAGES = (0, 1, 2)
+"""ZeRO stages below 3, taken as 3: the same training, with parameters and gradients partitioned too (a DeepSpeed
+JSON for ZeRO-Offload, stage 2 with ``offload_optimizer``, runs unchanged)."""
 _ZERO_HONOURED = {
     "stage": "stage",
     "sub_group_size": "sub_group_size",
@@ -276,6 +279,11 @@ class _DeepSpeedTranslator:
                 _OFFLOAD_OPTIMIZER_NOT_APPLICABLE, OffloadOptimizerConfig)
         elif self.bf16_optimizer_states:
             kwargs["offload_optimizer"] = OffloadOptimizerConfig(state_dtype="bf16")
+        stage = block.get("stage", 3)
+        if type(stage) is int and stage in LOWER_STAGES:  # (True == 1, and is not a stage)
+            # ZeRO's stages train the same model: a lower one only keeps more of the state whole on each rank
+            self.not_applicable.append(f"zero_optimization.stage={stage} (runs as stage 3)")
+            block.pop("stage")
         fields = self._fields("zero_optimization", block, _ZERO_HONOURED, _ZERO_NOT_APPLICABLE, _ZERO_ONLY_VALUE)
         for name, value in fields.items():
             if name in ("overlap_step_with_backward", "overlap_step_with_forward"):

@@ -214,7 +214,8 @@ class ZeroConfig:
     def __post_init__(self):
         if self.stage != 3:
             raise ValueError(
-                f"zero_optimization.stage must be 3 (this engine is ZeRO stage 3 with offload), got {self.stage!r}"
+                f"zero_optimization.stage must be 0, 1, 2 or 3 (this engine is ZeRO stage 3 with offload; a lower "
+                f"stage runs as 3), got {self.stage!r}"
             )
         for name in ("sub_group_size", "max_live_parameters"):
             _require_positive(f"zero_optimization.{name}", getattr(self, name))

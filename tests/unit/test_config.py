@@ -64,7 +64,8 @@ def test_deepspeed_adam_is_adamw_unless_told_otherwise():
     ({"zero_optimisation": {"stage": 3}}, "zero_optimisation"),
     ({"zero_optimization": {"stage": 3, "offload_parm": {}}}, "offload_parm"),
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_pth": "/x"}}}, "nvme_pth"),
-    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "offload_param.nvme_path"),
     ({"zero_optimization": {"offload_optimizer": {"device": "disk"}}}, "offload_optimizer.device"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
@@ -107,6 +108,30 @@ def test_train_batch_size_must_add_up():
     with pytest.raises(ValueError, match="train_batch_size=10"):
         infinity.initialize(torch.nn.Linear(2, 2), {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
                                                     "gradient_accumulation_steps": 2})
+
+
+def test_a_zero_offload_json_of_stage_2_runs_as_stage_3_and_says_so(caplog):
+    """DeepSpeed's ZeRO-Offload JSON (stage 2, optimizer states on the CPU) trains exactly as the same JSON at stage 3
+    (ZeRO's stages train the same model), and the log says the stage was taken as 3."""
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "contiguous_gradients": True,
+               "overlap_comm": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+    raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "gradient_clipping": 1.0,
+           "zero_optimization": offload}
+    losses = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        config = {**raw, "zero_optimization": {**offload, "stage": stage}}
+        with caplog.at_level(logging.INFO, logger="infinity.engine.engine"), infinity.initialize(model, config) as engine:
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+            losses[stage] = []
+            for _ in range(3):
+                loss = engine(x).square().mean()
+                engine.backward(loss)
+                engine.step()
+                losses[stage].append(loss.item())
+    assert losses[2] == losses[3]
+    assert "zero_optimization.stage=2 (runs as stage 3)" in caplog.text
 
 
 @pytest.mark.parametrize("given, micro, accumulation", [
