@@ -8,7 +8,13 @@ by ``infinity.hf.Trainer``, each mode in a fresh process, with compute shards an
   first (as a Trainer script that calls ``from_pretrained`` does);
 * ``lora-streamed``: the same adapters on a base built on the meta device from a saved model folder's config:
   the engine streams the base from the folder into its shards, so the model is never whole in memory;
-* ``full``: every parameter trains.
+* ``full``: every parameter trains;
+* ``lora-in-memory``: ``lora`` with nothing offloaded (the engine's own cost, apart from its tiers');
+* ``stock``: the reference, ``lora``'s model and adapters trained by the stock ``transformers.Trainer``, no engine.
+
+Each mode's step time is the median of its optimizer steps after the first (a ``TrainerCallback`` timing them);
+with ``--rounds N`` the modes run in turn N times and each mode's step is given ÷ the stock Trainer's of the
+same round, the median over rounds (a shared box's speed drifts between runs).
 
 For each it reports the swap files' bytes by kind (compute shards; optimizer states: master + moments),
 the trainable elements, the host tier's peak (the engine's accounted host memory), the process's RSS after
@@ -18,6 +24,7 @@ saves) and at its peak overall, and the bytes of one checkpoint (the Trainer's: 
     .venv/bin/python benchmarks/bench_lora.py              # the three, ~1 minute on 2 cores
     .venv/bin/python benchmarks/bench_lora.py --hidden 1024 --layers 16 --vocab 32000 --modes lora,lora-streamed
     .venv/bin/python benchmarks/bench_lora.py --json
+    .venv/bin/python benchmarks/bench_lora.py --modes stock,lora-in-memory,lora --rounds 3 --steps 6   # speed
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 
-MODES = ("lora", "lora-streamed", "full")
+MODES = ("stock", "lora", "lora-streamed", "full", "lora-in-memory")
 
 
 def llama_config(shape: dict):
@@ -64,7 +71,7 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
     else:
         model = transformers.LlamaForCausalLM(llama_config(shape))
     total = sum(p.numel() for p in model.parameters())
-    if mode.startswith("lora"):
+    if mode.startswith("lora") or mode == "stock":
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
@@ -82,10 +89,21 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
     args = transformers.TrainingArguments(output_dir=os.path.join(folder, "out"), per_device_train_batch_size=4,
                                           max_steps=steps, learning_rate=1e-4, save_strategy="no", report_to=[],
                                           use_cpu=True, disable_tqdm=True, logging_steps=1)
-    config = {"device": "cpu", "zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
-        "offload_optimizer": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}}
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, infinity_config=config)
+    steps_at = StepClock()
+    if mode == "stock":
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
+                                       callbacks=[steps_at])
+        load_peak = peak_rss_bytes()
+        trainer.train()
+        return {"mode": mode, "params": total, "trainable": trainable, "step_s": steps_at.median_step_s(),
+                "load_peak_rss_nbytes": load_peak, "peak_rss_nbytes": peak_rss_bytes(),
+                "rss_after_nbytes": psutil.Process().memory_info().rss,
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+    offloaded = {"offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
+                 "offload_optimizer": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0}}
+    config = {"device": "cpu", "zero_optimization": {"stage": 3, **({} if mode == "lora-in-memory" else offloaded)}}
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, infinity_config=config,
+                      callbacks=[steps_at])
     load_peak = peak_rss_bytes()  # the model built and sharded, not trained
     trainer.train()
     engine = trainer.engine
@@ -105,9 +123,40 @@ def run_one(mode: str, folder: str, steps: int, shape: dict, base: str | None) -
            "load_peak_rss_nbytes": load_peak,
            "peak_rss_nbytes": peak_rss_bytes(),
            "checkpoint_nbytes": checkpoint_nbytes,
-           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "step_s": steps_at.median_step_s()}
     engine.close()
     return out
+
+
+def _step_clock():
+    import statistics
+    import time
+
+    import transformers
+
+    class StepClock(transformers.TrainerCallback):
+        """The wall time of each optimizer step (from one step's end to the next's)."""
+
+        def __init__(self):
+            self.ends = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self.ends:
+                self.ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+        def median_step_s(self) -> float | None:
+            """The median step after the first (which loads kernels and caches), or None with fewer than 2."""
+            gaps = [b - a for a, b in zip(self.ends, self.ends[1:])][1:]
+            return statistics.median(gaps) if gaps else None
+    return StepClock
+
+
+def StepClock():  # noqa: N802 (a class made where transformers is imported: the parent process never needs it)
+    return _step_clock()()
 
 
 def main() -> int:
@@ -119,6 +168,7 @@ def main() -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--path", default=None, help="folder for the swap files (default: a temporary folder)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes in turn this many times (step ratios: median)")
     p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--make-base", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -135,30 +185,51 @@ def main() -> int:
     if args.one:
         print(json.dumps(run_one(args.one, args.folder, args.steps, shape, args.base)))
         return 0
-    results = []
+    rounds = []
     sizes = ["--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab",
              str(args.vocab)]
     with tempfile.TemporaryDirectory(dir=args.path) as base:
         if "lora-streamed" in modes:  # made in its own process: the measured ones never hold it
             subprocess.run([sys.executable, __file__, "--make-base", "--folder", base, *sizes], check=True)
-        for mode in modes:
-            with tempfile.TemporaryDirectory(dir=args.path) as folder:
-                done = subprocess.run([sys.executable, __file__, "--one", mode, "--folder", folder, "--base", base,
-                                       *sizes], capture_output=True, text=True, check=True)
-                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for _ in range(args.rounds):  # the modes in turn, each round: the box's drift falls on all of them
+            rounds.append({})
+            for mode in modes:
+                with tempfile.TemporaryDirectory(dir=args.path) as folder:
+                    done = subprocess.run([sys.executable, __file__, "--one", mode, "--folder", folder, "--base",
+                                           base, *sizes], capture_output=True, text=True, check=True)
+                    rounds[-1][mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    results = [rounds[-1][mode] | _step_figures(rounds, mode) for mode in modes]
     if args.json:
         print(json.dumps(results))
         return 0
     mib = 2**20
-    print(f"{'':13} {'params':>11} {'trainable':>11} {'nvme shards':>12} {'nvme optim':>11} {'host peak':>10} "
-          f"{'RSS loaded':>10} {'RSS after':>10} {'RSS peak':>9} {'checkpoint':>11}")
+
+    def mib_of(value, width, digits=1):
+        return f"{value / mib:>{width}.{digits}f} MiB" if value is not None else f"{'-':>{width + 4}}"
+    print(f"{'':15} {'params':>11} {'trainable':>11} {'nvme shards':>12} {'nvme optim':>11} {'host peak':>10} "
+          f"{'RSS loaded':>10} {'RSS after':>10} {'RSS peak':>9} {'checkpoint':>11} {'step':>8} {'÷ stock':>8}")
     for r in results:
-        print(f"{r['mode']:13} {r['params']:>11,} {r['trainable']:>11,} "
-              f"{r['nvme_nbytes']['compute_shards'] / mib:>8.1f} MiB {r['nvme_nbytes']['optimizer_states'] / mib:>7.2f} MiB "
-              f"{r['host_tier_peak_nbytes'] / mib:>6.1f} MiB {r['load_peak_rss_nbytes'] / mib:>6.0f} MiB "
-              f"{r['rss_after_nbytes'] / mib:>6.0f} MiB "
-              f"{r['peak_rss_nbytes'] / mib:>5.0f} MiB {r['checkpoint_nbytes'] / mib:>7.1f} MiB")
+        nvme = r.get("nvme_nbytes", {})
+        ratio = f"{r['step_vs_stock']:>8.2f}" if r.get("step_vs_stock") is not None else f"{'-':>8}"
+        step = f"{r['step_s']:>7.2f}s" if r.get("step_s") is not None else f"{'-':>8}"
+        print(f"{r['mode']:15} {r['params']:>11,} {r['trainable']:>11,} "
+              f"{mib_of(nvme.get('compute_shards'), 8)} {mib_of(nvme.get('optimizer_states'), 7, 2)} "
+              f"{mib_of(r.get('host_tier_peak_nbytes'), 6)} {mib_of(r['load_peak_rss_nbytes'], 6, 0)} "
+              f"{mib_of(r['rss_after_nbytes'], 6, 0)} {mib_of(r['peak_rss_nbytes'], 5, 0)} "
+              f"{mib_of(r.get('checkpoint_nbytes'), 7)} {step} {ratio}")
     return 0
+
+
+def _step_figures(rounds: list[dict], mode: str) -> dict:
+    """A mode's median step over the rounds, and its median ratio to the stock Trainer's step of the same round."""
+    import statistics
+
+    steps = [r[mode]["step_s"] for r in rounds if r[mode].get("step_s") is not None]
+    ratios = [r[mode]["step_s"] / r["stock"]["step_s"] for r in rounds
+              if "stock" in r and r[mode].get("step_s") and r["stock"].get("step_s")]
+    return {"step_s": statistics.median(steps) if steps else None,
+            "step_vs_stock": statistics.median(ratios) if ratios else None,
+            "step_vs_stock_rounds": ratios}
 
 
 if __name__ == "__main__":
