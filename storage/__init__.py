@@ -3,7 +3,8 @@
 - :mod:`.aio`: :class:`AsyncIO`, asynchronous direct I/O (libaio, or a thread pool) returning :class:`IOHandle`.
   Its parts: :mod:`.aio_core` (the request queue), :mod:`.aio_libaio` and :mod:`.aio_threads` (the two
   backends), :mod:`.aio_request` (one request, ``io_error``).
-- :mod:`.buffers`: :func:`aligned_empty` and :class:`HostBufferPool`, aligned (pinned on CUDA) host memory.
+- :mod:`.buffers`: :func:`aligned_empty`, :func:`aligned_storage` and :class:`HostBufferPool`, aligned (pinned on
+  CUDA) host memory.
 - :mod:`.pinning`: :class:`BackgroundPinner`, page-locking buffers on a thread of its own.
 - :mod:`.swap_store`: :class:`SwapStore`, tensors by key in files under a private directory.
 - :mod:`.swap_dir`: that private directory: made, probed for direct I/O, locked for the store's life, removed;
@@ -17,7 +18,7 @@ it knows nothing of models, parameters or ``torch.distributed``.
 """
 
 from .aio import AsyncIO, IOHandle, libaio_unavailable_reason
-from .buffers import ALIGNMENT, HostBufferPool, aligned_empty
+from .buffers import ALIGNMENT, HostBufferPool, aligned_empty, aligned_storage
 from .pinning import BackgroundPinner
 from .stats import TierStats
 from .swap_store import DirectIOUnsupported, SwapStore
@@ -32,5 +33,6 @@ __all__ = [
     "SwapStore",
     "TierStats",
     "aligned_empty",
+    "aligned_storage",
     "libaio_unavailable_reason",
 ]

@@ -22,7 +22,7 @@ from .stats import TierStats, format_nbytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALIGNMENT", "aligned_empty", "round_up", "HostBufferPool", "pinning_available"]
+__all__ = ["ALIGNMENT", "aligned_empty", "aligned_storage", "round_up", "HostBufferPool", "pinning_available"]
 
 ALIGNMENT = 4096
 """Byte alignment of every buffer address, buffer size and file offset of direct I/O."""
@@ -65,14 +65,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pag
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
     capacity = max(round_up(nbytes), ALIGNMENT)
-    mapping = _Mapping(-1, capacity, flags=mmap.MAP_PRIVATE)
-    if huge_pages and capacity >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
-        # Transparent huge pages where the system allows them (madvise mode): fewer pages to pin per
-        # transfer, and DMA into them is steadier (in VMs, markedly so).
-        try:
-            mapping.madvise(_MADV_HUGEPAGE)
-        except OSError as exc:
-            logger.debug("madvise(MADV_HUGEPAGE) on %d bytes failed: %s", capacity, exc)
+    mapping = _anonymous_mapping(capacity, huge_pages=huge_pages)
     flat = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
     if pin:
         if pinner is not None:
@@ -85,6 +78,28 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge_pag
                 logger.info("pinned host buffers requested but CUDA is not available: using pageable memory")
                 _pin_warned = True
     return flat[:nbytes].view(dtype)
+
+
+def aligned_storage(nbytes: int) -> torch.UntypedStorage:
+    """A host storage of exactly ``nbytes`` (at least 1) whose address is page-aligned: a direct read lands in it
+    without a bounce copy, where the CPU allocator's blocks are 64-byte aligned (2 MiB only for large ones, and
+    only with ``THP_MEM_ALLOC_ENABLE=1`` set before torch starts). Its pages go back to the system when it is
+    freed."""
+    if nbytes < 1:
+        raise ValueError(f"aligned_storage: nbytes must be >= 1, got {nbytes}")
+    return torch.frombuffer(_anonymous_mapping(nbytes, huge_pages=True), dtype=torch.uint8).untyped_storage()
+
+
+def _anonymous_mapping(nbytes: int, *, huge_pages: bool) -> _Mapping:
+    mapping = _Mapping(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if huge_pages and nbytes >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
+        # Transparent huge pages where the system allows them (madvise mode): fewer pages to pin per
+        # transfer, and DMA into them is steadier (in VMs, markedly so).
+        try:
+            mapping.madvise(_MADV_HUGEPAGE)
+        except OSError as exc:
+            logger.debug("madvise(MADV_HUGEPAGE) on %d bytes failed: %s", nbytes, exc)
+    return mapping
 
 
 class HostBufferPool:

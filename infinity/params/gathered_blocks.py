@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 
 from infinity.placement.placement import Placement
-from infinity.storage import TierStats
+from infinity.storage import TierStats, aligned_storage
 
 GATHERED = "gathered parameters"
 """The owner full tensors' bytes are counted under (in use, or kept for the next fetch)."""
@@ -109,7 +109,9 @@ class ReusedBlocks:
             while self._kept_nbytes:  # the budget wants the kept bytes back first
                 self._drop_one()
             self._stats.allocate(nbytes, GATHERED)
-        return torch.UntypedStorage(nbytes)
+        # page-aligned: a compute shard read from NVMe lands in its own chunk of the block directly (a block of
+        # the CPU allocator's made every read of it bounce through a buffer and a copy of the whole shard)
+        return aligned_storage(nbytes)
 
     def _drop_one(self) -> None:
         size = max(self._kept, key=lambda n: n if self._kept[n] else -1)

@@ -7,6 +7,7 @@ parameters' bytes above the most they have been in use)."""
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -108,3 +109,23 @@ def test_the_engine_trains_the_same_on_kept_blocks(tmp_path, monkeypatch, param)
         assert torch.equal(got_full[name], value), name
     assert got_peak == peak
     assert reused > 0
+
+
+def test_compute_shards_read_from_nvme_land_in_their_blocks_without_a_bounce(tmp_path, caplog):
+    """Where device memory is host memory, a fetch reads a compute shard from NVMe straight into the gathered
+    parameter's block (page-aligned): after initialize's writes, the swap store bounces no read through a buffer."""
+    if distinct_device_requested():
+        pytest.skip("device memory apart from host memory: reads land in the read pool's aligned buffers")
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(3, batch=2)
+    config = engine_config(param="nvme", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=3e-3)
+    with infinity.initialize(model, config) as engine:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="infinity.storage.swap_store"):
+            for x, y in batches:
+                engine.backward(engine(x, y))
+                engine.step()
+        read = engine.tiers.snapshot()["nvme"]["bytes_read"]
+    assert read > 0  # the shards were read from NVMe at each fetch
+    bounced = [r.getMessage() for r in caplog.records if "swap read" in r.getMessage() and "bouncing" in r.getMessage()]
+    assert not bounced, bounced[:3]

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from infinity.storage import HostBufferPool, TierStats, aligned_empty
+from infinity.storage import ALIGNMENT, HostBufferPool, TierStats, aligned_empty, aligned_storage
 
 pytestmark = pytest.mark.device_independent  # the distinct-device pass leaves it out
 
@@ -119,3 +119,14 @@ def test_pool_never_overshoots_under_concurrency():
     for t in threads:
         t.join()
     assert not over and pool.peak_nbytes <= budget and pool.live_nbytes == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 5000, (2 << 20) + 3])
+def test_aligned_storage_is_exactly_its_size_at_a_page_aligned_address(nbytes):
+    storage = aligned_storage(nbytes)
+    assert storage.nbytes() == nbytes and storage.data_ptr() % ALIGNMENT == 0
+    view = torch.empty(0, dtype=torch.uint8).set_(storage)
+    view.fill_(7)
+    assert int(view.sum()) == 7 * nbytes
+    with pytest.raises(ValueError, match="nbytes must be >= 1"):
+        aligned_storage(0)
