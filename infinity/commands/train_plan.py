@@ -157,8 +157,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
     hf_model = getattr(args, "hf_model", None)
     micro_batch = pick(args.micro_batch, config_number(raw, "train_micro_batch_size_per_gpu",
                                                        "train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
-    grad_accum = pick(args.grad_accum, config_number(raw, "gradient_accumulation_steps", "gradient_accumulation_steps"), 1)
+    config_accum = config_number(raw, "gradient_accumulation_steps", "gradient_accumulation_steps")
     train_batch = config_number(raw, "train_batch_size", "train_batch_size")
+    rank, world_size, local_world_size = _dist_env()
+    if args.grad_accum is None and config_accum is None and train_batch is not None:
+        # DeepSpeed's arithmetic, as initialize does it: the accumulation steps from the batch sizes
+        config_accum = train_batch // (micro_batch * world_size) if train_batch % (micro_batch * world_size) == 0 \
+            else None  # not a whole number: refused below, naming the three
+    grad_accum = pick(args.grad_accum, config_accum, 1)
     if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
         raise ValueError("give --preset or --model or --hf-model, only one")
     preset = None if (args.model or hf_model) else (args.preset or _default_preset())
@@ -188,7 +194,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     warmup = pick(args.warmup, None, max(1, steps // 20))
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
-    rank, world_size, local_world_size = _dist_env()
 
     if args.trace:
         check_output_folder("--trace", args.trace)

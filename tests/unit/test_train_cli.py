@@ -330,8 +330,19 @@ def test_a_config_file_without_offload_keeps_the_defaults_and_its_paths_are_kept
 
 def test_train_batch_size_must_agree(no_work, capsys):
     cfg = no_work / "tbs.json"
-    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}))
+    cfg.write_text(json.dumps({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}))
+    assert "train_batch_size=30" in _fails(capsys, "--config", str(cfg))
+    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                               "gradient_accumulation_steps": 2}))
     assert "train_batch_size=32" in _fails(capsys, "--config", str(cfg))
+    assert "train_batch_size=32" in _fails(capsys, "--config", str(cfg), "--grad-accum", "4")
+
+
+def test_the_accumulation_steps_left_out_come_from_the_batch_sizes_as_deepspeed_derives_them(tmp_path):
+    cfg = tmp_path / "tbs.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}))
+    plan = train.make_plan(_args("--config", str(cfg)))
+    assert (plan.micro_batch, plan.grad_accum) == (4, 8) and plan.config.gradient_accumulation_steps == 8
 
 
 def test_each_preset_has_its_own_default_lr():
