@@ -160,7 +160,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     config_accum = config_number(raw, "gradient_accumulation_steps", "gradient_accumulation_steps")
     train_batch = config_number(raw, "train_batch_size", "train_batch_size")
     rank, world_size, local_world_size = _dist_env()
-    if args.grad_accum is None and config_accum is None and train_batch is not None:
+    if args.grad_accum is None and config_accum is None and train_batch is not None and micro_batch > 0:
         # DeepSpeed's arithmetic, as initialize does it: the accumulation steps from the batch sizes
         config_accum = train_batch // (micro_batch * world_size) if train_batch % (micro_batch * world_size) == 0 \
             else None  # not a whole number: refused below, naming the three

@@ -336,6 +336,8 @@ def test_train_batch_size_must_agree(no_work, capsys):
                                "gradient_accumulation_steps": 2}))
     assert "train_batch_size=32" in _fails(capsys, "--config", str(cfg))
     assert "train_batch_size=32" in _fails(capsys, "--config", str(cfg), "--grad-accum", "4")
+    cfg.write_text(json.dumps({"train_batch_size": 32}))
+    assert "--micro-batch must be positive" in _fails(capsys, "--config", str(cfg), "--micro-batch", "0")
 
 
 def test_the_accumulation_steps_left_out_come_from_the_batch_sizes_as_deepspeed_derives_them(tmp_path):
