@@ -45,8 +45,7 @@ from infinity.placement.split_choice import StepShape
 from infinity.placement.tiers import Tiers
 from infinity.runtime.allocator import give_back_freed_heap, keep_large_blocks_mapped
 from infinity.runtime.comm import Collectives, rank_in
-from infinity.runtime.cpu_matmul import HalfMatmulsInFp32, cpu_matmul_mode
-from infinity.runtime.hardware import slow_precision_warning
+from infinity.runtime.cpu_matmul import run_matmul_mode
 from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
 from infinity.weights.save_model import save_model
@@ -97,14 +96,7 @@ class Engine:
         self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]
-        self._matmul_mode = cpu_matmul_mode(config.cpu_matmul_precision, config.precision, self.device)
-        if self._matmul_mode is HalfMatmulsInFp32:
-            logger.info("%s matmuls on the CPU are computed in fp32 and rounded (cpu_matmul_precision %s)",
-                        config.precision, config.cpu_matmul_precision)
-        else:
-            slow = slow_precision_warning(config.precision, self.device.type)
-            if slow is not None:
-                logger.warning("%s", slow)
+        self._matmul_mode = run_matmul_mode(config.cpu_matmul_precision, config.precision, self.device, logger=logger)
         config = self.config = config.for_world_size(self.comm.world_size)  # DeepSpeed's batch-size arithmetic
         if config.not_applicable:
             logger.info("config keys accepted but not applicable here: %s", ", ".join(config.not_applicable))

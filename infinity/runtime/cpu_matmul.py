@@ -23,13 +23,14 @@ A dispatch mode is thread-local: the engine enters it around the model's forward
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infinity.runtime.hardware import CPU_MATMUL_CHOICES, cpu_flags, fast_precision
+from infinity.runtime.hardware import CPU_MATMUL_CHOICES, cpu_flags, fast_precision, slow_precision_warning
 
-__all__ = ["CPU_MATMUL_CHOICES", "HalfMatmulsInFp32", "cpu_matmul_mode", "matmuls_in_fp32"]
+__all__ = ["CPU_MATMUL_CHOICES", "HalfMatmulsInFp32", "cpu_matmul_mode", "matmuls_in_fp32", "run_matmul_mode"]
 
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
 """/proc/cpuinfo flags of a CPU with fp16 units."""
@@ -87,6 +88,20 @@ def matmuls_in_fp32(choice: str, precision: str, device: torch.device | str) -> 
         return fast_precision("cpu").precision != "bf16"
     flags = cpu_flags()
     return flags is None or not any(f in flags for f in FP16_CPU_FLAGS)
+
+
+def run_matmul_mode(choice: str, precision: str, device: torch.device, *, logger: logging.Logger):
+    """:func:`cpu_matmul_mode` for a run, said once in the run's ``logger``: the matmuls taken through fp32, or else
+    the warning of a precision this device computes slowly."""
+    mode = cpu_matmul_mode(choice, precision, device)
+    if mode is HalfMatmulsInFp32:
+        logger.info("%s matmuls on the CPU are computed in fp32 and rounded (cpu_matmul_precision %s)", precision,
+                    choice)
+    else:
+        slow = slow_precision_warning(precision, device.type)
+        if slow is not None:
+            logger.warning("%s", slow)
+    return mode
 
 
 def cpu_matmul_mode(choice: str, precision: str, device: torch.device | str):
