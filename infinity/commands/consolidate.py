@@ -18,10 +18,8 @@ import argparse
 import time
 
 from infinity.checkpoint.consolidation import consolidate
-from infinity.checkpoint.publish import resolve_checkpoint
-from infinity.checkpoint.reader import Checkpoint
 from infinity.commands.train_outputs import check_model_folder
-from infinity.hf.checkpoint_adapters import consolidate_adapters, records_adapters
+from infinity.hf.checkpoint_adapters import checkpoint_records_adapters, consolidate_adapters
 from infinity.placement.report import format_bytes
 from infinity.weights.export import consolidate_hf
 
@@ -49,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.hf:
         check_model_folder("OUT", args.out, overwrite=args.overwrite)  # before reading a byte of the checkpoint
-        if _records_adapters(args.checkpoint, args.tag):
+        if checkpoint_records_adapters(args.checkpoint, args.tag):
             if args.hf_config:
                 raise ValueError("--hf-config: a LoRA checkpoint is written as its adapters, which need no config.json")
             s = consolidate_adapters(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)
@@ -74,11 +72,3 @@ def run(args: argparse.Namespace) -> int:
           f"(step {summary['global_step']}, {summary['world_size']} rank(s)) in {time.perf_counter() - started:.1f} s")
     return 0
 
-
-def _records_adapters(checkpoint: str, tag: str | None) -> bool:
-    """The checkpoint is a LoRA run's, saved without its base: ``--hf`` writes its adapters."""
-    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
-    try:
-        return records_adapters(ckpt.meta)
-    finally:
-        ckpt.close()

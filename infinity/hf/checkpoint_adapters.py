@@ -16,12 +16,21 @@ from infinity.checkpoint import CheckpointError
 from infinity.checkpoint.publish import resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.hf.peft_models import require_peft, wrap_with_peft
-from infinity.weights.export import causal_lm_on_meta, save_dtype
+from infinity.weights.export import causal_lm_on_meta, problems_said, save_dtype
 
 
 def records_adapters(meta: dict) -> bool:
     """The checkpoint (its ``meta``) left out its frozen base and recorded the adapters' config."""
     return bool(meta.get("frozen_excluded")) and "peft_config" in (meta.get("client_state") or {})
+
+
+def checkpoint_records_adapters(checkpoint, tag: str | None = None) -> bool:
+    """:func:`records_adapters` of the checkpoint at ``checkpoint`` (a save folder's ``latest``, or ``tag``)."""
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        return records_adapters(ckpt.meta)
+    finally:
+        ckpt.close()
 
 
 def consolidate_adapters(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None = None,
@@ -37,18 +46,17 @@ def consolidate_adapters(checkpoint, out_dir, *, dtype: str = "fp32", tag: str |
                                   f"(infinity train --lora-rank records both)")
         peft_model = _peft_model_on_meta(client_state["hf_config"], client_state["peft_config"], source=str(ckpt.path))
         expected = {name: tuple(p.shape) for name, p in peft_model.named_parameters() if p.requires_grad}
+        trained = [p for p in ckpt.meta["params"] if p["trainable"]]
+        _check_names({name: tuple(p["shape"]) for p in trained for name in p["names"]}, expected, ckpt.path)
         if verify:
             ckpt.verify()
         state = {}
-        for p in ckpt.meta["params"]:
-            if not p["trainable"]:
-                continue
+        for p in trained:
             master = torch.empty(p["numel"], dtype=torch.float32)
             ckpt.read_range("master", p, 0, master)
             value = master.view(p["shape"]).to(out_dtype)
             for name in p["names"]:
                 state[name] = value
-        _check_names(state, expected, ckpt.path)
         peft_model.save_pretrained(str(out_dir), state_dict=state)
     finally:
         ckpt.close()
@@ -66,17 +74,15 @@ def _peft_model_on_meta(hf_config: dict, peft_config: dict, *, source: str) -> t
         raise ValueError(f"the adapters' config recorded in {source} does not build a peft model: {err}") from None
 
 
-def _check_names(state: dict, expected: dict, path, shown: int = 3) -> None:
-    """The checkpoint's trainable parameters are the recorded adapters', by name and shape; else nothing is
-    written and the first few differences are named."""
-    differ = [f"{n}: {list(v.shape)} here, {list(expected[n])} in the recorded config"
-              for n, v in state.items() if n in expected and tuple(v.shape) != expected[n]]
-    extra = [n for n in state if n not in expected]
-    missing = [n for n in expected if n not in state]
-    problems = [(what, items) for what, items in (("shapes differ", differ), ("not adapters of the recorded config",
-                                                                                extra), ("missing", missing)) if items]
-    if problems:
-        said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
-                         for what, items in problems)
+def _check_names(saved: dict, expected: dict, path) -> None:
+    """The checkpoint's trainable parameters (``saved``: name -> shape) are the recorded adapters', by name and
+    shape; else nothing is read or written and the first few differences are named."""
+    differ = [f"{n}: {list(shape)} here, {list(expected[n])} in the recorded config"
+              for n, shape in saved.items() if n in expected and shape != expected[n]]
+    extra = [n for n in saved if n not in expected]
+    missing = [n for n in expected if n not in saved]
+    said = problems_said((("shapes differ", differ), ("not adapters of the recorded config", extra),
+                          ("missing", missing)))
+    if said:
         raise CheckpointError(f"checkpoint {path} does not hold the adapters its recorded config describes: {said}; "
                               f"nothing was written")

@@ -299,6 +299,12 @@ def causal_lm_on_meta(config: dict, *, source: str) -> torch.nn.Module:
         raise ValueError(f"{source}: cannot build a causal LM from its config.json: {err}") from None
 
 
+def problems_said(problems, *, shown: int = 3) -> str:
+    """``(what, items)`` pairs as one line naming the first ``shown`` items of each kind that has any; "" for none."""
+    return "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
+                     for what, items in problems if items)
+
+
 def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: str, shown: int = 3) -> None:
     """Every tensor's name and shape against the model ``config`` (a ``config.json``) describes, before anything is
     written: that model is built on the meta device (no memory) and its state dict compared. A tensor the model
@@ -318,12 +324,9 @@ def check_tensors_fit_config(tensors: list[HFTensor], config: dict, *, source: s
     missing = [f"{n} {list(shape)}" for n, shape in expected.items() if n not in covered]
     mismatched = [f"{n}: {list(written[n])} here, {list(shape)} in the config's model"  # in the model's order
                   for n, shape in expected.items() if n in written and written[n] != shape]
-    problems = [(what, items) for what, items in (("shapes differ", mismatched),
-                                                  ("tensors the config's model does not take", unexpected),
-                                                  ("the config's model has no tensor here for", missing)) if items]
-    if problems:
-        said = "; ".join(f"{what} ({len(items)}): {', '.join(items[:shown])}" + (", ..." if len(items) > shown else "")
-                         for what, items in problems)
+    said = problems_said((("shapes differ", mismatched), ("tensors the config's model does not take", unexpected),
+                          ("the config's model has no tensor here for", missing)), shown=shown)
+    if said:
         raise ValueError(f"the checkpoint does not fit {source} ({config.get('model_type')}): {said}; nothing was "
                          f"written. Give --hf-config the model folder the run started from")
 
