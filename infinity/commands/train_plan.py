@@ -23,7 +23,7 @@ from infinity.commands.train_lora import LORA_LR, LoraPlan, lora_plan
 from infinity.commands.train_monitor import MonitorPlan
 from infinity.config.auto import fill_auto
 from infinity.config.deepspeed import asked_precision
-from infinity.config.schema import InfinityConfig, read_config_json
+from infinity.config.schema import InfinityConfig, accumulation_steps_from, read_config_json
 from infinity.config.sections import TraceConfig
 from infinity.config.tier_names import OffloadDevice
 from infinity.models.gpt import DEFAULT_PRESET, get_preset
@@ -161,9 +161,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     train_batch = config_number(raw, "train_batch_size", "train_batch_size")
     rank, world_size, local_world_size = _dist_env()
     if args.grad_accum is None and config_accum is None and train_batch is not None and micro_batch > 0:
-        # DeepSpeed's arithmetic, as initialize does it: the accumulation steps from the batch sizes
-        config_accum = train_batch // (micro_batch * world_size) if train_batch % (micro_batch * world_size) == 0 \
-            else None  # not a whole number: refused below, naming the three
+        # DeepSpeed's arithmetic, as initialize does it (not a whole number: refused below, naming the three)
+        config_accum = accumulation_steps_from(train_batch, micro_batch, world_size)
     grad_accum = pick(args.grad_accum, config_accum, 1)
     if sum(x is not None for x in (args.preset, args.model, hf_model)) > 1:
         raise ValueError("give --preset or --model or --hf-model, only one")

@@ -95,13 +95,12 @@ class InfinityConfig:
         size); ``train_batch_size`` given with both must equal micro batch × accumulation steps × ``world_size``."""
         config = self
         if self.accumulation_from_batch:
-            per_step = self.micro_batch_size * world_size
-            if self.train_batch_size % per_step:
+            accumulation = accumulation_steps_from(self.train_batch_size, self.micro_batch_size, world_size)
+            if accumulation is None:
                 raise ValueError(f"train_batch_size={self.train_batch_size} is not a multiple of "
                                  f"train_micro_batch_size_per_gpu × world size = {self.micro_batch_size} × {world_size}: "
                                  f"no whole gradient_accumulation_steps gives it")
-            config = self.replace(gradient_accumulation_steps=self.train_batch_size // per_step,
-                                  accumulation_from_batch=False)
+            config = self.replace(gradient_accumulation_steps=accumulation, accumulation_from_batch=False)
         elif self.train_batch_size is not None and self.micro_batch_size is None:
             per_micro = self.gradient_accumulation_steps * world_size
             if self.train_batch_size % per_micro:
@@ -143,6 +142,13 @@ class InfinityConfig:
     def with_aio(self, **changes) -> "InfinityConfig":
         """A copy with fields of ``aio`` changed."""
         return self.replace(aio=dataclasses.replace(self.aio, **changes))
+
+
+def accumulation_steps_from(train_batch_size: int, micro_batch_size: int, world_size: int) -> int | None:
+    """DeepSpeed's gradient accumulation steps where only the batch sizes are given: ``train_batch_size`` ÷ (micro
+    batch × ``world_size``), or None where that is not a whole number."""
+    per_step = micro_batch_size * world_size
+    return train_batch_size // per_step if train_batch_size % per_step == 0 else None
 
 
 def read_config_json(path: str | os.PathLike, what: str = "config file") -> dict:
