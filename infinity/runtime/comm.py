@@ -118,9 +118,13 @@ class Collectives:
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> None:
         """Make every rank hold rank 0's ``tensor`` (used once, at initialize)."""
+        self.broadcast_from(tensor, 0)
+
+    def broadcast_from(self, tensor: torch.Tensor, rank: int) -> None:
+        """Make every rank hold ``rank``'s ``tensor`` (``rank`` within the group)."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, 0) if self.group else 0
+        src = dist.get_global_rank(self.group, rank) if self.group else rank
         self._on_backend_device(tensor, lambda t: dist.broadcast(t, src=src, group=self.group))
 
     def _on_backend_device(self, tensor: torch.Tensor, collective) -> None:
