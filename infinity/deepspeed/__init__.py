@@ -11,11 +11,11 @@
     load_path, client_state = model_engine.load_checkpoint(save_dir)   # (None, None) where nothing was saved
 
 What DeepSpeed offers that the engine cannot honour (model parallelism's ``mpu``, a client learning-rate
-scheduler, an optimizer other than Adam/AdamW, ``zero.GatheredParameters``) is refused by name, before any work.
+scheduler, an optimizer other than Adam/AdamW) is refused by name, before any work.
 """
 
-from infinity.deepspeed import zero
+from infinity.deepspeed import utils, zero
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "utils", "zero"]

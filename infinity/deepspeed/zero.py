@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
+from infinity.engine.gathered import engine_of
 from infinity.engine.materialize import Init as _meta_init
 
 
@@ -23,11 +26,40 @@ def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remot
 
 
 class GatheredParameters:
-    """DeepSpeed's ``zero.GatheredParameters`` is not offered: the engine gathers a parameter only inside a
-    module's forward and backward."""
+    """DeepSpeed's ``zero.GatheredParameters``: inside the block each given parameter is whole (gathered from every
+    rank); on exit with ``modifier_rank`` that rank's values become every rank's, in the fp32 masters too
+    (:mod:`infinity.engine.gathered`). Collective: every rank enters it with the same parameters.
+
+    ``params``: a parameter or an iterable of them; those no engine manages are whole already and left as they are
+    (as DeepSpeed leaves a parameter that is not partitioned). ``fwd_module`` is accepted (a forward gathers what
+    it uses by itself)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
-        raise NotImplementedError(
-            "deepspeed.zero.GatheredParameters is not supported: read the whole model with "
-            "engine.full_state_dict() (every rank calls it), and set initial values before initialize (a model "
-            "built inside zero.Init gets them from its _init_weights or reset_parameters, or initialize's param_init)")
+        if params is None:
+            params = []
+        elif isinstance(params, torch.Tensor):
+            params = [params]
+        params = list(params)
+        self._context = contextlib.nullcontext()
+        if not enabled or not params:
+            return
+        not_tensors = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if not_tensors:
+            raise TypeError(f"zero.GatheredParameters takes parameters, got {', '.join(not_tensors)}")
+        if any(p.is_meta for p in params):
+            raise ValueError("zero.GatheredParameters: a parameter on the meta device (a model built inside "
+                             "zero.Init) has no values before initialize; give them with initialize's param_init "
+                             "(or the model's _init_weights), or gather it after initialize")
+        engines = {id(e): e for e in map(engine_of, params) if e is not None}
+        if len(engines) > 1:
+            raise ValueError("zero.GatheredParameters: the parameters belong to more than one engine")
+        if engines:
+            engine = next(iter(engines.values()))
+            managed = [p for p in params if engine_of(p) is engine]
+            self._context = engine.gathered_parameters(managed, modifier_rank)
+
+    def __enter__(self):
+        return self._context.__enter__()
+
+    def __exit__(self, *exc):
+        return self._context.__exit__(*exc)

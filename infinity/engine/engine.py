@@ -18,6 +18,7 @@ from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
 from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.casting import cast_buffers, cast_floating
+from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
@@ -188,6 +189,7 @@ class Engine:
                              comm=self.comm, compute=self.compute, optimizer=self.optimizer, frozen=self.frozen)
         for sharded in self.params:
             self._by_param[id(sharded.param)] = sharded
+        register(self, self.params)  # a parameter leads to its engine (zero.GatheredParameters)
         if self._weights is not None:
             self._weights.load_buffers(model)
             self._weights.close()
@@ -389,6 +391,20 @@ class Engine:
     def _last_counters(self) -> dict:
         """The counters at the last step's end (tests read the writes that finished after it)."""
         return self.meter.last_counters
+
+    def whole_params(self) -> WholeParams:
+        """Parameters' full values outside a forward: read, written, or whole in their ``.data`` for a block
+        (:mod:`infinity.engine.gathered`). Every verb is collective."""
+        self._ensure_open()
+        if self._in_pass or self.backward_pending:
+            raise RuntimeError("parameters cannot be gathered between a forward and its step(): call it before the "
+                               "forward or after step()")
+        return WholeParams(self.shard_source(), self._by_param, self.device)
+
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """A block in which each of ``params`` is whole in its ``.data``; on exit with a ``modifier_rank``, that
+        rank's values are every rank's (DeepSpeed's ``zero.GatheredParameters``). Collective."""
+        return self.whole_params().gathered(list(params), modifier_rank)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""

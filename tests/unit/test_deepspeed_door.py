@@ -221,7 +221,5 @@ def test_engine_arguments_it_cannot_honour_are_refused_by_name(tmp_path):
             engine.backward(engine(x[:4], y[:4]), retain_graph=True)
         with pytest.raises(ValueError, match="load_optimizer_states=False"):
             engine.load_checkpoint(tmp_path, tag="global_step0", load_optimizer_states=False)
-    with pytest.raises(NotImplementedError, match="full_state_dict"):
-        deepspeed.zero.GatheredParameters(list(Regressor().parameters()))
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"]).deepspeed_config == "ds.json"

@@ -1,0 +1,116 @@
+"""Parameters whole outside a forward: read, written, or whole in their ``.data`` for a block, as DeepSpeed's
+``zero.GatheredParameters`` and ``safe_get_full_fp32_param``-family make them.
+
+A parameter's full value is gathered from every rank's fp32 master (a frozen one's from its compute shard); a full
+value written is sliced by every rank into its master and compute shard. Inside :meth:`WholeParams.gathered` each
+parameter's ``.data`` is its full value, in the precision and on the device the model computes in, and on exit it
+is sharded again. With a ``modifier_rank``, that rank's values then become every rank's: an element the block
+changed takes the new value, one it left as it found it keeps its fp32 master exactly (what the block saw was
+rounded to the compute precision). The optimizer's moments are kept. Every verb is collective: each rank calls it
+with the same parameters in the same order.
+
+The live engines are registered here by their parameters' ids, so that a parameter leads to its engine
+(:func:`engine_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+
+from infinity.checkpoint.shard_source import ShardSource
+from infinity.checkpoint.state_dict import FullParamGatherer, FullParamWriter
+from infinity.params.sharded_param import ShardedParam
+
+_LIVE: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+"""Each live engine -> the ids of the parameters it manages."""
+
+
+def register(engine, params: list[ShardedParam]) -> None:
+    """``engine`` manages ``params`` from now on (closed, it refuses to gather them; collected, it is forgotten)."""
+    _LIVE[engine] = frozenset(id(sharded.param) for sharded in params)
+
+
+def engine_of(param: torch.Tensor):
+    """The live engine that manages ``param``, or None."""
+    for engine, ids in list(_LIVE.items()):
+        if id(param) in ids:
+            return engine
+    return None
+
+
+class WholeParams:
+    """One engine's parameters, whole: made afresh for each use (``Engine.whole_params()``)."""
+
+    def __init__(self, source: ShardSource, by_param: dict[int, ShardedParam], device: torch.device):
+        self._source = source
+        self._by_param = by_param  # id(parameter) -> its ShardedParam
+        self._device = device
+
+    def _sharded(self, params) -> list[ShardedParam]:
+        unknown = [tuple(param.shape) for param in params if id(param) not in self._by_param]
+        if unknown:
+            raise ValueError(f"parameter(s) of shape {unknown} are not this engine's")
+        return [self._by_param[id(param)] for param in params]
+
+    def read(self, param: torch.nn.Parameter, state: str = "master") -> torch.Tensor:
+        """``param``'s full fp32 master (``state``: or that optimizer state), a new tensor on the compute device."""
+        (sharded,) = self._sharded([param])
+        gatherer = FullParamGatherer(self._source, state)
+        try:
+            return gatherer.gather(self._source.params[sharded.slot.index]).to(self._device, copy=True)
+        finally:
+            gatherer.close()
+
+    def write(self, param: torch.nn.Parameter, value: torch.Tensor, state: str = "master") -> None:
+        """Make ``value`` (every rank's the same) ``param``'s full fp32 master and compute shard (``state``: that
+        optimizer state alone, after the first step)."""
+        (sharded,) = self._sharded([param])
+        if state != "master" and self._source.optimizer_state()["step"] == 0:
+            raise ValueError(f"{sharded.name}: no optimizer step has run, so there is no {state!r} to set yet")
+        FullParamWriter(self._source, state).write({sharded.slot.index: value.detach().to("cpu")})
+
+    @contextlib.contextmanager
+    def gathered(self, params, modifier_rank: int | None = None) -> Iterator[None]:
+        """Each of ``params`` whole in its ``.data`` for the duration; ``modifier_rank``'s values kept on exit."""
+        source = self._source
+        comm = source.comm
+        sharded = self._sharded(params)
+        if modifier_rank is not None and not (isinstance(modifier_rank, int)
+                                              and 0 <= modifier_rank < comm.world_size):
+            raise ValueError(f"modifier_rank={modifier_rank!r}: a rank of the engine's {comm.world_size} or None")
+        gatherer = FullParamGatherer(source)
+        try:  # fp32 host values, one parameter at a time, in the order given (a collective each)
+            masters = [gatherer.gather(source.params[param.slot.index]).clone() for param in sharded]
+        finally:
+            gatherer.close()
+        originals = [param.param.data for param in sharded]
+        for param, full in zip(sharded, masters):
+            param.param.data = full.to(device=self._device, dtype=param.param.dtype)
+        try:
+            yield
+            left = [param.param.data for param in sharded]
+        finally:
+            for param, original in zip(sharded, originals):
+                param.param.data = original  # sharded again: a view of the full tensor its fetches fill
+        if modifier_rank is None:
+            return
+        # The modifier's values are checked on every rank's behalf before anyone waits in the broadcast.
+        wrong = [param.name for param, value in zip(sharded, left) if value.numel() != param.slot.numel]
+        refused = torch.tensor([float(bool(wrong)) if comm.rank == modifier_rank else 0.0])
+        if comm.all_reduce_max(refused).item():
+            raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}): rank {modifier_rank} left "
+                             f"{', '.join(wrong) or 'a parameter'} with another number of elements than its "
+                             "shape's; nothing was written")
+        values: dict[int, torch.Tensor] = {}
+        for param, master, value in zip(sharded, masters, left):
+            if comm.rank == modifier_rank:
+                value = value.detach().to("cpu").reshape(master.shape)
+                seen = master.to(value.dtype)
+                master = torch.where(value == seen, master, value.to(torch.float32))
+            comm.broadcast_from(master, modifier_rank)  # every rank writes its slice of the same values
+            values[param.slot.index] = master
+        FullParamWriter(source).write(values)
