@@ -27,7 +27,7 @@ PROGRESS_AFTER_S = 2.0
 
 
 @dataclasses.dataclass
-class _Output:
+class ConsolidatedTensor:
     """One tensor of the consolidated file, written under each of ``names``."""
 
     names: list[str]
@@ -36,10 +36,13 @@ class _Output:
     fill: Callable[[torch.Tensor], None]
 
 
-def _consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype) -> list[_Output]:
-    """The tensors of the plain model's state dict, in order, each with the way to fill it from the shards."""
+def consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype, *,
+                         trainable_only: bool = False) -> list[ConsolidatedTensor]:
+    """The tensors of the plain model's state dict, in order, each with the way to fill it from the shards
+    (``trainable_only``: its trained parameters and its buffers, as a checkpoint saved without its frozen
+    parameters holds them)."""
     meta = ckpt.meta
-    if meta.get("frozen_excluded"):
+    if meta.get("frozen_excluded") and not trainable_only:
         raise CheckpointError(f"checkpoint {ckpt.path} was saved without its frozen parameters "
                               f"(exclude_frozen_parameters): it holds only those that train, not a whole model; load "
                               f"it into its run (engine.load_checkpoint, or --resume) and write the model from there "
@@ -55,12 +58,14 @@ def _consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype) -> list[_Output]
     for dense in meta.get("tiling") or []:
         for tile in dense["tiles"]:
             tiled[tile["name"]] = dense
-    outputs: list[_Output] = []
+    outputs: list[ConsolidatedTensor] = []
     emitted_dense: set[str] = set()
     for p in meta["params"]:
+        if trainable_only and not p["trainable"]:
+            continue
         plain = [n for n in p["names"] if n not in tiled]
         if plain:
-            outputs.append(_Output(plain, tuple(p["shape"]), dtype, param_fill(p)))
+            outputs.append(ConsolidatedTensor(plain, tuple(p["shape"]), dtype, param_fill(p)))
         for alias in p["names"]:
             dense = tiled.get(alias)
             if dense is None or dense["name"] in emitted_dense:
@@ -69,14 +74,14 @@ def _consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype) -> list[_Output]
             missing = [t["name"] for t in dense["tiles"] if t["name"] not in slot_of]
             if missing:
                 raise CheckpointError(f"checkpoint {ckpt.path}: tiles {missing} of {dense['name']!r} are not saved")
-            outputs.append(_Output([dense["name"]], tuple(dense["shape"]), dtype,
+            outputs.append(ConsolidatedTensor([dense["name"]], tuple(dense["shape"]), dtype,
                                    _dense_fill(ckpt, dense, slot_of)))
     for b in meta["buffers"]:
         if not b["persistent"]:
             continue
         saved_dtype = getattr(torch, b["dtype"])
         out_dtype = dtype if saved_dtype.is_floating_point else saved_dtype
-        outputs.append(_Output([b["name"]], tuple(b["shape"]), out_dtype,
+        outputs.append(ConsolidatedTensor([b["name"]], tuple(b["shape"]), out_dtype,
                                lambda out, n=b["name"]: ckpt.reader(0).read_into(f"buffer/{n}", out)))
     return outputs
 
@@ -101,6 +106,24 @@ def progress_bar(total_nbytes: int) -> tqdm:
                 delay=PROGRESS_AFTER_S, leave=False, file=sys.stderr, dynamic_ncols=True)
 
 
+def checkpoint_state_dict(checkpoint, *, tag: str | None = None, trainable_only: bool = False,
+                          verify: bool = True) -> dict[str, torch.Tensor]:
+    """The plain model's fp32 state dict from a sharded checkpoint, in host memory (the names a parameter is tied
+    under share one tensor); ``checkpoint`` as :func:`consolidate` takes it."""
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
+    try:
+        if verify:
+            ckpt.verify()
+        state: dict[str, torch.Tensor] = {}
+        for o in consolidated_outputs(ckpt, torch.float32, trainable_only=trainable_only):
+            value = torch.empty(o.shape, dtype=o.dtype)
+            o.fill(value)
+            state.update(dict.fromkeys(o.names, value))
+        return state
+    finally:
+        ckpt.close()
+
+
 def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = None,
                 verify: bool = True) -> dict:
     """Write one safetensors state dict of the plain model (original names, tied names, persistent buffers)
@@ -119,7 +142,7 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
     try:
         if verify:
             ckpt.verify()
-        outputs = _consolidated_outputs(ckpt, CONSOLIDATE_DTYPES[dtype])
+        outputs = consolidated_outputs(ckpt, CONSOLIDATE_DTYPES[dtype])
         entries = [(name, o.dtype, o.shape) for o in outputs for name in o.names]
         metadata = {"format": "pt", "source": str(ckpt.path), "global_step": str(ckpt.meta["global_step"])}
         largest = 0

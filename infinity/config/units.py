@@ -34,6 +34,17 @@ def parse_host_memory(value, key: str = "zero_optimization.host_memory_budget", 
     raise ValueError(f"{key} must be bytes or a fraction of the available memory, got {value!r}")
 
 
+def parse_nbytes(value, key: str) -> int:
+    """A size in bytes: a positive integer, or a number with a unit (``"5GB"``, ``"500MiB"``), as transformers'
+    ``max_shard_size`` takes it."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"([0-9.e+]+)([kmgt]i?b|b)", value.strip().lower()) if isinstance(value, str) else None
+    if not match:
+        raise ValueError(f"{key}: cannot read {value!r} as a size in bytes (5GB, 500MiB, or an integer)")
+    return max(1, int(_number(key, value, match.group(1)) * _UNITS[match.group(2)]))
+
+
 def _number(key: str, raw, text: str) -> float:
     try:
         number = float(text)

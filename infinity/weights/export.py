@@ -24,6 +24,7 @@ checkpoint (:func:`write_hf_folder` with the outputs of consolidation).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -36,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from infinity.checkpoint.consolidation import _consolidated_outputs, progress_bar
+from infinity.checkpoint.consolidation import consolidated_outputs, progress_bar
 from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import SafetensorsWriter
@@ -46,6 +47,9 @@ from infinity.checkpoint.state_dict import FullParamGatherer
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FORMATS = {"safetensors": ("model", ".safetensors", INDEX_FILE),
+                   "bin": ("pytorch_model", ".bin", "pytorch_model.bin.index.json")}
+"""A folder's weight files by format: their stem, suffix and index file, as transformers names them."""
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_SHARD_NBYTES = 5 * 10**9
@@ -98,12 +102,19 @@ def save_dtype(dtype) -> torch.dtype:
 
 def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = None,
                     extra_files: dict[str, str] | None = None,
-                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES, write: bool = True) -> dict:
+                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES, write: bool = True,
+                    weights_format: str = "safetensors", one_file_unindexed: bool = False) -> dict:
     """Write ``tensors`` (in order) as sharded safetensors + index (+ ``config.json``) into ``out_dir``.
 
     With ``write=False`` every ``fill`` is still called, in the same order, and
     nothing is written (ranks other than 0 take part in the gathers this way).
+    ``weights_format="bin"``: ``torch.save`` shards (``pytorch_model-00001-of-00002.bin``) and their index, as
+    transformers writes without ``safe_serialization``; each shard is held whole while it is written.
+    ``one_file_unindexed``: what fits one shard is written as ``model.safetensors`` (``pytorch_model.bin``) without
+    an index, as transformers writes it.
     """
+    if weights_format not in WEIGHTS_FORMATS:
+        raise ValueError(f"weights_format must be one of {', '.join(WEIGHTS_FORMATS)}, got {weights_format!r}")
     if max_shard_nbytes <= 0:
         raise ValueError(f"max_shard_nbytes must be positive, got {max_shard_nbytes}")
     files: list[list[HFTensor]] = [[]]
@@ -127,26 +138,42 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
-    names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    stem, suffix, index_file = WEIGHTS_FORMATS[weights_format]
+    names = [f"{stem}-{i + 1:05d}-of-{len(files):05d}{suffix}" for i in range(len(files))]
+    indexed = not (one_file_unindexed and len(files) == 1)
+    if not indexed:
+        names = [f"{stem}{suffix}"]
     weight_map: dict[str, str] = {}
     largest = total = 0
     bar = progress_bar(sum(t.nbytes for t in tensors))
     try:
         for name, group in zip(names, files):
             entries = [(t.name, t.dtype, tuple(t.shape)) for t in group]
-            with SafetensorsWriter(tmp / name, entries, {"format": "pt"}) as writer:
+            shard: dict[str, torch.Tensor] = {}  # "bin": the file's tensors, saved together
+            with contextlib.ExitStack() as stack:
+                writer = None
+                if weights_format == "safetensors":
+                    writer = stack.enter_context(SafetensorsWriter(tmp / name, entries, {"format": "pt"}))
                 for t in group:
                     value = torch.empty(t.shape, dtype=t.dtype)
                     t.fill(value)
-                    writer.write(t.name, value)
+                    if writer is not None:
+                        writer.write(t.name, value)
+                    else:
+                        shard[t.name] = value
                     largest = max(largest, t.nbytes)
                     total += t.nbytes
                     weight_map[t.name] = name
                     bar.update(t.nbytes)
                     del value
-                writer.close()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                if writer is not None:
+                    writer.close()
+                else:
+                    _save_synced(shard, tmp / name)
+                    shard.clear()
+        if indexed:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / index_file).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         if config is not None:
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for fname, text in (extra_files or {}).items():
@@ -161,6 +188,13 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     logger.info("wrote %s: %d tensors in %d file(s), %.1f MiB", out_dir, len(tensors), len(files), total / 2**20)
     return {"path": str(out_dir), "tensors": len(tensors), "files": len(files), "nbytes": total,
             "largest_tensor_nbytes": largest}
+
+
+def _save_synced(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(tensors, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the folder is published
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:
@@ -361,7 +395,7 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
         config = dict(config, dtype=_HF_DTYPE_NAMES[out_dtype])
         if verify:
             ckpt.verify()
-        outputs = _consolidated_outputs(ckpt, out_dtype)
+        outputs = consolidated_outputs(ckpt, out_dtype)
         prefix = LEGACY_WRAPPER_PREFIX
         strip = all(name.startswith(prefix) for o in outputs for name in o.names)
         tensors = [HFTensor(o.names[0][len(prefix):] if strip else o.names[0], tuple(o.shape), o.dtype, o.fill)

@@ -1,4 +1,4 @@
-"""``deepspeed.utils``' reads and writes of a partitioned parameter's full training state, under the engine:
+"""The full training state of a partitioned parameter, as ``deepspeed.utils`` reads and writes it:
 ``safe_get_full_fp32_param``, ``safe_set_full_fp32_param``, ``safe_get_full_optimizer_state`` and
 ``safe_set_full_optimizer_state`` (:mod:`infinity.engine.gathered`). Each is collective: every rank calls it with
 the same parameter. A parameter no engine trains (a frozen one, one built elsewhere) has no fp32 master and no

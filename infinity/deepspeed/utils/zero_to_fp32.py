@@ -1,0 +1,95 @@
+"""``deepspeed.utils.zero_to_fp32`` over the engine's checkpoints: the trained model's fp32 state dict from a save
+folder, in memory (``get_fp32_state_dict_from_zero_checkpoint``), loaded into a plain model
+(``load_state_dict_from_zero_checkpoint``) or written as weight files (``convert_zero_checkpoint_to_fp32_state_dict``).
+No engine and no process group are needed: the ranks' shard files are read directly, whatever the world size was.
+
+``exclude_frozen_parameters``: the trained parameters (and buffers) only; a checkpoint saved without its frozen
+parameters (a LoRA run's) gives those and nothing else. ``infinity consolidate`` does the same from the command
+line, a tensor at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from infinity.checkpoint.consolidation import checkpoint_state_dict, consolidated_outputs
+from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
+from infinity.checkpoint.reader import Checkpoint
+from infinity.config.units import parse_nbytes
+from infinity.weights.export import HFTensor, write_hf_folder
+
+WEIGHT_FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
+"""An output path with one of these is a single file (DeepSpeed's older ``output_file``); else it is a folder."""
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+    """The plain model's fp32 state dict (host tensors) from ``checkpoint_dir`` (a save folder, ``tag`` or its
+    ``latest``). ``lazy_mode`` is accepted: the tensors are read already (``.contiguous()`` returns each)."""
+    return checkpoint_state_dict(checkpoint_dir, tag=tag, trainable_only=exclude_frozen_parameters)
+
+
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: str | None = None):
+    """``model`` on the CPU with the checkpoint's fp32 values loaded (``strict``: every key must match); returns
+    it. The model is then a plain one: give it to ``initialize`` again to go on training."""
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(state)
+    return model
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
+                                               exclude_frozen_parameters: bool = False) -> dict:
+    """Write the checkpoint's fp32 state dict into ``output_dir``: shards of at most ``max_shard_size`` with their
+    index, as transformers names them (``safe_serialization``: ``model.safetensors``, or
+    ``model-00001-of-00002.safetensors``... and ``model.safetensors.index.json``; else ``pytorch_model.bin``...), a
+    tensor at a time for safetensors. An ``output_dir`` ending in
+    ``.bin``, ``.pt``, ``.pth`` or ``.safetensors`` is one file (DeepSpeed's older ``output_file``). The output
+    appears whole or not at all; a folder's files that are not a model's are kept."""
+    out = Path(output_dir)
+    max_shard_nbytes = parse_nbytes(max_shard_size, "max_shard_size")
+    if out.suffix in WEIGHT_FILE_SUFFIXES:
+        return _write_one_file(checkpoint_dir, out, tag=tag, trainable_only=exclude_frozen_parameters)
+    ckpt = Checkpoint(resolve_checkpoint(checkpoint_dir, tag))
+    try:
+        ckpt.verify()
+        tensors = [HFTensor(name, tuple(o.shape), o.dtype, o.fill)
+                   for o in consolidated_outputs(ckpt, torch.float32, trainable_only=exclude_frozen_parameters)
+                   for name in o.names]
+        summary = write_hf_folder(out, tensors, max_shard_nbytes=max_shard_nbytes,
+                                  weights_format="safetensors" if safe_serialization else "bin",
+                                  one_file_unindexed=True)
+    finally:
+        ckpt.close()
+    return dict(summary, checkpoint=str(ckpt.path), global_step=ckpt.meta["global_step"])
+
+
+def _write_one_file(checkpoint_dir, out: Path, *, tag: str | None, trainable_only: bool) -> dict:
+    if out.is_dir():
+        raise IsADirectoryError(f"convert_zero_checkpoint_to_fp32_state_dict: {out} is a folder; name a file or "
+                                "give the folder without a weight-file suffix")
+    state = checkpoint_state_dict(checkpoint_dir, tag=tag, trainable_only=trainable_only)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        if out.suffix == ".safetensors":
+            seen: set[int] = set()  # tied names share a tensor, which safetensors writes once per name
+            unshared = {name: value.clone() if id(value) in seen or seen.add(id(value)) else value
+                        for name, value in state.items()}
+            save_file(unshared, str(tmp), {"format": "pt"})
+        else:
+            torch.save(state, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before it takes the name
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"path": str(out), "tensors": len(state)}

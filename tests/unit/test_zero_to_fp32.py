@@ -1,0 +1,112 @@
+"""``deepspeed.utils.zero_to_fp32`` over the engine's checkpoints: the state dict it gives, the plain model it
+loads and the files it writes hold the values the run had when it saved (its ``full_state_dict()``), under every
+name the plain model's ``state_dict()`` has; a LoRA-style checkpoint without its frozen parameters gives the
+trained ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import infinity.deepspeed as deepspeed
+from infinity.deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
+                                                   get_fp32_state_dict_from_zero_checkpoint,
+                                                   load_state_dict_from_zero_checkpoint)
+from unit.test_deepspeed_door import ADAMW, config
+
+
+class Tied(torch.nn.Module):
+    """An embedding tied to its head, a frozen projection and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 32, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor([0.5]))
+
+    def forward(self, ids):
+        logits = self.head(torch.tanh(self.frozen(self.embed(ids))) * self.scale)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def trained(tmp_path, *, exclude_frozen=False):
+    """A run of two steps saved under tmp_path/ckpt; its full_state_dict() at the save."""
+    torch.manual_seed(0)
+    model = Tied()
+    ids = torch.randint(0, 32, (16, 6))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                           if p.requires_grad],
+                                           config=config(**ADAMW, train_batch_size=4))
+    with engine:
+        for step in range(2):
+            engine.backward(engine(ids[4 * step:4 * step + 4]))
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=exclude_frozen)
+        return engine.full_state_dict()
+
+
+def test_the_state_dict_and_the_plain_model_hold_the_values_of_the_save(tmp_path):
+    expected = trained(tmp_path)
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert state.keys() == Tied().state_dict().keys()  # the tied head's name too, and the buffer
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+    model = load_state_dict_from_zero_checkpoint(Tied(), tmp_path / "ckpt")
+    assert all(torch.equal(value, expected[name]) for name, value in model.state_dict().items())
+    assert model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("safe", [False, True], ids=["bin", "safetensors"])
+def test_converted_files_hold_the_values_and_a_folders_other_files_are_kept(tmp_path, safe):
+    expected = trained(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, safe_serialization=safe)
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+    assert sorted(p.name for p in out.iterdir()) == sorted([name, "notes.txt"])
+    assert (out / "notes.txt").read_text() == "mine"
+    written = _read(out / name)
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", out, max_shard_size="1KB", safe_serialization=safe)
+    index = json.loads((out / ("model.safetensors.index.json" if safe else "pytorch_model.bin.index.json")).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and not (out / name).exists() and (out / "notes.txt").exists()
+    written = {}
+    for file in files:
+        written.update(_read(out / file))
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+
+@pytest.mark.parametrize("file", ["model.pt", "model.safetensors"])
+def test_an_output_file_is_one_state_dict(tmp_path, file):
+    expected = trained(tmp_path)
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / file)
+    written = _read(tmp_path / file)
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+
+
+def test_a_checkpoint_without_its_frozen_parameters_gives_the_trained_ones(tmp_path):
+    expected = trained(tmp_path, exclude_frozen=True)
+    with pytest.raises(Exception, match="saved without its frozen parameters"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", exclude_frozen_parameters=True)
+    assert sorted(state) == ["embed.weight", "head.weight", "scale"]
+    assert all(torch.equal(value, expected[name]) for name, value in state.items())
+    with pytest.raises(ValueError, match="max_shard_size: cannot read 'big'"):
+        convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", max_shard_size="big")
+    assert not (tmp_path / "out").exists()
+
+
+def _read(path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), "pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    return torch.load(path)
