@@ -14,8 +14,8 @@ What DeepSpeed offers that the engine cannot honour (model parallelism's ``mpu``
 scheduler, an optimizer other than Adam/AdamW) is refused by name, before any work.
 """
 
-from infinity.deepspeed import utils, zero
+from infinity.deepspeed import ops, utils, zero
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "utils", "zero"]
+__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "ops", "utils", "zero"]

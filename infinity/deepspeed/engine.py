@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
+from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule
 from infinity.engine.engine import Engine
 from infinity.runtime.comm import local_rank_and_size
 
@@ -26,10 +27,17 @@ logger = logging.getLogger(__name__)
 class DeepSpeedEngine(Engine):
     """:class:`~infinity.engine.engine.Engine` as DeepSpeed's ``DeepSpeedEngine`` is called."""
 
-    def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, **kwargs):
-        """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`."""
+    def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, lr_scheduler=None, **kwargs):
+        """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`. ``lr_scheduler``: the
+        script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer)."""
         super().__init__(model, config, **kwargs)
         self._drop_last = drop_last
+        if lr_scheduler is not None and not isinstance(lr_scheduler, ClientSchedule):
+            lr_scheduler = ClientSchedule.made_by(lr_scheduler, self.lr)
+        self.client_schedule: ClientSchedule | None = lr_scheduler
+        """The script's learning-rate scheduler, stepped after each applied optimizer step; None: the config's."""
+        if lr_scheduler is not None:
+            self.set_lr(lr_scheduler.lr())  # the schedule's first step
 
     # -- DeepSpeed's names for what the engine knows ----------------------------------------------------------
     @property
@@ -82,7 +90,10 @@ class DeepSpeedEngine(Engine):
 
     def step(self, lr_kwargs=None) -> None:
         _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
+        before = self.global_step
         super().step()
+        if self.client_schedule is not None and self.global_step != before and self.was_step_applied():
+            self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
 
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,
                      data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None) -> DataLoader:
@@ -101,6 +112,11 @@ class DeepSpeedEngine(Engine):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns."""
         _refuse_non_default("save_checkpoint", save_latest=(save_latest, True))
+        if self.client_schedule is not None:
+            if client_state and SCHEDULE_KEY in client_state:
+                raise ValueError(f"save_checkpoint(client_state=...): the key {SCHEDULE_KEY!r} holds the "
+                                 "lr_scheduler's state; name yours otherwise")
+            client_state = dict(client_state or {}, **{SCHEDULE_KEY: self.client_schedule.state_dict()})
         super().save_checkpoint(save_dir, tag=tag, client_state=client_state or None,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
         return True
@@ -120,6 +136,14 @@ class DeepSpeedEngine(Engine):
                            load_dir)
             return None, None
         client_state = super().load_checkpoint(load_dir, tag=tag)
+        schedule_state = client_state.pop(SCHEDULE_KEY, None) if isinstance(client_state, dict) else None
+        if self.client_schedule is not None:
+            if schedule_state is None:
+                logger.warning("the checkpoint in %s holds no lr_scheduler state: the schedule goes on from where "
+                               "it is", load_dir)
+            else:
+                self.client_schedule.load_state_dict(schedule_state)
+                self.set_lr(self.client_schedule.lr())
         return str(resolve_checkpoint(load_dir, tag)), client_state
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",

@@ -2,18 +2,22 @@
 
 ``initialize`` takes DeepSpeed's arguments and returns DeepSpeed's four: the engine
 (:class:`~infinity.deepspeed.engine.DeepSpeedEngine`), the optimizer as a script sees it (:class:`OptimizerView`:
-its ``param_groups``), a loader of ``training_data`` (or None) and the config's learning-rate schedule (or None).
+its ``param_groups``), a loader of ``training_data`` (or None) and the learning-rate scheduler: the script's, or the
+config's (or None).
 
 * The config: ``config`` (a dict or a JSON file's path; ``config_params``, its older name) or ``args.deepspeed_config``,
   not both. Any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
   ``gradient_accumulation_steps`` give the third, as DeepSpeed's do.
 * ``model_parameters``: ``torch.optim``'s groups (their weight decay per group), or the parameters, which must be
   all those of the model that require grad (the engine trains those; a subset is refused naming what it leaves out).
-* ``optimizer``: a ``torch.optim.AdamW`` or ``Adam`` made by the script, where the config has no ``optimizer`` block:
+* ``optimizer``: a ``torch.optim.AdamW`` or ``Adam`` (or ``deepspeed.ops.adam``'s ``DeepSpeedCPUAdam``, ``FusedAdam``)
+  made by the script, where the config has no ``optimizer`` block:
   its lr, betas, eps and its groups' weight decay become the engine's (its states are the engine's own, fused CPU
   Adam or the device's). Any other optimizer, and a callable making one, is refused by name.
-* Refused, naming the argument: ``mpu`` (model parallelism), ``lr_scheduler`` (give the config's ``scheduler``
-  block: WarmupLR, WarmupDecayLR, WarmupCosineLR).
+* ``lr_scheduler``: the script's scheduler over its ``optimizer`` (``transformers.get_scheduler``, torch's), or a
+  callable making one from an optimizer; the engine steps it after each applied optimizer step and takes its
+  learning rate (:mod:`~infinity.deepspeed.client_schedule`). Or the config's ``scheduler`` block, not both.
+* Refused, naming the argument: ``mpu`` (model parallelism).
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ import torch
 import torch.distributed as dist
 
 from infinity.config.schema import InfinityConfig, read_config_json
+from infinity.deepspeed.client_schedule import ClientSchedule
 from infinity.deepspeed.engine import DeepSpeedEngine
+from infinity.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from infinity.runtime.comm import process_group_backend
 
 logger = logging.getLogger(__name__)
 
+CLIENT_ADAMS = (torch.optim.AdamW, torch.optim.Adam, DeepSpeedCPUAdam, FusedAdam)
+"""The optimizers a script may make and pass: their hyperparameters become the engine's Adam's."""
 _TORCH_ADAM_HOW = {"foreach", "fused", "capturable", "differentiable"}
 """Options of torch's Adam and AdamW that say how torch runs it, not what it computes: nothing to honour."""
 
@@ -48,20 +56,22 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if mpu is not None:
         raise ValueError("initialize(mpu=...): model parallelism is not supported (the engine is data parallel, "
                          "ZeRO stage 3)")
-    if lr_scheduler is not None:
-        raise ValueError("initialize(lr_scheduler=...): a client scheduler is not supported; give the config's "
-                         "scheduler block (WarmupLR, WarmupDecayLR, WarmupCosineLR) and the engine sets each step's lr")
     raw = _config_dict(args, config, config_params)
     param_groups = _groups_of_model_parameters(model, model_parameters)
     if optimizer is not None:
         raw, param_groups = _with_client_optimizer(raw, optimizer)
+    client_schedule = _client_schedule(lr_scheduler, optimizer, raw)
     drop_last = bool(raw.get("dataloader_drop_last", False))
     infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
     if dist_init_required is not False:
         init_distributed()
-    engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last)
+    engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
+                             lr_scheduler=client_schedule)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    schedule = ScheduleView(engine) if engine.config.scheduler is not None else None
+    if engine.client_schedule is not None:
+        schedule = engine.client_schedule.scheduler
+    else:
+        schedule = ScheduleView(engine) if engine.config.scheduler is not None else None
     return engine, OptimizerView(engine), loader, schedule
 
 
@@ -155,6 +165,21 @@ class ScheduleView:
         """Nothing to do: ``engine.step()`` moves the schedule."""
 
 
+def _client_schedule(lr_scheduler, optimizer, raw: dict):
+    """The script's scheduler over its ``optimizer`` (a :class:`ClientSchedule`), or its callable making one from
+    the optimizer (kept as it is: the engine calls it once built), or None."""
+    if lr_scheduler is None:
+        return None
+    if "scheduler" in raw:
+        raise ValueError("initialize: both the config's scheduler block and lr_scheduler=... were given: give one")
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler if optimizer is None else ClientSchedule(lr_scheduler(optimizer), optimizer)
+    if optimizer is None:
+        raise ValueError("initialize(lr_scheduler=...): give the optimizer it moves as optimizer=... too (or a "
+                         "callable making the scheduler from an optimizer)")
+    return ClientSchedule(lr_scheduler, optimizer)
+
+
 def _config_dict(args, config, config_params) -> dict:
     """The DeepSpeed config from ``config``, ``config_params`` or ``args.deepspeed_config``: exactly one."""
     if config is not None and config_params is not None:
@@ -198,10 +223,11 @@ def _with_client_optimizer(raw: dict, optimizer) -> tuple[dict, list[dict]]:
     if "optimizer" in raw:
         raise ValueError("initialize: both the config's optimizer block and optimizer=... were given: give one "
                          "(DeepSpeed refuses both too)")
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+    if type(optimizer) not in CLIENT_ADAMS:
         what = getattr(optimizer, "__name__", type(optimizer).__name__)
         raise ValueError(f"initialize(optimizer={what}) is not supported: the engine's optimizer is Adam or AdamW "
-                         f"(give a torch.optim.AdamW or Adam, or the config's optimizer block)")
+                         f"(give a torch.optim.AdamW or Adam, deepspeed.ops.adam's DeepSpeedCPUAdam or FusedAdam, or "
+                         f"the config's optimizer block)")
     groups = optimizer.param_groups
     first = groups[0]
     for i, group in enumerate(groups):

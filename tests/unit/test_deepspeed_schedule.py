@@ -1,0 +1,145 @@
+"""A DeepSpeed script's own optimizer and scheduler (``deepspeed.ops.adam``'s, ``transformers.get_scheduler``,
+torch's ``LambdaLR``) under ``import infinity.deepspeed as deepspeed``: each step's learning rate and loss are plain
+PyTorch's with ``torch.optim.AdamW`` and the same scheduler, and a resumed run goes on with the schedule where it
+was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+import infinity.deepspeed as deepspeed
+from infinity.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from unit.test_deepspeed_door import ADAMW, Regressor, config, data, run
+
+LR = 1e-2
+
+
+def groups(model):
+    return [{"params": [model.hidden.weight, model.out.weight], "weight_decay": 0.1},
+            {"params": [model.hidden.bias, model.out.bias], "weight_decay": 0.0}]
+
+
+def reference(model, optimizer, scheduler, batches, accumulation=4):
+    """Plain PyTorch: the losses, and the learning rate each optimizer step used."""
+    losses, rates = [], []
+    for i, (x, y) in enumerate(batches):
+        loss = model(x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            rates.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    return losses, rates
+
+
+def run_with_rates(engine, loader):
+    losses, rates, batches = [], [], []
+    for batch in loader:
+        loss = engine(*batch)
+        engine.backward(loss)
+        if engine.micro_step % 4 == 3:
+            rates.append(engine.get_lr()[0])
+        engine.step()
+        losses.append(loss.item())
+        batches.append(batch)
+    return losses, rates, batches
+
+
+@pytest.mark.parametrize("make", [
+    lambda g: DeepSpeedCPUAdam(g, lr=LR, betas=(0.9, 0.95)),
+    lambda g: FusedAdam(g, lr=LR, betas=(0.9, 0.95)),
+], ids=["DeepSpeedCPUAdam", "FusedAdam"])
+def test_a_scripts_optimizer_and_transformers_scheduler_train_as_plain_pytorch(make):
+    torch.manual_seed(0)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    optimizer = make(groups(model))
+    scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=2, num_training_steps=8)
+    engine, _, loader, returned = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                       training_data=data(), config=config())
+    with engine:
+        assert returned is scheduler and engine.get_lr() == [0.0]  # the warmup's first step
+        losses, rates, batches = run_with_rates(engine, loader)
+        more, more_rates, more_batches = run_with_rates(engine, loader)
+    ref_optimizer = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95))
+    ref_scheduler = get_scheduler("cosine", optimizer=ref_optimizer, num_warmup_steps=2, num_training_steps=8)
+    expected, expected_rates = reference(ref, ref_optimizer, ref_scheduler, batches + more_batches)
+    assert rates + more_rates == pytest.approx(expected_rates, rel=1e-12) and expected_rates[1] > expected_rates[-1]
+    torch.testing.assert_close(torch.tensor(losses + more), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_a_callable_makes_the_scheduler_over_the_configs_optimizer_and_a_resume_goes_on_with_it(tmp_path):
+    def factory(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+
+    def start():
+        torch.manual_seed(1)
+        model = Regressor()
+        return deepspeed.initialize(model=model, lr_scheduler=factory, training_data=data(), config=config(**ADAMW))
+
+    engine, _, loader, _ = start()
+    batches = [tuple(t[i:i + 4] for t in data().tensors) for i in range(0, 64, 4)]
+    with engine:
+        whole = [_micro_step(engine, b) for b in batches]
+        rates = engine.get_lr()
+    engine, _, _, scheduler = start()
+    with engine:
+        first = [_micro_step(engine, b) for b in batches[:8]]
+        engine.save_checkpoint(tmp_path, client_state={"mine": 1})
+    engine, _, _, fresh = start()
+    with engine:
+        _, client_state = engine.load_checkpoint(tmp_path)
+        assert client_state == {"mine": 1} and engine.get_lr() == pytest.approx([LR / 3])  # two steps made, the third's lr
+        rest = [_micro_step(engine, b) for b in batches[8:]]
+        assert engine.get_lr() == rates == pytest.approx([LR / 5]) and fresh.get_last_lr() == pytest.approx([LR / 5])
+    assert first + rest == whole
+
+    torch.manual_seed(1)
+    ref = Regressor()
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    expected, _ = reference(ref, ref_optimizer, factory(ref_optimizer), batches)
+    torch.testing.assert_close(torch.tensor(whole), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def _micro_step(engine, batch) -> float:
+    loss = engine(*batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_what_a_client_schedule_cannot_do_is_refused_by_name():
+    model = Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    other = torch.optim.AdamW(Regressor().parameters(), lr=LR)
+    schedule_block = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}}
+    cases = [
+        (dict(optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(other, lambda s: 1.0)),
+         config(), "moves another optimizer"),
+        (dict(optimizer=optimizer, lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)),
+         config(**schedule_block), "both the config's scheduler block and lr_scheduler"),
+        (dict(lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)), config(**ADAMW),
+         "give the optimizer it moves"),
+    ]
+    for kwargs, cfg, said in cases:
+        with pytest.raises(ValueError, match=said):
+            deepspeed.initialize(model=model, config=cfg, **kwargs)
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        DeepSpeedCPUAdam(model.parameters(), bias_correction=False)
+    split = torch.optim.AdamW(groups(model), lr=LR)
+    per_group = torch.optim.lr_scheduler.LambdaLR(split, [lambda s: 1.0, lambda s: 0.5])
+    with pytest.raises(ValueError, match="has one lr"):
+        deepspeed.initialize(model=model, optimizer=split, lr_scheduler=per_group, config=config())
+    split = torch.optim.AdamW(groups(model), lr=LR)
+    apart_later = torch.optim.lr_scheduler.LambdaLR(split, [lambda s: 1.0, lambda s: 1.0 if s == 0 else 0.5])
+    engine, _, loader, _ = deepspeed.initialize(model=model, optimizer=split, lr_scheduler=apart_later,
+                                                training_data=data(), config=config(train_batch_size=4))
+    with engine, pytest.raises(ValueError, match=r"learning rates \[0.005, 0.01\].*groups must move together"):
+        run(engine, loader)
