@@ -10,12 +10,16 @@
     model_engine.save_checkpoint(save_dir)
     load_path, client_state = model_engine.load_checkpoint(save_dir)   # (None, None) where nothing was saved
 
-What DeepSpeed offers that the engine cannot honour (model parallelism's ``mpu``, a client learning-rate
-scheduler, an optimizer other than Adam/AdamW) is refused by name, before any work.
+Beside ``initialize``: ``zero.Init`` and ``zero.GatheredParameters``, ``utils``' ``safe_get/set_full_*`` and
+``utils.zero_to_fp32``, ``ops.adam``'s ``DeepSpeedCPUAdam`` and ``FusedAdam``, ``get_accelerator()``. What DeepSpeed
+offers that the engine cannot honour (model parallelism's ``mpu``, an optimizer other than Adam/AdamW) is refused by
+name, before any work.
 """
 
-from infinity.deepspeed import ops, utils, zero
+from infinity.deepspeed import accelerator, ops, utils, zero
+from infinity.deepspeed.accelerator import get_accelerator
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "add_config_arguments", "init_distributed", "initialize", "ops", "utils", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "get_accelerator", "init_distributed", "initialize",
+           "ops", "utils", "zero"]

@@ -223,3 +223,13 @@ def test_engine_arguments_it_cannot_honour_are_refused_by_name(tmp_path):
             engine.load_checkpoint(tmp_path, tag="global_step0", load_optimizer_states=False)
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"]).deepspeed_config == "ds.json"
+
+
+def test_get_accelerator_names_the_device_the_engine_computes_on():
+    accelerator = deepspeed.get_accelerator()
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    assert accelerator is deepspeed.accelerator.get_accelerator()
+    assert (accelerator.device_name(), accelerator.communication_backend_name()) == (
+        kind, "nccl" if kind == "cuda" else "gloo")
+    assert torch.device(accelerator.device_name(0)).type == kind
+    assert accelerator.on_accelerator(torch.zeros(1, device=kind)) and accelerator.device_count() >= 1
