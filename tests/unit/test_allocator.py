@@ -15,6 +15,8 @@ from helpers import TinyGPT, engine_config, gpt_batches
 from infinity.engine import engine as engine_module
 from infinity.runtime import allocator
 
+pytestmark = pytest.mark.device_independent  # glibc's heap, whatever the tiers: the distinct pass leaves it out
+
 FRAGMENTED = textwrap.dedent("""
     import json, re, sys
     import torch

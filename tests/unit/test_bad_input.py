@@ -134,6 +134,7 @@ def test_verbose_after_the_command_is_accepted():
     assert build_parser(["train"]).parse_args(["train"]).verbose == 0
 
 
+@pytest.mark.device_independent  # what the log says
 def test_not_applicable_keys_are_said_at_the_default_level(tmp_path):
     """Said once on stdout, without -v (a subprocess: the real log level and output)."""
     cfg = _config(tmp_path, {"tensorboard": {"enabled": False}, "zero_optimization": {"overlap_comm": True}})

@@ -253,6 +253,7 @@ def kill_trials(workdir: Path, *, kills: int, seed: int, steps: int = STEPS, eve
 # --------------------------------------------------------------------------- the tests
 
 
+@pytest.mark.device_independent  # the files' atomicity under kill -9
 @pytest.mark.timeout(240)
 def test_kill_at_random_moments_then_resume_bitwise(tmp_path):
     outcome = kill_trials(tmp_path, kills=12, seed=8)

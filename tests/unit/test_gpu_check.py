@@ -12,6 +12,8 @@ import pytest
 
 from infinity.cli import build_parser
 
+pytestmark = pytest.mark.device_independent  # the GPU session's plan and arguments: the distinct pass leaves it out
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 PARSED_SCRIPTS = ("bench_gpu.py", "bench_versions.py", "bench_scale.py")

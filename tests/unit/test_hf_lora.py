@@ -317,6 +317,7 @@ def test_estimate_with_lora_rank_counts_what_the_run_holds(tmp_path, capsys, mon
     (["--lora-rank", "4", "--merge-lora"], "--merge-lora needs --save-pretrained"),
     (["--merge-lora", "--save-pretrained", "out"], "--merge-lora needs --lora-rank"),
 ])
+@pytest.mark.device_independent  # refused before any engine
 def test_bad_lora_flags_are_refused_naming_the_flag(tmp_path, capsys, argv, said):
     from infinity.cli import main
     from test_hf_cli import _tiny_llama

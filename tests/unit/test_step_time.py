@@ -329,6 +329,7 @@ def test_a_width_s_figure_is_the_median_of_its_turns_and_the_overhead_its_best(m
         assert rates[str(width)] == pytest.approx(expected, rel=1e-3), width
 
 
+@pytest.mark.device_independent  # the machine's figures
 def test_bench_machine_json_emits_the_figures_and_caches_them(tmp_path, monkeypatch, capsys):
     kernels.backend()  # the CPU Adam's kernel, built (or loaded) from the usual cache before the cache moves
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
