@@ -1,4 +1,4 @@
-"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate | plot``.
+"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate | plot | deepspeed``.
 
 Each sub-command lives in ``infinity/commands/<name>.py`` and is imported only
 when chosen, so ``infinity bench`` does not pay for building the engine.
@@ -22,6 +22,7 @@ COMMANDS = {
     "estimate": "bytes per rank in each tier for a model and an offload setting",
     "consolidate": "write one state dict from a sharded checkpoint",
     "plot": "draw a training run's metrics (loss, tokens/s, tier bandwidth) into one PNG",
+    "deepspeed": "run a DeepSpeed training script unchanged under the engine, as DeepSpeed's launcher does",
 }
 
 

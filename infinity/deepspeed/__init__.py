@@ -11,15 +11,17 @@
     load_path, client_state = model_engine.load_checkpoint(save_dir)   # (None, None) where nothing was saved
 
 Beside ``initialize``: ``zero.Init`` and ``zero.GatheredParameters``, ``utils``' ``safe_get/set_full_*`` and
-``utils.zero_to_fp32``, ``ops.adam``'s ``DeepSpeedCPUAdam`` and ``FusedAdam``, ``get_accelerator()``. What DeepSpeed
+``utils.zero_to_fp32``, ``ops.adam``'s ``DeepSpeedCPUAdam`` and ``FusedAdam``, ``get_accelerator()``, ``comm`` and
+``checkpointing``. ``infinity deepspeed script.py`` runs a script unchanged, its ``import deepspeed`` answered by
+this package (:mod:`~infinity.deepspeed.alias`). What DeepSpeed
 offers that the engine cannot honour (model parallelism's ``mpu``, an optimizer other than Adam/AdamW) is refused by
 name, before any work.
 """
 
-from infinity.deepspeed import accelerator, ops, utils, zero
+from infinity.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
 from infinity.deepspeed.accelerator import get_accelerator
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "get_accelerator", "init_distributed", "initialize",
-           "ops", "utils", "zero"]
+__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
+           "init_distributed", "initialize", "ops", "utils", "zero"]

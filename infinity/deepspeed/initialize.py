@@ -75,11 +75,19 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     return engine, OptimizerView(engine), loader, schedule
 
 
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What ``torchrun`` (and DeepSpeed's launcher, and ``infinity deepspeed``) set for each process."""
+
+
 def init_distributed(dist_backend: str | None = None, **ignored) -> None:
-    """The process group of a run started by ``torchrun`` (or DeepSpeed's launcher: ``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``), made once; nothing to make for one process. The backend: ``dist_backend``,
-    or NCCL for the GPUs with gloo for host tensors where each rank has a GPU, else gloo."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """The process group of a run started by a launcher (``LAUNCHER_ENV`` set), made once, one process too, as
+    DeepSpeed's makes it (a script then asks ``torch.distributed.get_rank()``); nothing to make for a process
+    started alone. The backend: ``dist_backend``, or NCCL for the GPUs with gloo for host tensors where each rank
+    has a GPU, else gloo."""
+    if dist.is_initialized():
+        return
+    launched = all(name in os.environ for name in LAUNCHER_ENV)
+    if not launched and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     dist.init_process_group(backend=dist_backend or process_group_backend())
 

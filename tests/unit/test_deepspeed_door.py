@@ -233,3 +233,26 @@ def test_get_accelerator_names_the_device_the_engine_computes_on():
         kind, "nccl" if kind == "cuda" else "gloo")
     assert torch.device(accelerator.device_name(0)).type == kind
     assert accelerator.on_accelerator(torch.zeros(1, device=kind)) and accelerator.device_count() >= 1
+
+
+class Checkpointed(Regressor):
+    def forward(self, x, y):
+        hidden = deepspeed.checkpointing.checkpoint(lambda t: torch.tanh(self.hidden(t)), x)
+        return torch.nn.functional.mse_loss(self.out(hidden), y)
+
+
+def test_deepspeed_checkpointing_recomputes_under_the_engine_and_trains_as_without_it():
+    deepspeed.checkpointing.configure(None, partition_activations=False)
+    assert deepspeed.checkpointing.is_configured()
+    torch.manual_seed(6)
+    model = Checkpointed()
+    ref = Regressor()
+    ref.load_state_dict(model.state_dict())
+    engine, _, loader, _ = deepspeed.initialize(model=model, training_data=data(), config=config(**ADAMW))
+    with engine:
+        losses, batches = run(engine, loader)
+        expected = reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), batches, 4)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert_same_model(engine, ref)
+    with pytest.raises(ValueError, match="mpu_"):
+        deepspeed.checkpointing.configure(object())
