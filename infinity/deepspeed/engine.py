@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule
+from infinity.deepspeed.zero import ZeroParamStatus
 from infinity.engine.engine import Engine
 from infinity.runtime.comm import local_rank_and_size
 
@@ -32,6 +33,10 @@ class DeepSpeedEngine(Engine):
         script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer)."""
         super().__init__(model, config, **kwargs)
         self._drop_last = drop_last
+        for sharded in self.params:  # DeepSpeed's marks of a partitioned parameter, which scripts test for
+            param, slot = sharded.param, sharded.slot
+            param.ds_id, param.ds_numel, param.ds_shape = slot.index, slot.numel, torch.Size(slot.shape)
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if lr_scheduler is not None and not isinstance(lr_scheduler, ClientSchedule):
             lr_scheduler = ClientSchedule.made_by(lr_scheduler, self.lr)
         self.client_schedule: ClientSchedule | None = lr_scheduler

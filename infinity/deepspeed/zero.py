@@ -5,11 +5,22 @@ device) until ``initialize`` shards it, and gets its initial values there, modul
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 
 from infinity.engine.gathered import engine_of
 from infinity.engine.materialize import Init as _meta_init
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter status. A parameter a :class:`~infinity.deepspeed.engine.DeepSpeedEngine` manages
+    carries ``ds_status``: ``AVAILABLE`` inside :class:`GatheredParameters`, ``NOT_AVAILABLE`` outside it (scripts
+    test it to decide what to gather), with ``ds_id``, ``ds_numel`` and ``ds_shape`` as DeepSpeed's have them."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
 
 
 def Init(module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None, pin_memory=False,
@@ -41,6 +52,7 @@ class GatheredParameters:
             params = [params]
         params = list(params)
         self._context = contextlib.nullcontext()
+        self._managed: list[torch.Tensor] = []  # those an engine manages: their ds_status changes in the block
         if not enabled or not params:
             return
         not_tensors = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
@@ -55,11 +67,18 @@ class GatheredParameters:
             raise ValueError("zero.GatheredParameters: the parameters belong to more than one engine")
         if engines:
             engine = next(iter(engines.values()))
-            managed = [p for p in params if engine_of(p) is engine]
-            self._context = engine.gathered_parameters(managed, modifier_rank)
+            self._managed = [p for p in params if engine_of(p) is engine]
+            self._context = engine.gathered_parameters(self._managed, modifier_rank)
 
     def __enter__(self):
-        return self._context.__enter__()
+        entered = self._context.__enter__()
+        for param in self._managed:
+            if hasattr(param, "ds_status"):
+                param.ds_status = ZeroParamStatus.AVAILABLE
+        return entered
 
     def __exit__(self, *exc):
+        for param in self._managed:
+            if hasattr(param, "ds_status"):
+                param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         return self._context.__exit__(*exc)

@@ -176,3 +176,27 @@ def test_the_safe_get_and_set_helpers_read_and_write_what_torch_adamw_holds(tmp_
             safe_get_full_optimizer_state(model.out.weight, "momentum")
         with pytest.raises(ValueError, match="out.weight: 3 values given"):
             safe_set_full_fp32_param(model.out.weight, torch.zeros(3))
+
+
+def test_a_scripts_zero3_save_that_tests_ds_id_and_ds_status_gets_the_whole_model(tmp_path):
+    """The save function DeepSpeed scripts carry: gather a parameter where it has ``ds_id`` and is not available."""
+    from infinity.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def to_fetch(params):
+        return [p for p in params if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+    torch.manual_seed(3)
+    model = Regressor()
+    engine, _, loader, _ = deepspeed.initialize(model=model, training_data=data(),
+                                                config=engine_config("nvme", tmp_path))
+    with engine:
+        run(engine, loader)
+        saved = {}
+        for name, param in model.named_parameters():
+            assert (param.ds_numel, tuple(param.ds_shape)) == (param.numel(), tuple(param.shape))
+            with deepspeed.zero.GatheredParameters(to_fetch([param]), enabled=True):
+                assert param.ds_status == ZeroParamStatus.AVAILABLE
+                saved[name] = param.data.cpu().clone()
+            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+        expected = engine.full_state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[n], v) for n, v in expected.items())
