@@ -44,6 +44,14 @@ class DeepSpeedEngine(Engine):
         if lr_scheduler is not None:
             self.set_lr(lr_scheduler.lr())  # the schedule's first step
 
+    def __getattr__(self, name: str):
+        """What the engine does not have, the model answers (``engine.gradient_checkpointing_enable()``,
+        ``engine.config`` aside), as DeepSpeed's engine forwards it."""
+        module = self.__dict__.get("module")
+        if module is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(module, name)
+
     # -- DeepSpeed's names for what the engine knows ----------------------------------------------------------
     @property
     def global_rank(self) -> int:

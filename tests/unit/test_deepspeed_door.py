@@ -256,3 +256,12 @@ def test_deepspeed_checkpointing_recomputes_under_the_engine_and_trains_as_witho
         assert_same_model(engine, ref)
     with pytest.raises(ValueError, match="mpu_"):
         deepspeed.checkpointing.configure(object())
+
+
+def test_what_the_engine_lacks_the_model_answers_as_deepspeeds_engine_forwards_it():
+    model = Regressor()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config(**ADAMW))
+    with engine:
+        assert engine.hidden is model.hidden and engine.train_batch_size() == 16  # the engine's own first
+        with pytest.raises(AttributeError, match="no attribute 'nowhere'"):
+            engine.nowhere
