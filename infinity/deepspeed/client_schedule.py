@@ -1,4 +1,6 @@
-"""A script's own learning-rate scheduler driving the engine's one learning rate, as DeepSpeed's engine drives it.
+"""The learning-rate schedule a DeepSpeed script sees: its own scheduler driving the engine's one learning rate,
+as DeepSpeed's engine drives it (:class:`ClientSchedule`), or a view of the config's ``scheduler`` block
+(:class:`ScheduleView`).
 
 A DeepSpeed script often makes its scheduler over its optimizer (``transformers.get_scheduler(...)``,
 ``torch.optim.lr_scheduler.LambdaLR(...)``) and passes both to ``initialize``; or it passes a callable that makes
@@ -71,3 +73,19 @@ class ClientSchedule:
         if last is not None:  # torch's load_state_dict restores the schedule, not the groups it moved
             for group, lr in zip(self._optimizer.param_groups, last()):
                 group["lr"] = lr
+
+
+class ScheduleView:
+    """The learning-rate schedule ``initialize`` returns where the config has a ``scheduler`` block: the engine
+    sets each step's lr from it, as DeepSpeed's engine steps its own scheduler; ``step()`` does nothing."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def get_last_lr(self) -> list[float]:
+        return [self._engine.lr]
+
+    get_lr = get_last_lr
+
+    def step(self, *args, **kwargs) -> None:
+        """Nothing to do: ``engine.step()`` moves the schedule."""

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
-from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule
+from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
 from infinity.deepspeed.zero import ZeroParamStatus
 from infinity.engine.engine import Engine
 from infinity.runtime.comm import local_rank_and_size
@@ -53,6 +53,13 @@ class DeepSpeedEngine(Engine):
         return getattr(module, name)
 
     # -- DeepSpeed's names for what the engine knows ----------------------------------------------------------
+    @property
+    def lr_scheduler(self):
+        """The script's scheduler, or a view of the config's ``scheduler`` block; None without either."""
+        if self.client_schedule is not None:
+            return self.client_schedule.scheduler
+        return ScheduleView(self) if self.config.scheduler is not None else None
+
     @property
     def global_rank(self) -> int:
         return self.rank

@@ -68,11 +68,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
                              lr_scheduler=client_schedule)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    if engine.client_schedule is not None:
-        schedule = engine.client_schedule.scheduler
-    else:
-        schedule = ScheduleView(engine) if engine.config.scheduler is not None else None
-    return engine, OptimizerView(engine), loader, schedule
+    return engine, OptimizerView(engine), loader, engine.lr_scheduler
 
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -155,22 +151,6 @@ class _LiveGroup(dict):
                                  f"to {other_value} for the same step: the engine has one learning rate")
         self._lr_set[self._index] = (step, value)
         self._engine.set_lr(value)
-
-
-class ScheduleView:
-    """The learning-rate schedule ``initialize`` returns where the config has a ``scheduler`` block: the engine
-    sets each step's lr from it, as DeepSpeed's engine steps its own scheduler; ``step()`` does nothing."""
-
-    def __init__(self, engine: DeepSpeedEngine):
-        self._engine = engine
-
-    def get_last_lr(self) -> list[float]:
-        return [self._engine.lr]
-
-    get_lr = get_last_lr
-
-    def step(self, *args, **kwargs) -> None:
-        """Nothing to do: ``engine.step()`` moves the schedule."""
 
 
 def _client_schedule(lr_scheduler, optimizer, raw: dict):

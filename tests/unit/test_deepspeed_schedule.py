@@ -65,7 +65,7 @@ def test_a_scripts_optimizer_and_transformers_scheduler_train_as_plain_pytorch(m
     engine, _, loader, returned = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                        training_data=data(), config=config())
     with engine:
-        assert returned is scheduler and engine.get_lr() == [0.0]  # the warmup's first step
+        assert returned is scheduler is engine.lr_scheduler and engine.get_lr() == [0.0]  # the warmup's first step
         losses, rates, batches = run_with_rates(engine, loader)
         more, more_rates, more_batches = run_with_rates(engine, loader)
     ref_optimizer = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95))
