@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
+from infinity.deepspeed.throughput import ThroughputTimer
 from infinity.deepspeed.zero import ZeroParamStatus
 from infinity.engine.engine import Engine
 from infinity.runtime.comm import local_rank_and_size
@@ -43,6 +44,9 @@ class DeepSpeedEngine(Engine):
         """The script's learning-rate scheduler, stepped after each applied optimizer step; None: the config's."""
         if lr_scheduler is not None:
             self.set_lr(lr_scheduler.lr())  # the schedule's first step
+        self.tput_timer = ThroughputTimer(self.config.micro_batch_size * self.config.gradient_accumulation_steps
+                                          * self.world_size if self.config.micro_batch_size else 0)
+        """Samples a second of the steps so far (DeepSpeed's ``ThroughputTimer``)."""
 
     def __getattr__(self, name: str):
         """What the engine does not have, the model answers (``engine.gradient_checkpointing_enable()``,
@@ -71,6 +75,24 @@ class DeepSpeedEngine(Engine):
     @property
     def global_steps(self) -> int:
         return self.global_step
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1  # data parallel only
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_step * self.train_batch_size()
+
+    def zero_optimization(self) -> bool:
+        return True
+
+    def zero_optimization_stage(self) -> int:
+        return 3  # lower stages in the config run as stage 3
 
     def train_micro_batch_size_per_gpu(self) -> int:
         if self.config.micro_batch_size is None:
@@ -102,6 +124,10 @@ class DeepSpeedEngine(Engine):
         accumulation starts afresh after each optimizer step (as DeepSpeed's ``step`` zeroes them)."""
 
     # -- training, with DeepSpeed's arguments --------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.tput_timer.start()
+        return super().forward(*args, **kwargs)
+
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         _refuse_non_default("backward", allreduce_gradients=(allreduce_gradients, True),
@@ -112,6 +138,7 @@ class DeepSpeedEngine(Engine):
         _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
         before = self.global_step
         super().step()
+        self.tput_timer.stop(global_step=self.global_step != before)
         if self.client_schedule is not None and self.global_step != before and self.was_step_applied():
             self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
 

@@ -84,6 +84,10 @@ def test_a_deepspeed_loop_trains_as_plain_pytorch_and_its_loader_covers_the_data
         assert schedule is None and optimizer.param_groups[0]["lr"] == LR
         losses, batches = run(engine, loader)
         assert engine.global_steps == 4 and engine.was_step_applied()
+        assert (engine.zero_optimization_stage(), engine.dp_world_size, engine.global_samples) == (3, 1, 64)
+        timer = engine.tput_timer
+        assert (timer.global_step_count, timer.micro_step_count) == (4, 16) and timer.avg_samples_per_sec() > 0
+        timer.update_epoch_count()  # what a DeepSpeed script calls at an epoch's end
         seen = torch.cat([x for x, _ in batches])
         assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, data().tensors[0].tolist()))
         expected = reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), batches, 4)
