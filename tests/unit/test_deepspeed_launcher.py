@@ -91,3 +91,15 @@ def test_a_launch_that_cannot_work_is_refused_before_any_process_starts(tmp_path
     (tmp_path / "train.py").write_text("")
     assert main(["deepspeed", "--num_nodes", "2", str(tmp_path / "train.py")]) == 2
     assert "--num_nodes 2" in capsys.readouterr().err
+
+
+def test_include_and_exclude_pick_gpus_as_deepspeeds_launcher_does():
+    from infinity.commands.deepspeed import _chosen_gpus
+
+    assert _chosen_gpus(None, None, 4) is None
+    assert _chosen_gpus("localhost:1,3", None, 4) == [1, 3] and _chosen_gpus("localhost", None, 2) == [0, 1]
+    assert _chosen_gpus(None, "localhost:0", 3) == [1, 2]
+    for include, said in [("localhost:5", "no GPU \\[5\\]"), ("worker-1:0", "one machine only"),
+                          ("localhost:a", "integers")]:
+        with pytest.raises(ValueError, match=said):
+            _chosen_gpus(include, None, 4)
