@@ -20,7 +20,8 @@ from infinity.checkpoint.shard_source import RunCounters, ShardSource, require_s
 logger = logging.getLogger(__name__)
 
 
-def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None) -> dict:
+def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None, optimizer_states: bool = True,
+                    counters: bool = True) -> dict:
     """Restore a checkpoint written by :func:`~infinity.checkpoint.save.save_checkpoint` into ``source``;
     every rank calls it.
 
@@ -28,6 +29,10 @@ def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None) ->
     one) or a checkpoint's own folder. A checkpoint of another world size is
     resharded. Returns the saved ``client_state``. Nothing is changed in the
     run until every shard file has been verified.
+
+    ``optimizer_states=False``: the model's values (fp32 masters, compute shards, buffers) alone; the run keeps
+    its moments, optimizer step count, learning rate and loss scale. ``counters=False``: the run keeps its step
+    counters and RNG states too (the model's values are all that is loaded, with ``optimizer_states=False``).
     """
     require_step_boundary(source, "load_checkpoint")
     comm = source.comm
@@ -43,7 +48,7 @@ def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None) ->
         _verify_collectively(ckpt, comm)
         error: BaseException | None = None
         try:
-            _load_states(ckpt, source)
+            _load_states(ckpt, source, optimizer_states=optimizer_states, rng_states=counters)
         except Exception as err:  # every rank must learn of it, or the others would go on alone
             error = err
         if _agree(comm, error is not None):
@@ -53,14 +58,16 @@ def load_checkpoint(source: ShardSource, load_dir, *, tag: str | None = None) ->
     finally:
         ckpt.close()
     meta = ckpt.meta
-    source.load_optimizer_state(meta["optimizer"])
-    if meta.get("loss_scaler"):
-        source.load_loss_scaler_state(meta["loss_scaler"])
+    if optimizer_states:
+        source.load_optimizer_state(meta["optimizer"])
+        if meta.get("loss_scaler"):
+            source.load_loss_scaler_state(meta["loss_scaler"])
     accum = source.config.gradient_accumulation_steps
     global_step = int(meta["global_step"])
     micro_step = int(meta["micro_step"])
-    source.set_counters(RunCounters(global_step=global_step,
-                                    micro_step=micro_step if micro_step % accum == 0 else global_step * accum))
+    if counters:
+        source.set_counters(RunCounters(global_step=global_step,
+                                        micro_step=micro_step if micro_step % accum == 0 else global_step * accum))
     source.compute_shards_changed()
     logger.info("loaded checkpoint %s (saved by %d rank(s), step %d) in %.2f s", path, ckpt.world_size,
                 global_step, time.perf_counter() - started)
@@ -130,7 +137,7 @@ def _verify_collectively(ckpt: Checkpoint, comm: Collectives) -> None:
             raise ckpt.problem(old_rank, int(codes[2 * old_rank]), int(codes[2 * old_rank + 1]))
 
 
-def _load_states(ckpt: Checkpoint, source: ShardSource) -> None:
+def _load_states(ckpt: Checkpoint, source: ShardSource, *, optimizer_states: bool, rng_states: bool) -> None:
     rank, world_size = source.comm.rank, source.comm.world_size
     if ckpt.world_size != world_size:
         logger.info("checkpoint %s was saved by %d rank(s); resharding for %d", ckpt.path, ckpt.world_size,
@@ -144,6 +151,8 @@ def _load_states(ckpt: Checkpoint, source: ShardSource) -> None:
             values = source.empty_host(state_numel, torch.float32)
             host.append(values)
         for run in source.state_runs:
+            if run.state != "master" and not optimizer_states:
+                continue  # the run's own moments stay
             flat = values[:run.numel]
             flat.zero_()
             for span in run.spans:
@@ -179,9 +188,9 @@ def _load_states(ckpt: Checkpoint, source: ShardSource) -> None:
                 host_value = torch.empty(tensor.shape, dtype=tensor.dtype)
                 ckpt.reader(0).read_into(f"buffer/{buf.name}", host_value)
                 tensor.data.copy_(host_value)
-        if rank < ckpt.world_size:
+        if rng_states and rank < ckpt.world_size:
             rng.restore(ckpt.reader(rank))
-        else:
+        elif rng_states:
             logger.warning("checkpoint %s has no RNG state for rank %d (saved by %d ranks); keeping this rank's",
                            ckpt.path, rank, ckpt.world_size)
     finally:

@@ -172,19 +172,24 @@ class DeepSpeedEngine(Engine):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
         """``(the checkpoint's folder, its client_state)``; ``(None, None)`` without a tag where ``load_dir`` holds
-        no ``latest`` (nothing saved yet), as DeepSpeed returns (a script then starts afresh)."""
+        no ``latest`` (nothing saved yet), as DeepSpeed returns (a script then starts afresh).
+
+        ``load_optimizer_states=False``: the model's fp32 masters and the step counters, not the moments (the run
+        keeps its own, and its optimizer step for their bias correction); ``load_module_only=True``: the model's
+        values alone (nor the counters, nor the schedule); ``load_lr_scheduler_states=False``: the script's
+        scheduler stays as it is."""
         _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
-                            load_optimizer_states=(load_optimizer_states, True),
-                            load_lr_scheduler_states=(load_lr_scheduler_states, True),
-                            load_module_only=(load_module_only, False), custom_load_fn=(custom_load_fn, None))
+                            custom_load_fn=(custom_load_fn, None))
         folder = Path(load_dir)
         if tag is None and not (folder / LATEST_FILE).is_file() and not (folder / META_FILE).is_file():
             logger.warning("no %s file in %s: no checkpoint loaded (pass a tag to load one by name)", LATEST_FILE,
                            load_dir)
             return None, None
-        client_state = super().load_checkpoint(load_dir, tag=tag)
+        client_state = super().load_checkpoint(load_dir, tag=tag,
+                                               optimizer_states=load_optimizer_states and not load_module_only,
+                                               counters=not load_module_only)
         schedule_state = client_state.pop(SCHEDULE_KEY, None) if isinstance(client_state, dict) else None
-        if self.client_schedule is not None:
+        if self.client_schedule is not None and load_lr_scheduler_states and not load_module_only:
             if schedule_state is None:
                 logger.warning("the checkpoint in %s holds no lr_scheduler state: the schedule goes on from where "
                                "it is", load_dir)

@@ -442,12 +442,16 @@ class Engine:
         self._save_dirs.add(str(save_dir))  # rank 0 holds it now (one live run saves there), until close()
         return tag
 
-    def load_checkpoint(self, load_dir, tag: str | None = None) -> dict:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``."""
+    def load_checkpoint(self, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
+                        counters: bool = True) -> dict:
+        """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``.
+        ``optimizer_states=False``: the model's values alone (the run's moments and optimizer step stay);
+        ``counters=False``: the run's step counters and RNG states stay too."""
         self._ensure_open()
         self._cancel_unused_overlap()
         self.optimizer.drop_tail()  # what the last step's updates behind the forward left is replaced (or failed)
-        client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag)
+        client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag, optimizer_states=optimizer_states,
+                                       counters=counters)
         self.cycle.loaded_checkpoint()
         self._apply_lr_schedule()
         return client_state

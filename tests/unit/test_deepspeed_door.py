@@ -223,8 +223,8 @@ def test_engine_arguments_it_cannot_honour_are_refused_by_name(tmp_path):
         x, y = data().tensors
         with pytest.raises(ValueError, match="retain_graph=True"):
             engine.backward(engine(x[:4], y[:4]), retain_graph=True)
-        with pytest.raises(ValueError, match="load_optimizer_states=False"):
-            engine.load_checkpoint(tmp_path, tag="global_step0", load_optimizer_states=False)
+        with pytest.raises(ValueError, match="load_module_strict=False"):
+            engine.load_checkpoint(tmp_path, tag="global_step0", load_module_strict=False)
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     assert parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"]).deepspeed_config == "ds.json"
 
@@ -269,3 +269,28 @@ def test_what_the_engine_lacks_the_model_answers_as_deepspeeds_engine_forwards_i
         assert engine.hidden is model.hidden and engine.train_batch_size() == 16  # the engine's own first
         with pytest.raises(AttributeError, match="no attribute 'nowhere'"):
             engine.nowhere
+
+
+def test_a_module_only_load_starts_a_fresh_optimizer_from_the_saved_weights_as_plain_pytorch_does(tmp_path):
+    torch.manual_seed(7)
+    engine, _, loader, _ = deepspeed.initialize(model=Regressor(), training_data=data(), config=config(**ADAMW))
+    with engine:
+        run(engine, loader)
+        engine.save_checkpoint(tmp_path)
+        saved = engine.full_state_dict()
+    runs = {}
+    for how in ("load_module_only", "load_optimizer_states"):
+        torch.manual_seed(8)  # other initial values, which the load replaces
+        engine, _, loader, _ = deepspeed.initialize(model=Regressor(), training_data=data(), config=config(**ADAMW))
+        with engine:
+            engine.load_checkpoint(tmp_path, **{how: how == "load_module_only"})
+            assert engine.global_steps == (0 if how == "load_module_only" else 4)
+            assert all(torch.equal(value, saved[name]) for name, value in engine.full_state_dict().items())
+            assert not deepspeed.utils.safe_get_full_optimizer_state(engine.module.out.weight, "exp_avg").any()
+            runs[how] = run(engine, loader)
+    for how, (losses, batches) in runs.items():  # the second restores the saved RNG: its batches come in another order
+        ref = Regressor()
+        ref.load_state_dict(saved)
+        expected = reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), batches, 4)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0, msg=how)
+
