@@ -49,8 +49,8 @@ class DeepSpeedEngine(Engine):
         """Samples a second of the steps so far (DeepSpeed's ``ThroughputTimer``)."""
 
     def __getattr__(self, name: str):
-        """What the engine does not have, the model answers (``engine.gradient_checkpointing_enable()``,
-        ``engine.config`` aside), as DeepSpeed's engine forwards it."""
+        """What the engine does not have, the model answers (``engine.gradient_checkpointing_enable()``), as
+        DeepSpeed's engine forwards it; the engine's own names come first (``engine.config`` is the engine's)."""
         module = self.__dict__.get("module")
         if module is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
