@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
+from infinity.deepspeed.monitor import DeepSpeedMonitor
 from infinity.deepspeed.throughput import ThroughputTimer
 from infinity.deepspeed.zero import ZeroParamStatus
 from infinity.engine.engine import Engine
@@ -29,11 +30,15 @@ logger = logging.getLogger(__name__)
 class DeepSpeedEngine(Engine):
     """:class:`~infinity.engine.engine.Engine` as DeepSpeed's ``DeepSpeedEngine`` is called."""
 
-    def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, lr_scheduler=None, **kwargs):
+    def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, lr_scheduler=None,
+                 monitors: dict | None = None, **kwargs):
         """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`. ``lr_scheduler``: the
-        script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer)."""
+        script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer). ``monitors``: the
+        config's monitor blocks by name (:mod:`~infinity.deepspeed.monitor`)."""
         super().__init__(model, config, **kwargs)
         self._drop_last = drop_last
+        self.monitor = DeepSpeedMonitor(monitors or {}, rank=self.rank)
+        self._step_losses: list[torch.Tensor] = []  # the step's micro-batch losses, for the monitor (no sync)
         for sharded in self.params:  # DeepSpeed's marks of a partitioned parameter, which scripts test for
             param, slot = sharded.param, sharded.slot
             param.ds_id, param.ds_numel, param.ds_shape = slot.index, slot.numel, torch.Size(slot.shape)
@@ -133,14 +138,36 @@ class DeepSpeedEngine(Engine):
         _refuse_non_default("backward", allreduce_gradients=(allreduce_gradients, True),
                             retain_graph=(retain_graph, False))
         super().backward(loss, scale_wrt_gas=scale_wrt_gas)
+        if self.monitor.enabled:
+            self._step_losses.append(loss.detach().float())
 
     def step(self, lr_kwargs=None) -> None:
         _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
-        before = self.global_step
+        before, lr = self.global_step, self.lr
         super().step()
         self.tput_timer.stop(global_step=self.global_step != before)
+        if self.monitor.enabled and self.global_step != before:
+            self._write_step_events(lr)
         if self.client_schedule is not None and self.global_step != before and self.was_step_applied():
             self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
+
+    def _write_step_events(self, lr: float) -> None:
+        """The step's figures under DeepSpeed's names, at its global samples."""
+        loss = torch.stack(self._step_losses).mean().item() if self._step_losses else float("nan")
+        self._step_losses.clear()
+        samples = self.global_samples
+        events = [("Train/Samples/train_loss", loss, samples), ("Train/Samples/lr", lr, samples)]
+        if self.loss_scaler is not None:
+            events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, samples))
+        self.monitor.write_events(events)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            monitor = self.__dict__.get("monitor")  # absent where the engine failed to build
+            if monitor is not None:
+                monitor.close()
 
     def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,
                      data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None) -> DataLoader:

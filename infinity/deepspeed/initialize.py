@@ -17,6 +17,8 @@ config's (or None).
 * ``lr_scheduler``: the script's scheduler over its ``optimizer`` (``transformers.get_scheduler``, torch's), or a
   callable making one from an optimizer; the engine steps it after each applied optimizer step and takes its
   learning rate (:mod:`~infinity.deepspeed.client_schedule`). Or the config's ``scheduler`` block, not both.
+* The config's ``tensorboard`` and ``csv_monitor`` blocks: each step's loss and lr, as DeepSpeed's monitor writes
+  them (:mod:`~infinity.deepspeed.monitor`).
 * Refused, naming the argument: ``mpu`` (model parallelism).
 """
 
@@ -30,6 +32,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from infinity.config.monitors import MONITOR_BLOCKS, monitor_from_deepspeed
 from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.deepspeed.client_schedule import ClientSchedule
 from infinity.deepspeed.engine import DeepSpeedEngine
@@ -62,11 +65,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raw, param_groups = _with_client_optimizer(raw, optimizer)
     client_schedule = _client_schedule(lr_scheduler, optimizer, raw)
     drop_last = bool(raw.get("dataloader_drop_last", False))
+    monitors = {key: monitor_from_deepspeed(raw.pop(key), key) for key in MONITOR_BLOCKS if key in raw}
     infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
     if dist_init_required is not False:
         init_distributed()
     engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
-                             lr_scheduler=client_schedule)
+                             lr_scheduler=client_schedule, monitors=monitors)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, OptimizerView(engine), loader, engine.lr_scheduler
 

@@ -15,17 +15,15 @@ so at the start and goes on with the CSV alone.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from infinity.config.monitors import TensorBoardConfig, tensorboard_available, tensorboard_from_deepspeed
 from infinity.config.tier_names import TIERS
 
-__all__ = ["COLUMNS", "METRICS_FILE", "MetricsLog", "TensorBoardConfig", "read_metrics",
+__all__ = ["COLUMNS", "METRICS_FILE", "MetricsLog", "TensorBoardConfig", "read_metrics", "tensorboard_available",
            "tensorboard_from_deepspeed"]
 
 logger = logging.getLogger(__name__)
@@ -37,32 +35,6 @@ COLUMNS = (
 )
 """``step`` counts optimizer steps from 1; ``exposed_io_s`` is the NVMe I/O time no compute hid (from the
 engine's timeline); ``fetch_wait_s`` the time spent waiting on fetches; bytes are per step except the peaks."""
-
-
-@dataclass(frozen=True)
-class TensorBoardConfig:
-    """Where TensorBoard events go: ``output_path/job_name`` (DeepSpeed's ``tensorboard`` block)."""
-
-    enabled: bool = False
-    """Write events at all."""
-    output_path: str = ""
-    """The folder of the runs' events ("" : the run folder)."""
-    job_name: str = "DeepSpeedJobName"
-    """The sub-folder of this run's events (DeepSpeed's default name)."""
-
-
-def tensorboard_from_deepspeed(block: Any) -> TensorBoardConfig:
-    """DeepSpeed's ``tensorboard`` block, unknown keys refused by name."""
-    if not isinstance(block, dict):
-        raise ValueError(f"config key tensorboard must be a JSON object, got {block!r}")
-    unknown = set(block) - {"enabled", "output_path", "job_name"}
-    if unknown:
-        raise ValueError(f"unknown config key(s) in tensorboard: {', '.join(sorted(map(repr, unknown)))}")
-    return TensorBoardConfig(**block)
-
-
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
 
 
 class MetricsLog:

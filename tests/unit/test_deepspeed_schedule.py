@@ -143,3 +143,32 @@ def test_what_a_client_schedule_cannot_do_is_refused_by_name():
                                                 training_data=data(), config=config(train_batch_size=4))
     with engine, pytest.raises(ValueError, match=r"learning rates \[0.005, 0.01\].*groups must move together"):
         run(engine, loader)
+
+
+def test_the_configs_csv_monitor_writes_each_steps_loss_and_lr_at_its_samples(tmp_path, caplog):
+    torch.manual_seed(2)
+    model = Regressor()
+    optimizer = DeepSpeedCPUAdam(groups(model), lr=LR)
+    scheduler = get_scheduler("linear", optimizer=optimizer, num_warmup_steps=1, num_training_steps=4)
+    monitors = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+                "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"}}
+    with caplog.at_level("INFO"):
+        engine, _, loader, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    training_data=data(), config=config(**monitors))
+    with engine:
+        losses, rates, _ = run_with_rates(engine, loader)
+    assert "placement" in caplog.text and "not applicable" not in caplog.text  # both blocks are honoured
+    written = {}
+    for name in ("train_loss", "lr"):
+        with open(tmp_path / "run" / f"Train_Samples_{name}.csv") as f:
+            header, *rows = [line.strip().split(",") for line in f]
+        assert header == ["step", name]
+        written[name] = rows
+    assert [int(step) for step, _ in written["lr"]] == [16, 32, 48, 64]  # the global samples after each step
+    assert [float(v) for _, v in written["lr"]] == pytest.approx(rates)
+    means = torch.tensor(losses).reshape(4, 4).mean(dim=1)  # each step's four micro-batches
+    assert [float(v) for _, v in written["train_loss"]] == pytest.approx(means.tolist(), rel=1e-6)
+    try:
+        import tensorboard  # noqa: F401  (not a dependency)
+    except ImportError:
+        assert "tensorboard package is not installed" in caplog.text
