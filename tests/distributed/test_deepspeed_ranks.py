@@ -50,7 +50,7 @@ def _rank_gathers(rank: int, world_size: int):
     with engine:
         first, batches = run(engine, loader)
         with deepspeed.zero.GatheredParameters(model.parameters()):
-            whole = {name: p.detach().clone() for name, p in model.named_parameters()}
+            whole = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
         with deepspeed.zero.GatheredParameters([model.hidden.weight, model.out.bias], modifier_rank=1):
             model.hidden.weight.data[rank] = float(rank + 1)  # rank 1's change is the one kept
             model.out.bias.data.fill_(-rank)

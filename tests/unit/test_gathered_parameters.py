@@ -45,7 +45,7 @@ def test_a_change_under_a_modifier_rank_is_kept_and_training_goes_on_as_plain_py
         losses, batches = run(engine, loader)
         expected = reference(ref, ref_optimizer, batches, 4)
         with deepspeed.zero.GatheredParameters(model.parameters()):
-            whole = {name: p.detach().clone() for name, p in model.named_parameters()}
+            whole = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
         for name, value in ref.named_parameters():
             torch.testing.assert_close(whole[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
@@ -74,7 +74,7 @@ def test_in_bf16_the_block_sees_bf16_and_what_it_leaves_alone_keeps_its_fp32_mas
         run(engine, loader)
         before = engine.full_state_dict()
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-            seen = {name: p.detach().clone() for name, p in model.named_parameters()}
+            seen = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
             model.out.weight.data[0, 0] = 0.3
         after = engine.full_state_dict()
     for name, value in seen.items():
@@ -143,7 +143,7 @@ def test_the_safe_get_and_set_helpers_read_and_write_what_torch_adamw_holds(tmp_
                                                 config=engine_config("nvme", tmp_path))
     ref_optimizer = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     with engine:
-        assert torch.equal(safe_get_full_optimizer_state(model.out.weight, "exp_avg"), torch.zeros(1, 16))
+        assert torch.equal(safe_get_full_optimizer_state(model.out.weight, "exp_avg").cpu(), torch.zeros(1, 16))
         with pytest.raises(ValueError, match="no optimizer step has run"):
             safe_set_full_optimizer_state(model.out.weight, torch.ones(1, 16), "exp_avg")
         losses, batches = run(engine, loader)
@@ -152,9 +152,9 @@ def test_the_safe_get_and_set_helpers_read_and_write_what_torch_adamw_holds(tmp_
             if not q.requires_grad:
                 assert safe_get_full_fp32_param(p) is None, name
                 continue
-            torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(safe_get_full_fp32_param(p).cpu(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
             for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(safe_get_full_optimizer_state(p, key), ref_optimizer.state[q][key],
+                torch.testing.assert_close(safe_get_full_optimizer_state(p, key).cpu(), ref_optimizer.state[q][key],
                                            rtol=1e-5, atol=1e-9, msg=f"{name} {key}")
 
         new_weight = torch.linspace(-1, 1, 16).reshape(1, 16)
