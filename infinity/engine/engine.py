@@ -196,6 +196,7 @@ class Engine:
         self._initializer.materialize_buffers()
         cast_buffers(model, self.device, self.dtype)
         self._in_pass = False
+        self._leave_pass()
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
@@ -462,6 +463,8 @@ class Engine:
         if self._in_pass:
             return
         self._in_pass = True
+        for sharded in self.params:
+            sharded.enter_pass()
         if self.prefetcher is not None:
             self.prefetcher.begin_pass()
 
@@ -470,6 +473,12 @@ class Engine:
         if self._in_pass and self.prefetcher is not None:
             self.prefetcher.end_pass()
         self._in_pass = False
+        self._leave_pass()
+
+    def _leave_pass(self) -> None:
+        """User code runs until the next pass: a released parameter's ``.data`` is empty meanwhile."""
+        for sharded in self.params:
+            sharded.leave_pass()
 
     # -- teardown ----------------------------------------------------------------
     def _release_all(self) -> None:

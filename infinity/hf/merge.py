@@ -94,7 +94,7 @@ def _deltas(model: nn.Module, layers: dict[str, nn.Module], adapters: dict[str, 
             ) -> dict[str, torch.Tensor]:
     """Each wrapped base parameter's delta (by its name in ``model``): its layer's active adapters, as ``peft``
     merges them (``get_delta_weight``; ``lora_bias``: ``lora_B.bias`` x scaling on the base bias)."""
-    values = {id(p): adapters[name].view(p.shape) for name, p in model.named_parameters() if name in adapters}
+    values = {id(p): adapters[name] for name, p in model.named_parameters() if name in adapters}  # shaped already
     deltas: dict[str, torch.Tensor] = {}
     for layer_name, layer in layers.items():
         holders = [m for part in ADAPTER_PARTS if isinstance(getattr(layer, part, None), nn.Module)

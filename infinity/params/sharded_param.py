@@ -123,9 +123,28 @@ class ShardedParam:
         else:
             self.full = torch.empty(slot.padded_numel, dtype=dtype, device=tiers.device)
             self.state = ParamState.RELEASED
-        param.data = self.full[:slot.numel].view(slot.shape)
+        self._view = self.full[:slot.numel].view(slot.shape)
+        """The parameter's shape over the full tensor's bytes, made while they exist (a view of an emptied storage
+        cannot be made)."""
+        param.data = self._view
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
+        self._empty = torch.empty(0, dtype=dtype, device=tiers.device)
+        """What ``param.data`` is between passes while released (DeepSpeed's partitioned parameters are empty too)."""
+        self._between_passes = False
+
+    # -- what user code between passes sees ----------------------------------
+    def leave_pass(self) -> None:
+        """Until :meth:`enter_pass`, user code may touch the parameter: released, its ``.data`` is an empty tensor
+        (a read says so at once), not a view of freed bytes (a read there would crash the process)."""
+        self._between_passes = True
+        if self.state is ParamState.RELEASED and not self.aliased:
+            self.param.data = self._empty
+
+    def enter_pass(self) -> None:
+        """A forward begins: ``.data`` is the view of the full tensor that fetches fill."""
+        self._between_passes = False
+        self.param.data = self._view
 
     @property
     def full_nbytes(self) -> int:
@@ -326,3 +345,5 @@ class ShardedParam:
         self._deallocate()
         logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
         self.state = ParamState.RELEASED
+        if self._between_passes:  # released outside a pass (a step made it stale): no view of freed bytes
+            self.param.data = self._empty

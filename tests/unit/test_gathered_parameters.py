@@ -5,7 +5,12 @@ nothing changes."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,7 +104,7 @@ def test_without_a_modifier_rank_or_when_the_block_fails_nothing_changes(tmp_pat
             with deepspeed.zero.GatheredParameters(model.out.weight, modifier_rank=0):
                 model.out.weight.data.zero_()
                 raise KeyError("in the block")
-        sharded_again = model.out.weight.untyped_storage().nbytes() == 0  # released: its shard is all there is
+        sharded_again = model.out.weight.numel() == 0  # released: empty between passes, its shard is all there is
         assert sharded_again and plain_seen.data_ptr() == plain.weight.data_ptr()
         after = engine.full_state_dict()
     assert all(torch.equal(after[name], before[name]) for name in before)
@@ -193,10 +198,41 @@ def test_a_scripts_zero3_save_that_tests_ds_id_and_ds_status_gets_the_whole_mode
         run(engine, loader)
         saved = {}
         for name, param in model.named_parameters():
-            assert (param.ds_numel, tuple(param.ds_shape)) == (param.numel(), tuple(param.shape))
+            assert param.numel() == 0  # released between passes: empty, as DeepSpeed's partitioned parameters
             with deepspeed.zero.GatheredParameters(to_fetch([param]), enabled=True):
                 assert param.ds_status == ZeroParamStatus.AVAILABLE
+                assert (param.ds_numel, tuple(param.ds_shape)) == (param.numel(), tuple(param.shape))
                 saved[name] = param.data.cpu().clone()
-            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
         expected = engine.full_state_dict()
     assert saved.keys() == expected.keys() and all(torch.equal(saved[n], v) for n, v in expected.items())
+
+
+TOUCH = textwrap.dedent("""
+    import sys, tempfile
+    import torch
+    sys.path.insert(0, {tests!r})
+    import infinity
+    from unit.test_deepspeed_door import Regressor, data
+    from unit.test_gathered_parameters import engine_config
+    model = Regressor()
+    engine = infinity.initialize(model, engine_config("nvme", tempfile.mkdtemp()))
+    x, y = data().tensors
+    seen = []
+    for _ in range(4):
+        seen.append(tuple(model.out.weight.shape))  # between passes: what a script's logging would touch
+        model.out.weight.sum().item()
+        loss = engine(x[:4], y[:4]); engine.backward(loss); engine.step()
+    print(seen, loss.item())
+""")
+
+
+def test_a_released_parameter_touched_between_passes_is_empty_not_a_crash():
+    """A script that reads a parameter outside the forward (logging its norm, printing it) read freed bytes
+    and the process died of SIGSEGV; it now finds an empty tensor, as DeepSpeed's partitioned parameters are."""
+    done = subprocess.run([sys.executable, "-c", TOUCH.format(tests=str(Path(__file__).parents[1]))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = ast.literal_eval(done.stdout.split("]")[0] + "]")
+    # empty while released; whole where the prefetcher has fetched it for the next forward already
+    assert seen[0] == (0,) and set(seen) <= {(0,), (1, 16)}
