@@ -25,6 +25,7 @@ from typing import Callable
 
 import psutil
 import torch
+from safetensors.torch import save_file
 
 from infinity.checkpoint.files import META_FILE, shard_file, write_meta
 from infinity.checkpoint.save_dir_lock import hold_save_dir
@@ -49,19 +50,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or what it held before, whatever happens: temporary file, fsync, rename, fsync."""
+def write_file_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``path`` holds what ``write(tmp)`` writes into a new file beside it, or what it held before, whatever happens:
+    temporary file, fsync, rename, fsync."""
     tmp = path.with_name(f"{path.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        with open(tmp, "x") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # on disk before it takes the name
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, whatever happens."""
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_state_dict_atomic(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` as one file at ``path``, or what it held before: safetensors where the name ends in
+    ``.safetensors`` (names tied to one tensor each written as its own, as safetensors requires), else
+    ``torch.save``."""
+    if path.suffix != ".safetensors":
+        write_file_atomic(path, lambda tmp: torch.save(state, tmp))
+        return
+    seen: set[int] = set()
+    unshared = {name: value.contiguous().clone() if id(value) in seen or seen.add(id(value)) else value.contiguous()
+                for name, value in state.items()}
+    write_file_atomic(path, lambda tmp: save_file(unshared, str(tmp), metadata={"format": "pt"}))
 
 
 def check_tag(tag: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from infinity.checkpoint.files import META_FILE
-from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint
+from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint, write_state_dict_atomic
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
 from infinity.deepspeed.monitor import DeepSpeedMonitor
 from infinity.deepspeed.throughput import ThroughputTimer
@@ -145,10 +145,11 @@ class DeepSpeedEngine(Engine):
         _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
         before, lr = self.global_step, self.lr
         super().step()
-        self.tput_timer.stop(global_step=self.global_step != before)
-        if self.monitor.enabled and self.global_step != before:
+        stepped = self.global_step != before  # an accumulation boundary: the optimizer ran (or skipped, in fp16)
+        self.tput_timer.stop(global_step=stepped)
+        if stepped and self.monitor.enabled:
             self._write_step_events(lr)
-        if self.client_schedule is not None and self.global_step != before and self.was_step_applied():
+        if stepped and self.client_schedule is not None and self.was_step_applied():
             self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
 
     def _write_step_events(self, lr: float) -> None:
@@ -239,15 +240,7 @@ class DeepSpeedEngine(Engine):
             return True
         state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
         os.makedirs(save_dir, exist_ok=True)
-        path = Path(save_dir) / save_filename
-        partial = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        if path.suffix == ".safetensors":
-            from safetensors.torch import save_file
-            save_file({name: value.contiguous() for name, value in state.items()}, str(partial),
-                      metadata={"format": "pt"})
-        else:
-            torch.save(state, partial)
-        os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
+        write_state_dict_atomic(Path(save_dir) / save_filename, state)  # the old file or the new one, never half
         return True
 
 

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 import infinity.deepspeed as deepspeed
+from infinity.checkpoint.publish import TMP_PREFIX
 from infinity.deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                                    get_fp32_state_dict_from_zero_checkpoint,
                                                    load_state_dict_from_zero_checkpoint)
@@ -92,7 +93,7 @@ def test_an_output_file_is_one_state_dict(tmp_path, file):
     convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / file)
     written = _read(tmp_path / file)
     assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    assert [p.name for p in tmp_path.iterdir() if TMP_PREFIX in p.name] == []  # no temporary left
 
 
 def test_a_checkpoint_without_its_frozen_parameters_gives_the_trained_ones(tmp_path):
@@ -112,3 +113,15 @@ def _read(path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), "pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
     return torch.load(path)
+
+
+def test_save_16bit_model_writes_tied_names_to_safetensors_each_as_its_own(tmp_path):
+    model = Tied()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                           if p.requires_grad],
+                                           config=config(**ADAMW))
+    with engine:
+        engine.save_16bit_model(tmp_path, "model.safetensors")  # fp32: the head and the embedding share one tensor
+        expected = engine.full_state_dict()
+    written = _read(tmp_path / "model.safetensors")
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())

@@ -10,14 +10,12 @@ line, a tensor at a time.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from infinity.checkpoint.consolidation import checkpoint_state_dict, consolidated_outputs
-from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
+from infinity.checkpoint.publish import resolve_checkpoint, write_state_dict_atomic
 from infinity.checkpoint.reader import Checkpoint
 from infinity.config.units import parse_nbytes
 from infinity.weights.export import HFTensor, write_hf_folder
@@ -76,20 +74,5 @@ def _write_one_file(checkpoint_dir, out: Path, *, tag: str | None, trainable_onl
                                 "give the folder without a weight-file suffix")
     state = checkpoint_state_dict(checkpoint_dir, tag=tag, trainable_only=trainable_only)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        if out.suffix == ".safetensors":
-            seen: set[int] = set()  # tied names share a tensor, which safetensors writes once per name
-            unshared = {name: value.clone() if id(value) in seen or seen.add(id(value)) else value
-                        for name, value in state.items()}
-            save_file(unshared, str(tmp), {"format": "pt"})
-        else:
-            torch.save(state, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # on disk before it takes the name
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_state_dict_atomic(out, state)
     return {"path": str(out), "tensors": len(state)}
