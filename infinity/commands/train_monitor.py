@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infinity.config.lr_schedule import DEFAULT_DECAY_FRACTION, SCHEDULES
+from infinity.config.monitors import MonitorConfig, monitor_from_deepspeed, tensorboard_available
 from infinity.config.tier_names import TIERS
 from infinity.placement.report import format_bytes
 from infinity.train.evaluation import DEFAULT_VAL_FRACTION, Validation, sample_text
-from infinity.train.metrics_log import MetricsLog, TensorBoardConfig, tensorboard_available, tensorboard_from_deepspeed
+from infinity.train.metrics_log import MetricsLog
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ def monitor_plan(args: argparse.Namespace, ds: dict, *, steps: int) -> MonitorPl
 
     tensorboard_dir = Path(args.tensorboard) if args.tensorboard else None
     if tensorboard_dir is None and "tensorboard" in ds:
-        tb: TensorBoardConfig = tensorboard_from_deepspeed(ds["tensorboard"])
+        tb: MonitorConfig = monitor_from_deepspeed(ds["tensorboard"], "tensorboard")
         if tb.enabled:
             tensorboard_dir = Path(tb.output_path or RUNS_FOLDER) / tb.job_name
     for flag, path in (("--run-dir", args.run_dir), ("--tensorboard", tensorboard_dir)):

@@ -23,11 +23,7 @@ class MonitorConfig:
     """The sub-folder of this run's files (DeepSpeed's default name)."""
 
 
-TensorBoardConfig = MonitorConfig
-"""The ``tensorboard`` block's (the same keys as every monitor block)."""
-
-
-def monitor_from_deepspeed(block: Any, key: str = "tensorboard") -> MonitorConfig:
+def monitor_from_deepspeed(block: Any, key: str) -> MonitorConfig:
     """DeepSpeed's ``key`` block, unknown keys refused by name."""
     if not isinstance(block, dict):
         raise ValueError(f"config key {key} must be a JSON object, got {block!r}")
@@ -35,10 +31,6 @@ def monitor_from_deepspeed(block: Any, key: str = "tensorboard") -> MonitorConfi
     if unknown:
         raise ValueError(f"unknown config key(s) in {key}: {', '.join(sorted(map(repr, unknown)))}")
     return MonitorConfig(**block)
-
-
-def tensorboard_from_deepspeed(block: Any) -> MonitorConfig:
-    return monitor_from_deepspeed(block, "tensorboard")
 
 
 def tensorboard_available() -> bool:

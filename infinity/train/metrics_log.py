@@ -20,11 +20,9 @@ import math
 import os
 from pathlib import Path
 
-from infinity.config.monitors import TensorBoardConfig, tensorboard_available, tensorboard_from_deepspeed
 from infinity.config.tier_names import TIERS
 
-__all__ = ["COLUMNS", "METRICS_FILE", "MetricsLog", "TensorBoardConfig", "read_metrics", "tensorboard_available",
-           "tensorboard_from_deepspeed"]
+__all__ = ["COLUMNS", "METRICS_FILE", "MetricsLog", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
