@@ -95,7 +95,7 @@ class WholeParams:
             left = [param.param.data for param in sharded]
         finally:
             for param, original in zip(sharded, originals):
-                param.param.data = original  # sharded again: a view of the full tensor its fetches fill
+                param.param.data = original  # as it was: empty while released, else the view fetches fill
         if modifier_rank is None:
             return
         # The modifier's values are checked on every rank's behalf before anyone waits in the broadcast.
