@@ -62,13 +62,13 @@ class GatheredParameters:
             raise ValueError("zero.GatheredParameters: a parameter on the meta device (a model built inside "
                              "zero.Init) has no values before initialize; give them with initialize's param_init "
                              "(or the model's _init_weights), or gather it after initialize")
-        engines = {id(e): e for e in map(engine_of, params) if e is not None}
+        owned = [(p, engine_of(p)) for p in params]
+        engines = {id(e): e for _, e in owned if e is not None}
         if len(engines) > 1:
             raise ValueError("zero.GatheredParameters: the parameters belong to more than one engine")
         if engines:
-            engine = next(iter(engines.values()))
-            self._managed = [p for p in params if engine_of(p) is engine]
-            self._context = engine.gathered_parameters(self._managed, modifier_rank)
+            self._managed = [p for p, e in owned if e is not None]
+            self._context = next(iter(engines.values())).gathered_parameters(self._managed, modifier_rank)
 
     def __enter__(self):
         entered = self._context.__enter__()
