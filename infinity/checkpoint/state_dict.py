@@ -23,18 +23,18 @@ class FullParamGatherer:
     def __init__(self, source: ShardSource, state: str = "master"):
         self._source = source
         self._state = state
-        self._master_of = state_spans(source, state)
+        self._state_of = state_spans(source, state)
         self._compute_of = {span.param: (run, span) for run in source.compute_runs for span in run.spans}
         self._masters: torch.Tensor | None = None  # the masters of one sub-group, `_masters_run`
         self._masters_run: ShardRun | None = None
 
     def gather(self, param: ParamShard) -> torch.Tensor:
         """The parameter's full value: a view (of its shape) of a new fp32 host tensor."""
-        if param.index in self._master_of:
-            run, span = self._master_of[param.index]
+        if param.index in self._state_of:
+            run, span = self._state_of[param.index]
             if self._masters_run is not run:
                 if self._masters is None:
-                    largest = max(r.numel for r, _ in self._master_of.values())
+                    largest = max(r.numel for r, _ in self._state_of.values())
                     self._masters = torch.empty(largest, dtype=torch.float32)
                 self._source.read(run, self._masters[:run.numel])
                 self._masters_run = run
@@ -66,7 +66,7 @@ class FullParamWriter:
     def __init__(self, source: ShardSource, state: str = "master"):
         self._source = source
         self._state = state
-        self._master_of = state_spans(source, state)
+        self._state_of = state_spans(source, state)
         self._compute_of = {span.param: run for run in source.compute_runs for span in run.spans}
 
     def write(self, values: dict[int, torch.Tensor]) -> None:
@@ -83,13 +83,13 @@ class FullParamWriter:
             mine = flat[rank * param.shard_numel:(rank + 1) * param.shard_numel]
             shard[:mine.numel()] = mine
             shards[index] = shard
-        frozen = [source.params[i].name for i in shards if i not in self._master_of]
+        frozen = [source.params[i].name for i in shards if i not in self._state_of]
         if self._state != "master" and frozen:
             raise ValueError(f"{', '.join(frozen)}: frozen, with no optimizer state {self._state!r} to write")
         runs = {}
         for index in shards:
-            if index in self._master_of:
-                run, span = self._master_of[index]
+            if index in self._state_of:
+                run, span = self._state_of[index]
                 runs.setdefault(run.index, (run, []))[1].append(span)
         for run, spans in runs.values():
             masters = source.empty_host(run.numel, torch.float32)
