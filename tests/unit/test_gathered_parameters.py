@@ -223,6 +223,7 @@ TOUCH = textwrap.dedent("""
         seen.append(tuple(model.out.weight.shape))  # between passes: what a script's logging would touch
         model.out.weight.sum().item()
         loss = engine(x[:4], y[:4]); engine.backward(loss); engine.step()
+    engine.close()  # the test is of the reads above; an engine left open at exit is another matter
     print(seen, loss.item())
 """)
 
