@@ -246,7 +246,7 @@ class OffloadOptimizer:
         if not on_device:
             hyper["num_threads"] = self.host_cores.threads  # the fused CPU kernel's team
         adam = self._device_adam if on_device else self._adam
-        with self._timeline.span("optimizer", f"sub-group {group.index}") if self._timeline else _nothing():
+        with self.span(f"sub-group {group.index}"):
             if self.state_dtype == "fp32":
                 adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
             else:  # the compact form read, updated and written back in the kernel's one pass
@@ -255,6 +255,10 @@ class OffloadOptimizer:
                                           exp_avg_scale=states.get("exp_avg_scale"),
                                           exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
         return self.delivery.updated(group, out, states["master"])
+
+    def span(self, name: str):
+        """A span of the optimizer's work on the trace's optimizer track (nothing without a trace)."""
+        return self._timeline.span("optimizer", name) if self._timeline else _nothing()
 
     def finish_compute_copies(self) -> None:
         """End of a step: see :meth:`ComputeDelivery.finish_copies`."""

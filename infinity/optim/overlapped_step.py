@@ -240,7 +240,9 @@ class OverlappedStep:
 
     def _arrive(self, group: SubGroup) -> None:
         self._in_backward = True
-        self.sq_norms[group.index] = self._grads.sub_group_sq_norm(group)
+        # the wait for the sub-group's last gradients to land, then a pass over them: the worker's, on the trace
+        with self._optimizer.span(f"sub-group {group.index} norm"):
+            self.sq_norms[group.index] = self._grads.sub_group_sq_norm(group)
         if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
             self._speculating = False  # the step will clip or overflow: updating more would only be undone
             logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "

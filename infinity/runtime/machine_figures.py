@@ -37,19 +37,20 @@ import torch
 
 from infinity import kernels
 from infinity.runtime.cpu_matmul import cpu_matmul_mode
-from infinity.runtime.hardware import fast_precision, machine_description
+from infinity.runtime.hardware import fast_precision, last_level_cache_bytes, machine_description
 from infinity.runtime.host_cores import HostCores, plan_host_cores
 from infinity.storage.bench import measure_nvme
 from infinity.storage.swap_store import direct_io_problem
 
 __all__ = ["FORMAT", "MachineFigures", "cache_path", "load_cached", "machine_figures", "measure_block_now", "measure_cpu_adam",
-           "measure_machine", "save"]
+           "measure_machine", "save", "adam_measure_numel"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3
+FORMAT = 4
 """The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite; 3: a
-half-precision matmul on a CPU without units for it is timed as the engine computes it, through fp32)."""
+half-precision matmul on a CPU without units for it is timed as the engine computes it, through fp32; 4: the CPU
+Adam is timed beyond the cache, with the gradient norm the step takes before each update)."""
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -89,7 +90,8 @@ class MachineFigures:
     """A copy within device memory (GPU memory; host memory without a GPU), counting bytes read plus written:
     what bounds an optimizer stepping states in device memory."""
     cpu_adam_elements_per_s: dict
-    """The fused CPU Adam's elements a second, by optimizer-state dtype (fp32, bf16, int8), bf16 gradients."""
+    """A sub-group's host update, elements a second, by optimizer-state dtype (fp32, bf16, int8), bf16 gradients:
+    its gradient norm and the fused CPU Adam, over more elements than the cache holds (:func:`measure_cpu_adam`)."""
     cpu_threads: int
     """The CPU threads the Adam figures were taken with: the team the engine takes here by default
     (:func:`~infinity.runtime.host_cores.plan_host_cores`), bound to its cores where it binds them."""
@@ -338,21 +340,38 @@ def measure_device_memory(device: torch.device, *, nbytes: int = 256 << 20, budg
     return _best_rate(run, 2 * nbytes, budget_s=budget_s) / 1e9
 
 
-def measure_cpu_adam(state_dtype: str, *, numel: int = 1 << 24, budget_s: float = 0.4,
+def adam_measure_numel() -> int:
+    """Elements the CPU Adam figure is taken over: four times the last-level cache in the states' smallest form (8 B
+    an element with gradients and the parameter copy), at least 64 Mi, so that the kernel streams from memory as a
+    model's sub-groups make it (a 16 Mi-element measurement sat in the 320 MB L3 of an H100 box's Xeon and said
+    2.7x what its steps got); at most what a sixteenth of the available memory holds at 16 B an element."""
+    import psutil
+
+    numel = max(1 << 26, 4 * last_level_cache_bytes() // 8)
+    return max(1 << 20, min(numel, psutil.virtual_memory().available // (16 * 16)))
+
+
+def measure_cpu_adam(state_dtype: str, *, numel: int | None = None, budget_s: float = 0.4,
                      host_cores: HostCores | None = None) -> float:
-    """Elements a second of the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy; with
-    ``host_cores``, on a thread bound as the engine binds its updating threads, with that team."""
+    """Elements a second of one sub-group's host update as the offloaded step makes it: the squared gradient norm
+    (the C++ kernel's, as :func:`infinity.grads.norm.sq_norm_fp64` takes it of each sub-group before its update), then
+    the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy; over ``numel`` elements
+    (default :func:`adam_measure_numel`: beyond the cache). With ``host_cores``, on a thread bound as the engine
+    binds its updating threads, with that team."""
+    numel = adam_measure_numel() if numel is None else numel
     threads = None if host_cores is None else host_cores.threads
-    grad = torch.randn(numel).to(torch.bfloat16)
+    # values without randn's cost at this size: the kernel's speed does not depend on them
+    grad = torch.linspace(-1e-3, 1e-3, numel).to(torch.bfloat16)
     param_out = torch.empty(numel, dtype=torch.bfloat16)
     hyper = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     state = kernels.empty_state(state_dtype, numel)
     for name, t in state.items():
-        t.zero_() if name != "master" else t.copy_(torch.randn(numel).to(t.dtype))
+        t.zero_() if name != "master" else t.copy_(torch.linspace(-1.0, 1.0, numel))
     counter = [0]
 
     def run():
         counter[0] += 1
+        kernels.sq_norm_fp64(grad, num_threads=threads)  # as infinity.grads.norm takes it of host gradients
         if state_dtype == "fp32":
             kernels.adam_step(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step=counter[0],
                               param_out=param_out, num_threads=threads, **hyper)

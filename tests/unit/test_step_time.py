@@ -291,6 +291,38 @@ def test_cache_round_trip_and_what_is_not_trusted(tmp_path, monkeypatch):
     assert load_cached(written) is None  # half a file is never trusted
 
 
+def test_the_cpu_adam_figure_is_taken_beyond_the_cache_within_the_memory(monkeypatch):
+    """An H100 box's Xeon held a 16 Mi-element measurement in its 320 MB L3 and gave 2.7x what its steps got: the
+    figure streams from memory as a model's sub-groups do, four caches' worth in the smallest form (8 B an element)
+    and at least 64 Mi elements, and never more than a sixteenth of the available memory holds at 16 B."""
+    free = {"available": 1 << 40}
+    monkeypatch.setattr(mf, "last_level_cache_bytes", lambda: 320 << 20)
+    monkeypatch.setattr("psutil.virtual_memory", lambda: type("Memory", (), free)())
+    assert mf.adam_measure_numel() == 4 * (320 << 20) // 8  # 160 Mi elements
+    monkeypatch.setattr(mf, "last_level_cache_bytes", lambda: 32 << 20)
+    assert mf.adam_measure_numel() == 1 << 26  # the floor: 64 Mi
+    free["available"] = 4 << 30
+    assert mf.adam_measure_numel() == (4 << 30) // 256  # 16 Mi: what 256 MiB holds at 16 B an element
+
+
+def test_the_cpu_adam_figure_includes_the_norm_the_step_takes_first(monkeypatch):
+    """The offloaded step takes each sub-group's squared gradient norm before its update (the worker's time on
+    the trace): the figure is of both, over the same gradients."""
+    if kernels.backend() != "cpp":
+        pytest.skip("the C++ kernel is not built here: the norm is summed in torch ops")
+    seen = []
+    real = kernels.sq_norm_fp64
+
+    def counted(values, **kw):
+        seen.append((values.numel(), values.dtype))
+        return real(values, **kw)
+
+    monkeypatch.setattr(mf.kernels, "sq_norm_fp64", counted)
+    assert mf.measure_cpu_adam("fp32", numel=1 << 12, budget_s=0.0) > 0
+    assert seen and all(s == (1 << 12, mf.torch.bfloat16) for s in seen)  # the bf16 gradients the kernel reads
+    assert len(seen) >= 4  # the warm-up and at least three timed calls, each with its norm
+
+
 DOCUMENTED_KEYS = {
     "host", "machine", "device", "matmul_tflops", "block_tflops", "block_overhead_s", "block_tokens", "h2d_GBps",
     "d2h_GBps", "copy_path", "device_memory_GBps", "cpu_adam_elements_per_s", "cpu_threads", "nvme_read_GBps",
