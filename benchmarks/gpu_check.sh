@@ -7,14 +7,16 @@
 # In a Python whose torch has CUDA, with the project installed (`pip install -e '.[test,hf]'`;
 # without the system libaio the storage engine uses its threads backend):
 #
-#   bash benchmarks/gpu_check.sh step      # ~8 min: the offloaded step's targets, first what decides them:
-#                                          #   1.3B against plain PyTorch with the step-time model's prediction in each
-#                                          #   row (cpu with fp32 and int8 states, half the optimizer on the device,
-#                                          #   accumulation 4; the cpu row traced), then a 6.7B whose states do not fit
-#                                          #   the GPU (cpu against auto, tokens/s and TFLOP/s), then the engine of the
-#                                          #   11.75x figure beside the working tree in one run, if .versions/ holds it
-#   bash benchmarks/gpu_check.sh step-more # ~3 min, the same machine's next call: the other offloaded rows (nvme
-#                                          #   against the disk, spill against cpu, the CPU Adam unbound), 124M
+#   bash benchmarks/gpu_check.sh step      # ~7 min: the offloaded step's targets, first what decides them: the
+#                                          #   machine's figures (bench --machine), then 1.3B against plain PyTorch
+#                                          #   with the step-time model's prediction in each row (cpu with fp32 and
+#                                          #   int8 states, half the optimizer on the device, accumulation 4; each
+#                                          #   traced), a 6.7B whose states do not fit the GPU (cpu against auto,
+#                                          #   tokens/s and TFLOP/s), 124M (none, cpu, accumulation 4)
+#   bash benchmarks/gpu_check.sh step-more # ~3 min, the same machine's next call: the other offloaded 1.3B rows
+#                                          #   (the CPU Adam unbound, spill against cpu, nvme against the disk)
+#   bash benchmarks/gpu_check.sh model     # ~3 min: fresh figures, then the 1.3B cpu and int8 rows beside their
+#                                          #   predictions, traced: a lease's short second call after `scale`
 #   bash benchmarks/gpu_check.sh scale     # ~8 min: the largest GPT this box holds (estimate --max-params), then a
 #                                          #   20.4B GPT with int8 states in 110 GiB of host memory and NVMe, 3 steps
 #   bash benchmarks/gpu_check.sh tests     # ~6 min: the whole suite with CUDA present: tests/gpu and tests/unit, with
@@ -28,12 +30,13 @@
 #   bash benchmarks/gpu_check.sh all       # step, step-more, scale, tests, one after the other
 #
 # A lease of 15 minutes of device time (a minute or two of it to start the machine) holds one ten-minute call and
-# one short one: `step` then `step-more`, or `scale` then nothing; the next lease takes the next phase. Set up and
-# run in one call, e.g. with ../shared/gpu copied to .gpu/ and `bash benchmarks/versions.sh f6ac807` run here:
-#   run(command="bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh step",
-#       carry=[".gpu", ".versions"], timeout_s=600)
-#   run(command="export PYTHONPATH=/tmp/site && OUT=$OUT GPU_CHECK_PHASE_S=150 bash benchmarks/gpu_check.sh step-more",
-#       timeout_s=170)                    # at once, while the machine is warm (it keeps /tmp/site)
+# one short one: `step` then `step-more`, or `scale` then `model`; the next lease takes the next phase. Set up and
+# run in one call, e.g. with ../shared/gpu copied to .gpu/ here (and, for `versions`, `bash benchmarks/versions.sh`
+# run here and ".versions" added to carry):
+#   run(command="bash .gpu/setup.sh && export PYTHONPATH=/tmp/site && OUT=$OUT bash benchmarks/gpu_check.sh scale",
+#       carry=[".gpu"], timeout_s=600)
+#   run(command="export PYTHONPATH=/tmp/site && OUT=$OUT GPU_CHECK_PHASE_S=170 bash benchmarks/gpu_check.sh model",
+#       timeout_s=190)                    # at once, while the machine is warm (it keeps /tmp/site)
 #
 # The versions trees are each old commit's infinity/, kernels/ and storage/ under .versions/ (made by
 # `bash benchmarks/versions.sh [COMMIT...]` where git history is at hand: ~1 MB each), timed beside the working tree.
@@ -56,9 +59,9 @@
 #   PYTHON=python3.12 bash benchmarks/gpu_check.sh tests    # another interpreter
 
 set -u
-usage="usage: gpu_check.sh step|step-more|scale|tests|versions|bench|quick|all"
+usage="usage: gpu_check.sh step|step-more|model|scale|tests|versions|bench|quick|all"
 phase=${1:?$usage}
-case $phase in step|step-more|scale|tests|versions|bench|quick|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
+case $phase in step|step-more|model|scale|tests|versions|bench|quick|all) ;; *) echo "unknown phase $phase; $usage" >&2; exit 2 ;; esac
 out=${OUT:-./gpu-check-logs}
 py=${PYTHON:-python3}
 phase_s=${GPU_CHECK_PHASE_S:-540}
@@ -127,31 +130,33 @@ run_phase() {
   case $name in
     step)
       step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+      # the figures the step-time model predicts every row from, measured once and logged (the benchmarks read the
+      # cache this writes)
+      step machine-figures 60 "$py" -m infinity.cli bench --machine --json
       # the offloaded step's targets first, rows printed as they finish so a cut-off run still leaves them: cpu with
-      # fp32 and int8 states, half the optimizer on the device, accumulation 4; where the cpu row's step goes (trace)
+      # fp32 and int8 states, half the optimizer on the device, accumulation 4; where each row's step goes (trace)
       step bench-gpu-1.3b 210 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1,half:1,cpu:4 \
-        --rounds 3 --warmup 1 --trace "$out" --trace-cases cpu:1 --out "$out/bench-gpu-1.3b.json"
+        --rounds 3 --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1,half:1,cpu:4 --out "$out/bench-gpu-1.3b.json"
       # a model whose states do not fit the GPU (no plain PyTorch row: 107 GB of training state): auto against cpu,
       # every block recomputed so that activations leave the device budget room; fp32 states in 110 GiB of host
       step bench-gpu-6.7b 200 "$py" benchmarks/bench_gpu.py --models 6.7b --cases cpu:1,auto:1 \
         --activation-checkpointing --host-memory 110GiB --rounds 2 --warmup 1 --out "$out/bench-gpu-6.7b.json"
-      if [[ -f .versions/f6ac807/COMMIT ]]; then
-        # has the engine slowed since the 11.75x figure, or do the hosts differ: that engine beside the working tree
-        # and plain PyTorch, one process each, in what the phase has left
-        step versions-1.3b-cpu 150 "$py" benchmarks/bench_versions.py --tree f6ac807=.versions/f6ac807 \
-          --tree head=. --model 1.3b --micro-batch 8 --seq 1024 --offload-param cpu --offload-optimizer cpu \
-          --sub-group-size 1e8 --grad-accum 1 --rounds 1 --steps 3 --warmup 1 --run-timeout 100 --budget-s 120 \
-          --out "$out/versions-1.3b-cpu.json"
-      else
-        echo "== versions-1.3b-cpu: no .versions/f6ac807 (bash benchmarks/versions.sh f6ac807, then carry .versions)" \
-          | tee -a "$out/phases.log"
-      fi
+      # the small model, whose offloaded step the host-side work per tensor weighs on most
+      step bench-gpu-124m 60 "$py" benchmarks/bench_gpu.py --models 124m --cases none:1,cpu:1,cpu:4 --rounds 3 \
+        --warmup 1 --trace "$out" --trace-cases cpu:1 --out "$out/bench-gpu-124m.json"
+      ;;
+    model)
+      # the step-time model on fresh figures against the two 1.3B rows it predicts most simply (~3 min): a
+      # lease's short second call
+      step kernel-build 90 "$py" -c "import infinity.kernels as k; print('CPU Adam kernel:', k.backend())"
+      step machine-figures 60 "$py" -m infinity.cli bench --machine --json
+      step bench-gpu-1.3b 120 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1 --rounds 2 \
+        --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1 --out "$out/bench-gpu-1.3b.json"
       ;;
     step-more)
-      step bench-gpu-1.3b-more 100 "$py" benchmarks/bench_gpu.py --models 1.3b --cases nvme:1,spill:1,unbound:1 \
-        --rounds 2 --warmup 1 --out "$out/bench-gpu-1.3b-more.json"
-      step bench-gpu-124m 60 "$py" benchmarks/bench_gpu.py --models 124m --cases none:1,cpu:1,cpu:4 --rounds 3 \
-        --warmup 1 --out "$out/bench-gpu-124m.json"
+      # the nvme row alone takes ~60 s at 1.3B (19 s a step): one round each
+      step bench-gpu-1.3b-more 150 "$py" benchmarks/bench_gpu.py --models 1.3b --cases unbound:1,spill:1,nvme:1 \
+        --rounds 1 --warmup 1 --out "$out/bench-gpu-1.3b-more.json"
       ;;
     quick)
 
