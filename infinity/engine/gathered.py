@@ -10,12 +10,14 @@ rounded to the compute precision). The optimizer's moments are kept. Every verb 
 with the same parameters in the same order.
 
 The live engines are registered here by their parameters' ids, so that a parameter leads to its engine
-(:func:`engine_of`).
+(:func:`engine_of`), and those still open when the interpreter exits are closed then.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import weakref
 from typing import Iterator
 
@@ -24,6 +26,8 @@ import torch
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import FullParamGatherer, FullParamWriter
 from infinity.params.sharded_param import ShardedParam
+
+logger = logging.getLogger(__name__)
 
 _LIVE: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
 """Each live engine -> the ids of the parameters it manages."""
@@ -40,6 +44,19 @@ def engine_of(param: torch.Tensor):
         if id(param) in ids:
             return engine
     return None
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """Close the engines a program left open, before the interpreter finalizes: their workers (the optimizer's,
+    a step's tail, the copy stream's) are daemon threads, and one stopped inside a native kernel while the
+    interpreter tears down aborts the process ("terminate called without an active exception"); closing also
+    writes the trace and removes the swap files, as ``close()`` does."""
+    for engine in list(_LIVE):
+        try:
+            engine.close()
+        except Exception as err:  # the others are closed whatever one of them raised
+            logger.warning("closing an engine left open at exit failed: %r", err)
 
 
 class WholeParams:

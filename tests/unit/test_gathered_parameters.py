@@ -237,3 +237,31 @@ def test_a_released_parameter_touched_between_passes_is_empty_not_a_crash():
     seen = ast.literal_eval(done.stdout.split("]")[0] + "]")
     # empty while released; whole where the prefetcher has fetched it for the next forward already
     assert seen[0] == (0,) and set(seen) <= {(0,), (1, 16)}
+
+
+LEFT_OPEN = textwrap.dedent("""
+    import atexit, os, sys, tempfile
+    seen = {{}}
+    # registered before infinity is imported, so it runs after infinity's own handler (atexit is last-in first-out)
+    atexit.register(lambda: print("closed", seen["engine"]._closed, "left", os.listdir(seen["nvme"])))
+    sys.path.insert(0, {tests!r})
+    import infinity
+    from unit.test_deepspeed_door import Regressor, data
+    from unit.test_gathered_parameters import engine_config
+    seen["nvme"] = tempfile.mkdtemp()
+    model = Regressor()
+    engine = infinity.initialize(model, engine_config("nvme", seen["nvme"]))
+    x, y = data().tensors
+    for _ in range(2):
+        loss = engine(x[:4], y[:4]); engine.backward(loss); engine.step()
+    seen["engine"] = engine  # never closed
+""")
+
+
+def test_an_engine_left_open_is_closed_before_the_interpreter_finalizes():
+    """A script that never closes its engine: the engine's daemon workers stopped inside a native kernel while the
+    interpreter tore down aborted the process now and then; it is closed at exit (swap files removed) first."""
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN.format(tests=str(Path(__file__).parents[1]))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "closed True left []"
