@@ -21,7 +21,8 @@ def predicted_step(plan, model) -> tuple[StepPrediction | None, str]:
     try:
         prediction = predict_from_estimate(
             figures, plan.estimate, micro_batch=plan.micro_batch, seq_len=plan.seq_len, shape=shape,
-            overlap_step_with_backward=plan.config.zero.overlap_step_with_backward)
+            overlap_step_with_backward=plan.config.zero.overlap_step_with_backward,
+            overlap_step_with_forward=plan.config.zero.overlap_step_with_forward)
     except ValueError as err:  # a path the figures lack (no disk measured, say)
         return None, f"predicted step: {err}"
     return prediction, format_prediction(prediction)

@@ -105,13 +105,23 @@ class OverlappedStep:
         self.started = True
         self._ready.put(group)
 
-    def finish(self) -> int:
+    def finish(self, *, leave_the_rest: bool = False) -> int:
         """Hand over the sub-groups still waiting (parameters that got no gradient) and wait for the worker;
         returns how many sub-groups became final during backward and were updated without waiting for the
-        norm."""
+        norm.
+
+        ``leave_the_rest``: the sub-groups the worker has not begun when backward is over are not updated now:
+        the worker takes their norms and leaves them for :meth:`settle`, whose remaining updates run behind the
+        next forward in the order it reads them (:mod:`infinity.optim.step_tail`). Backward finishes the first
+        layers' sub-groups last, so without this the next forward, which needs them first, waited for every
+        update the host was behind by (on a GPU with states in host memory, most of them)."""
         groups = self._optimizer.layout.sub_groups
         with self._lock:
             left, self._waiting = sorted(self._waiting), {}
+        if leave_the_rest:
+            # read by the worker before each sub-group it takes (a bool: the GIL makes the write whole); the one
+            # it is updating finishes, every later one is deferred once its norm is taken
+            self._speculating = False
         for index in left:
             self._ready.put(groups[index])
         self._ready.put(None)

@@ -242,7 +242,8 @@ class StepCycle:
         start = time.perf_counter()
         overlap = self.overlap
         if overlap is not None:
-            metrics["sub_groups_during_backward"] = overlap.finish()
+            # what the host has not begun by now is left to run behind the next forward, when that is on
+            metrics["sub_groups_during_backward"] = overlap.finish(leave_the_rest=self._finish_behind_forward)
         coef, skipped, clipped = self._gradient_coef(overlap, metrics)
         self.last_step_rejected = skipped or clipped
         tail = None

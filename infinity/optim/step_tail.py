@@ -1,11 +1,15 @@
 """The end of a settled step, behind the next forward.
 
-When an overlapped step's updates wait for the global norm (gradient clipping
-or fp16 configured, and the step clips, or the one before it did), most
-sub-groups are updated after backward. With their states on NVMe, each of
-those updates first reads its states and then writes them: seconds of I/O,
-and the next forward needs none of it but the new compute shards. So
-``step()`` does not wait for them: a :class:`StepTail` runs the remaining
+Some sub-groups are updated after backward: all of them when an overlapped
+step's updates wait for the global norm (gradient clipping or fp16
+configured, and the step clips, or the one before it did), and otherwise
+those the optimizer's worker had not begun when backward ended (a host's
+Adam behind a GPU's backward: most of them, and backward finishes the first
+layers' sub-groups, which the next forward needs first, last). With their
+states on NVMe, each of those updates first reads its states and then writes
+them: seconds of I/O; in host memory, the CPU kernel's pass. The next forward
+needs none of it but the new compute shards. So ``step()`` does not wait for
+them: a :class:`StepTail` runs the remaining
 updates on a worker thread in the order the next forward reads their compute
 shards (the layout's: from the first parameters to the last), and a parameter's
 fetch waits only for its own sub-group (:meth:`StepTail.wait_for`).

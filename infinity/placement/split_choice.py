@@ -174,7 +174,8 @@ def _predict(est: dict, config: InfinityConfig, figures, count: int, device_nume
     traffic = traffic_from_estimate(
         moved, micro_batch=shape.micro_batch if shape else None, seq_len=shape.seq_len if shape else None,
         shape=shape.traffic_shape() if shape else None, crossings=crossings,
-        recompute=shape.recompute if shape else None, overlap_step_with_backward=config.zero.overlap_step_with_backward)
+        recompute=shape.recompute if shape else None, overlap_step_with_backward=config.zero.overlap_step_with_backward,
+        overlap_step_with_forward=config.zero.overlap_step_with_forward)
     return predict_step(figures, traffic)
 
 

@@ -22,7 +22,9 @@ What the design overlaps (the critical path), on a machine whose device is a GPU
    step lasts as long as its busiest stage plus one sub-group through the others (a pipeline's fill). With
    ``overlap_step_with_backward`` it starts as the boundary micro-batch's backward begins (gradients become
    final all through it) and ends at least one sub-group's chain after backward ends (the last gradients are
-   final only then); without, it starts when backward ends;
+   final only then); without, it starts when backward ends. With ``overlap_step_with_forward`` too, the updates
+   not begun when backward ends run behind the next forward (which reads each sub-group's new shards as its
+   update delivers them), and the next backward waits for the last of them;
 3. **behind the next forward**: states written back and new compute shards going up overlap the next step's
    forward (write-behind); only their resource's total bounds the step. Copies run both ways at once (h2d and
    d2h are separate wires); an NVMe disk reads and writes from one budget of time.
@@ -116,6 +118,9 @@ class StepTraffic:
     """Fetches run ahead of need, beside compute."""
     overlap_step_with_backward: bool = True
     """The host step runs during the boundary micro-batch's backward."""
+    overlap_step_with_forward: bool = True
+    """With ``overlap_step_with_backward``: the updates the host has not begun when backward ends run behind the
+    next forward, first those it reads first (:mod:`infinity.optim.step_tail`)."""
     crossings: bool = True
     """Device memory is apart from host memory (a GPU, or the distinct-device mode): copies are real."""
     host_copy_nbytes: float = 0
@@ -285,7 +290,15 @@ def predict_step(figures, traffic: StepTraffic, *, timed_alone: bool = False) ->
         if traffic.overlap_step_with_backward and host_step:
             # the boundary micro-batch's backward: two thirds of its forward and backward
             boundary_backward = compute_phase * (2 / 3) / max(1, traffic.micro_batches)
-            step_end = max(compute_phase + last_group, compute_phase - boundary_backward + host_step)
+            if traffic.overlap_step_with_forward:
+                # The host's updates begin once backward has finished the first sub-group and go on behind the
+                # next forward, which waits for each sub-group's update as it reaches its layers: the next
+                # backward begins one sub-group's forward after the last update (it waits for all of them).
+                forward = boundary_backward / 2
+                host_end = (boundary_backward + forward) / depth + host_step
+                step_end = compute_phase + max(last_group, host_end - boundary_backward - forward)
+            else:
+                step_end = max(compute_phase + last_group, compute_phase - boundary_backward + host_step)
         else:
             step_end = compute_phase + host_step
         path = step_end + p["device_adam"] + fill + drain
@@ -348,8 +361,9 @@ def _staged_shard_nbytes(est: dict, cbytes: int) -> float:
 
 
 def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len: int | None = None,
-                          overlap_step_with_backward: bool = True, recompute: bool | None = None,
-                          crossings: bool | None = None, shape: dict | None = None) -> StepTraffic:
+                          overlap_step_with_backward: bool = True, overlap_step_with_forward: bool = True,
+                          recompute: bool | None = None, crossings: bool | None = None,
+                          shape: dict | None = None) -> StepTraffic:
     """What one step asks of each resource, from an :func:`~infinity.placement.estimate.estimate` (its setting,
     its model's shape, the bytes it puts in each tier). ``micro_batch`` and ``seq_len`` default to the estimate's
     (1 and the model's sequence without them); ``crossings`` to the estimate's ``gpu``; ``recompute`` to its
@@ -419,7 +433,8 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         cpu_adam_elements=shard - device_elements if host_optimizer else 0,
         device_adam_elements=device_elements if host_optimizer else shard,
         state_dtype=s["state_dtype"], sub_groups=groups, prefetch=prefetch,
-        overlap_step_with_backward=overlap_step_with_backward, crossings=bool(crossings), host_copy_nbytes=host_copy,
+        overlap_step_with_backward=overlap_step_with_backward, overlap_step_with_forward=overlap_step_with_forward,
+        crossings=bool(crossings), host_copy_nbytes=host_copy,
     )  # fmt: skip
 
 

@@ -104,6 +104,9 @@ def _crossings(param, optimizer, accum, tmp_path, route=None):
                            max_reuse_distance=0, stage3_prefetch_bucket_size=0)
     if route is not None:
         config["zero_optimization"]["offload_optimizer"]["grad_accumulation"] = route
+    # every update inside its own step, so that a step's counters hold its crossings (behind the next forward,
+    # the updates backward did not reach cross during the next step)
+    config["zero_optimization"]["overlap_step_with_forward"] = False
     model = _MLP()
     _, _, metrics, _ = _train(model, config, _mlp_batches(STEPS * accum), accum=accum, delay_s=0.0)
     shard_nbytes = sum(p.numel() * 4 for p in model.parameters())  # fp32, one rank: the shard is the parameter

@@ -1,8 +1,8 @@
 """A step's updates that finish behind the next forward (``infinity.optim.step_tail``) change timing, never results.
 
-Every step here clips (the threshold is tiny), so every overlapped step waits for the global norm and makes all
+Most steps here clip (the threshold is tiny), so every overlapped step waits for the global norm and makes all
 its updates after backward: with ``overlap_step_with_forward`` they run on the tail's worker while the next
-forward begins. The tail is slowed down on purpose, so the forward reaches parameters whose sub-group is not
+forward begins; without clipping, the updates a slowed worker had not begun when backward ended do. The tail is slowed down on purpose, so the forward reaches parameters whose sub-group is not
 updated yet: a fetch that did not wait for it would gather the old values, and the losses would differ.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -47,6 +48,39 @@ def test_updates_behind_the_forward_equal_the_step_after_backward(tmp_path, monk
     assert all(m["sub_groups_behind_forward"] > 0 for m in on_metrics)  # every step clipped: all updates wait
     assert seen["tail_updates"] == sum(m["sub_groups_behind_forward"] for m in on_metrics)
     assert seen["waited"] > 0  # the forward reached parameters before their sub-group's update: the gate mattered
+    assert on_losses == off_losses
+    for key in off_state:
+        assert torch.equal(on_state[key], off_state[key]), key
+
+
+@pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "cpu"), ("none", "cpu")])
+def test_without_clipping_the_updates_backward_did_not_reach_run_behind_the_forward(tmp_path, monkeypatch, param,
+                                                                                     optimizer):
+    """Nothing clips: the worker updates sub-groups as backward finishes them, but it is slowed here (as a host's
+    Adam is behind a GPU's backward), so some are still queued when backward ends. Those are left for the tail,
+    which the next forward waits on sub-group by sub-group; the results are bitwise the step after backward's."""
+    from infinity.optim.overlapped_step import OverlappedStep
+
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(12, batch=4)
+    lrs = [3e-3, 2e-3, 1e-3, 5e-4, 2.5e-4]
+    off_losses, off_state, _ = _train(model, batches, tmp_path, param=param, optimizer=optimizer, overlap=False,
+                                      accum=1, lrs=lrs, clip=0.0)
+    seen = slow_step_tail(monkeypatch)
+    update = OverlappedStep._update
+
+    def slow_worker(self, group):
+        if threading.current_thread().name == "infinity-optimizer":
+            time.sleep(0.02)  # behind backward, as the host's Adam is behind a GPU's
+        update(self, group)
+
+    monkeypatch.setattr(OverlappedStep, "_update", slow_worker)
+    on_losses, on_state, on_metrics = _train(model, batches, tmp_path, param=param, optimizer=optimizer,
+                                             overlap=True, accum=1, lrs=lrs, clip=0.0)
+    assert all(m["overlapped_step"] == "committed" for m in on_metrics)
+    behind = sum(m["sub_groups_behind_forward"] for m in on_metrics)
+    assert behind > 0 and seen["tail_updates"] == behind
+    assert seen["waited"] > 0  # the forward reached parameters before their sub-group's update
     assert on_losses == off_losses
     for key in off_state:
         assert torch.equal(on_state[key], off_state[key]), key

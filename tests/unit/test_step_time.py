@@ -76,16 +76,26 @@ def test_without_overlap_the_host_step_follows_backward():
 
 
 def test_a_slow_cpu_adam_binds():
-    # 5 s of Adam: the pipeline is 5 + 0.2 / 10 = 5.02 s from the boundary backward's start at 1 s: 6.02 s
+    # 5 s of Adam: the pipeline is 5 + 0.2 / 10 = 5.02 s. It begins once backward (2 s) has finished the first of
+    # ten sub-groups (0.2 s in) and goes on behind the next forward (1 s), whose last sub-group's layers run 0.1 s
+    # after the last update; the next backward starts then: 0.2 + 5.02 + 0.1 = 5.32 s a step
     p = predict_step(figures(), traffic(cpu_adam_elements=5e9))
-    assert math.isclose(p.predicted_s, 6.02)
+    assert math.isclose(p.predicted_s, 5.32)
     assert p.bound_by == "cpu_adam"
+    # every update before step() returns: from the boundary backward's start at 1 s, 6.02 s
+    p = predict_step(figures(), traffic(cpu_adam_elements=5e9, overlap_step_with_forward=False))
+    assert math.isclose(p.predicted_s, 6.02)
 
 
 def test_accumulation_leaves_less_backward_to_hide_behind():
-    # four micro-batches of 0.75 s each: the boundary backward is 0.5 s, so the 5.02 s host step ends at 7.52 s
-    p = predict_step(figures(block_tflops={"bf16": {"1000": RATE_TFLOPS * 4}}),
-                     traffic(cpu_adam_elements=5e9, micro_batches=4))
+    # four micro-batches of 0.75 s each: the boundary backward is 0.5 s and a forward 0.25 s, so the 5.02 s host
+    # step begins 0.05 s into that backward; the next step's first forward ends 0.025 s after the last update, and
+    # its first backward, two more micro-batches and the boundary forward (2.25 s) follow: 7.345 s a step
+    fast = figures(block_tflops={"bf16": {"1000": RATE_TFLOPS * 4}})
+    p = predict_step(fast, traffic(cpu_adam_elements=5e9, micro_batches=4))
+    assert math.isclose(p.predicted_s, 2.25 + 0.05 + 5.02 + 0.025)
+    # every update before step() returns: 3.0 - 0.5 + 5.02 s
+    p = predict_step(fast, traffic(cpu_adam_elements=5e9, micro_batches=4, overlap_step_with_forward=False))
     assert math.isclose(p.predicted_s, 3.0 - 0.5 + 5.02)
 
 
@@ -109,12 +119,16 @@ def test_fetches_overlap_compute_when_prefetched_else_wait_in_line():
 
 
 def test_copies_both_ways_at_once():
-    # 30 GB of compute shards up (3 s, beside the 3 s of compute) and 30 GB of gradients down (3 s, from the
-    # boundary backward's start, 2 s before its end): separate wires, so the step ends at 1 + 3 = 4 s, where
-    # one wire for both would need 6 s of copies
+    # 30 GB of compute shards up (3 s, beside the 3 s of compute) and 30 GB of gradients down (3 s, from the first
+    # sub-group's end of backward, 0.2 s into it, and on behind the next forward, whose last sub-group's layers
+    # take 0.1 s after): separate wires, so the step is 3.3 s, where one wire for both would need 6 s of copies
     p = predict_step(figures(), traffic(fetch_h2d_nbytes=30e9, grad_d2h_nbytes=30e9, shards_h2d_nbytes=0,
                                         cpu_adam_elements=0))
     assert p.resources["h2d"] == 3.0 and p.resources["d2h"] == 3.0
+    assert math.isclose(p.predicted_s, 3.3)
+    # every update before step() returns: the gradients down from the boundary backward's start, 1 + 3 = 4 s
+    p = predict_step(figures(), traffic(fetch_h2d_nbytes=30e9, grad_d2h_nbytes=30e9, shards_h2d_nbytes=0,
+                                        cpu_adam_elements=0, overlap_step_with_forward=False))
     assert math.isclose(p.predicted_s, 4.0)
 
 
