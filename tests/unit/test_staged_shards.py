@@ -39,12 +39,14 @@ def _run(model, batches, config) -> tuple[list[float], dict, dict, int, int]:
     engine = infinity.initialize(copy.deepcopy(model), config)
     try:
         assert len(engine.layout.sub_groups) > 3  # sets are reused within a step
-        losses, from_staging, nvme_read = [], 0, 0
+        losses, from_staging = [], 0
         for batch in batches:
             losses += train_batches(engine, [batch])
-            metrics = engine.step_metrics()
-            from_staging += metrics["compute_shards_from_staging_nbytes"]
-            nvme_read += metrics["tiers"]["nvme"]["bytes_read"]
+            from_staging += engine.step_metrics()["compute_shards_from_staging_nbytes"]
+        # the whole run's reads, the last step's updates behind the forward included (a step's metrics count the
+        # reads of the updates behind its forward, which the load on the machine decides)
+        engine.finish_step()
+        nvme_read = engine.tiers.snapshot()["nvme"]["bytes_read"]
         states = optimizer_states(engine)
         return losses, states, engine.full_state_dict(), from_staging, nvme_read
     finally:
