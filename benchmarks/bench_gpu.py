@@ -3,9 +3,13 @@
 Plain PyTorch is the model on the GPU under bf16 autocast with torch's fused
 AdamW (no ZeRO, no offload). Ours is the engine in bf16 with parameters and
 optimizer in one tier (``none``, ``cpu`` or ``nvme``), with gradient
-accumulation 1 and 4. The two train side by side: each round takes one step
-of the reference, then one of ours, so the machine's noise hits both alike;
-the figure is the median of the per-round ratios of step times.
+accumulation 1 and 4. The two train side by side: each round takes a block of
+steps of the reference (``--block``, 3), then the same of ours, so the
+machine's noise hits both alike; the figure is the median of the per-round
+ratios of step times. A block is timed until every update its steps made is
+done: the updates a step leaves to run behind the next forward overlap the next
+step's forward within the block, and the last step's are waited for, so none
+runs (uncounted) in the reference's time.
 
 For ``nvme`` the reference that matters is the disk: the bound is the bytes
 one step moves to and from NVMe (from ``step_metrics()``) over the bandwidth
@@ -97,7 +101,11 @@ def parse_args(argv=None):
                         "the CPU Adam on every core)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: one step of each)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: --block steps of each)")
+    p.add_argument("--block", type=int, default=3,
+                   help="consecutive steps of each contender a round, timed together until every update they made "
+                        "is done: the updates a step leaves behind the next forward are in its block's time (the "
+                        "last step's land before the block ends), and a step is the block's time over its steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nvme-path", default=None, help="swap directory for the nvme case (default: a temporary one)")
     p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (device memory kept distinct)")
@@ -120,7 +128,10 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true",
                    help="with --trace: one more step of each traced case under torch.profiler (CPU and CUDA), its "
                         "trace gzipped beside the engine's and its busiest ops printed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.block < 1:
+        p.error(f"--block must be 1 or more, got {args.block}")
+    return args
 
 
 def parse_cases(text: str) -> list[tuple[str, int]]:
@@ -239,6 +250,17 @@ class Ours:
             self.engine.step()
         return float(loss.detach())
 
+    def finish(self) -> None:
+        """Wait for the updates the last step left behind the next forward: a timed block ends with them done, so
+        none runs in the reference's time (the host's work would then go uncounted, and slow the reference)."""
+        self.engine.finish_step()
+
+    def nvme_bytes(self) -> int:
+        """Bytes read from and written to NVMe since initialize (a step's own metrics count the updates behind
+        the next forward in the next step)."""
+        nvme = self.engine.tiers.snapshot()["nvme"]
+        return nvme["bytes_read"] + nvme["bytes_written"]
+
     def close(self) -> None:
         self.engine.close()
         del self.engine
@@ -260,6 +282,19 @@ def timed(device, fn, *a) -> tuple[float, float]:
     loss = fn(*a)
     synchronize(device)
     return time.perf_counter() - start, loss
+
+
+def timed_block(device, contender, steps: list) -> tuple[float, float]:
+    """Seconds a step over ``steps`` (each a step's micro-batches) run back to back, and the last loss: from a
+    synchronized start until the device's work and (for ours) every update the steps made are done."""
+    synchronize(device)
+    start = time.perf_counter()
+    for batches in steps:
+        loss = contender.step(batches)
+    if hasattr(contender, "finish"):
+        contender.finish()
+    synchronize(device)
+    return (time.perf_counter() - start) / len(steps), loss
 
 
 def predicted(cfg: GPTConfig, tier: str, accum: int, args, config: dict, split: dict | None = None) -> dict:
@@ -321,17 +356,17 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
         ours = Ours(cfg, config, micro_batch=args.micro_batch, seq=seq, trace_path=trace_path,
                     recompute=recompute)
         for round_ in range(args.warmup + args.rounds):
-            batches = batches_for(cfg, args, accum, device, seed=round_)
-            ref_s = timed(device, reference.step, batches)[0] if reference is not None else None
-            our_s, loss = timed(device, ours.step, batches)
+            steps = [batches_for(cfg, args, accum, device, seed=round_ * args.block + i) for i in range(args.block)]
+            ref_s = timed_block(device, reference, steps)[0] if reference is not None else None
+            moved = ours.nvme_bytes()
+            our_s, loss = timed_block(device, ours, steps)
             if round_ < args.warmup:
                 continue
             if ref_s is not None:
                 ratios.append(our_s / ref_s)
                 ref_times.append(ref_s)
             our_times.append(our_s)
-            tiers = ours.engine.step_metrics()["tiers"]
-            nvme_bytes.append(tiers["nvme"]["bytes_read"] + tiers["nvme"]["bytes_written"])
+            nvme_bytes.append((ours.nvme_bytes() - moved) / args.block)
         if traced and args.profile:
             profile_step(ours, batches_for(cfg, args, accum, device, seed=10_000), device,
                          os.path.join(args.trace, f"{name}-{tier}-{accum}.profile.json.gz"))
@@ -433,7 +468,7 @@ def main(argv=None) -> int:
         nvme_path = args.nvme_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-"))
         disk = measure_disk(nvme_path) if any(t == "nvme" for t, _ in cases) else None
         print(f"machine: {machine(device)}; micro-batch {args.micro_batch} x seq {args.seq}, bf16, "
-              f"{args.rounds} rounds after {args.warmup} warm-up"
+              f"{args.rounds} rounds of {args.block} steps after {args.warmup} warm-up"
               + (", every block recomputed in backward" if args.activation_checkpointing else ""))
         print(f"{'model':>6} {'tier':>7} {'acc':>3} {'plain s':>9} {'ours s':>9} {'ratio':>7} {'predicted s':>11} "
               f"{'/pred':>6} {'ratio/pred':>10} {'bound by':>10} {'TFLOP/s':>8}  host<->device MB/step")

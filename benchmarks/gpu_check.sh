@@ -154,9 +154,9 @@ run_phase() {
         --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1 --out "$out/bench-gpu-1.3b.json"
       ;;
     step-more)
-      # the nvme row alone takes ~60 s at 1.3B (19 s a step): one round each
+      # the nvme row alone takes ~60 s at 1.3B (19 s a step): one round each, of one step
       step bench-gpu-1.3b-more 150 "$py" benchmarks/bench_gpu.py --models 1.3b --cases unbound:1,spill:1,nvme:1 \
-        --rounds 1 --warmup 1 --out "$out/bench-gpu-1.3b-more.json"
+        --rounds 1 --block 1 --warmup 1 --out "$out/bench-gpu-1.3b-more.json"
       ;;
     quick)
 

@@ -88,3 +88,27 @@ def test_a_case_that_cannot_run_is_a_row_of_its_own_and_the_next_case_runs(tmp_p
     assert failed["tier"] == "cpu" and "zero_optimization.host_memory_budget" in failed["error"]
     assert ran["tier"] == "none" and "error" not in ran and ran["ratio"] > 0
     assert "cpu   1 failed: ValueError" in capsys.readouterr().out
+
+
+def test_a_block_runs_its_steps_back_to_back_and_ends_once_their_updates_are_done(monkeypatch):
+    """The updates a step leaves behind the next forward are in its block's time: the contender's finish() (the
+    engine's finish_step) ends the block, once, after its last step; the reference has none to wait for."""
+    import torch
+    clock, calls = [0.0], []
+
+    class Contender:
+        def step(self, batches):
+            calls.append(("step", batches))
+            clock[0] += 1.0
+            return float(batches)
+
+        def finish(self):
+            calls.append(("finish", None))
+            clock[0] += 0.5  # the last step's tail
+
+    monkeypatch.setattr(bench_gpu.time, "perf_counter", lambda: clock[0])
+    per_step, loss = bench_gpu.timed_block(torch.device("cpu"), Contender(), [1, 2, 3])
+    assert calls == [("step", 1), ("step", 2), ("step", 3), ("finish", None)]
+    assert per_step == pytest.approx(3.5 / 3) and loss == 3.0
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args(["--block", "0"])
