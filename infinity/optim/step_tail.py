@@ -9,10 +9,10 @@ layers' sub-groups, which the next forward needs first, last). With their
 states on NVMe, each of those updates first reads its states and then writes
 them: seconds of I/O; in host memory, the CPU kernel's pass. The next forward
 needs none of it but the new compute shards. So ``step()`` does not wait for
-them: a :class:`StepTail` runs the remaining
-updates on a worker thread in the order the next forward reads their compute
-shards (the layout's: from the first parameters to the last), and a parameter's
-fetch waits only for its own sub-group (:meth:`StepTail.wait_for`).
+them: a :class:`StepTail` runs the remaining updates on a worker thread in the
+order the next forward reads their compute shards (the layout's: from the
+first parameters to the last), and a parameter's fetch waits only for its own
+sub-group (:meth:`StepTail.wait_for`).
 
 Whatever else reads or reuses what the tail works on waits for all of it
 (:meth:`StepTail.land`): the next backward (it overwrites the gradient slices
