@@ -77,9 +77,10 @@ def write_state_dict_atomic(path: Path, state: dict[str, torch.Tensor]) -> None:
     if path.suffix != ".safetensors":
         write_file_atomic(path, lambda tmp: torch.save(state, tmp))
         return
-    seen: set[int] = set()
-    unshared = {name: value.contiguous().clone() if id(value) in seen or seen.add(id(value)) else value.contiguous()
-                for name, value in state.items()}
+    unshared, seen = {}, set()
+    for name, value in state.items():
+        unshared[name] = value.contiguous().clone() if id(value) in seen else value.contiguous()
+        seen.add(id(value))
     write_file_atomic(path, lambda tmp: save_file(unshared, str(tmp), metadata={"format": "pt"}))
 
 

@@ -71,13 +71,13 @@ def cpu_name() -> str:
 def last_level_cache_bytes() -> int:
     """The largest CPU cache this process's first CPU sees (its L3 on x86), from sysfs; 0 where it is not said.
     What a measurement of a memory-bound kernel must go well beyond, or it times the cache, not the memory."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     largest = 0
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             text = (index / "size").read_text(encoding="ascii").strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         try:
             size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
         except ValueError:

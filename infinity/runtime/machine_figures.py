@@ -42,8 +42,8 @@ from infinity.runtime.host_cores import HostCores, plan_host_cores
 from infinity.storage.bench import measure_nvme
 from infinity.storage.swap_store import direct_io_problem
 
-__all__ = ["FORMAT", "MachineFigures", "cache_path", "load_cached", "machine_figures", "measure_block_now", "measure_cpu_adam",
-           "measure_machine", "save", "adam_measure_numel"]
+__all__ = ["FORMAT", "MachineFigures", "adam_measure_numel", "cache_path", "load_cached", "machine_figures",
+           "measure_block_now", "measure_cpu_adam", "measure_machine", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -343,8 +343,8 @@ def measure_device_memory(device: torch.device, *, nbytes: int = 256 << 20, budg
 def adam_measure_numel() -> int:
     """Elements the CPU Adam figure is taken over: four times the last-level cache in the states' smallest form (8 B
     an element with gradients and the parameter copy), at least 64 Mi, so that the kernel streams from memory as a
-    model's sub-groups make it (a 16 Mi-element measurement sat in the 320 MB L3 of an H100 box's Xeon and said
-    2.7x what its steps got); at most what a sixteenth of the available memory holds at 16 B an element."""
+    model's sub-groups make it (a 16 Mi-element measurement sat in the L3 of an H100 box's Xeon and said 3.1x what
+    its steps' updates got); at most what a sixteenth of the available memory holds at 16 B an element."""
     import psutil
 
     numel = max(1 << 26, 4 * last_level_cache_bytes() // 8)

@@ -92,7 +92,7 @@ def test_a_case_that_cannot_run_is_a_row_of_its_own_and_the_next_case_runs(tmp_p
 
 def test_a_block_runs_its_steps_back_to_back_and_ends_once_their_updates_are_done(monkeypatch):
     """The updates a step leaves behind the next forward are in its block's time: the contender's finish() (the
-    engine's finish_step) ends the block, once, after its last step; the reference has none to wait for."""
+    engine's finish_step) ends the block, once, after its last step (plain PyTorch's has nothing to wait for)."""
     import torch
     clock, calls = [0.0], []
 

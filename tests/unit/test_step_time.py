@@ -306,7 +306,7 @@ def test_cache_round_trip_and_what_is_not_trusted(tmp_path, monkeypatch):
 
 
 def test_the_cpu_adam_figure_is_taken_beyond_the_cache_within_the_memory(monkeypatch):
-    """An H100 box's Xeon held a 16 Mi-element measurement in its 320 MB L3 and gave 2.7x what its steps got: the
+    """An H100 box's Xeon held a 16 Mi-element measurement in its L3 and gave 3.1x what its steps' updates got: the
     figure streams from memory as a model's sub-groups do, four caches' worth in the smallest form (8 B an element)
     and at least 64 Mi elements, and never more than a sixteenth of the available memory holds at 16 B."""
     free = {"available": 1 << 40}
