@@ -3,7 +3,9 @@ after, in forward and again in backward. Hooks call into the fetch groups and
 the gradient reducer; they hold no state of their own beyond the handles.
 
 * forward pre-hook: fetch; wrap the inputs so that their backward releases
-  (the module's backward is done when gradients reach its inputs);
+  (the module's backward is done when gradients reach its inputs) — or, for a
+  ``torch.nn`` layer whose parameters all train, nothing: it is released once
+  its parameters' gradients are ready (see :data:`RELEASED_ON_GRADS`);
 * forward hook: release; hook the outputs so that the first gradient reaching
   them fetches again (the module's backward is about to run);
 * a parameter's post-accumulate-grad hook hands its gradient to the reducer.
@@ -39,13 +41,36 @@ from infinity.params.sharded_param import ParamState, ShardedParam
 logger = logging.getLogger(__name__)
 
 
+RELEASED_ON_GRADS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm,
+                     torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+"""Layers whose forward reads each parameter only through ops that also give it a gradient: once every parameter's
+gradient is ready, no node of their backward reads a parameter again, so they are released then, without wrapping
+their inputs in an autograd function. That wrap (a pytree walk and a Python ``autograd.Function``) was the largest
+part of the engine's host time per module, and these layers hold nearly every parameter of a transformer. A module
+keeps the wrap where its forward is not one of these classes' own (a subclass may override it), or where a parameter
+is frozen: such a forward may save a parameter for backward without a gradient edge (``weight.detach()``), which a
+release on gradients would free under it."""
+
+_FORWARDS_RELEASED_ON_GRADS = frozenset(cls.forward for cls in RELEASED_ON_GRADS)
+
+
+def released_on_grads(module: torch.nn.Module) -> bool:
+    """The module runs the forward of one of :data:`RELEASED_ON_GRADS` (a subclass that only changes its init
+    does)."""
+    return type(module).forward in _FORWARDS_RELEASED_ON_GRADS
+
+
 class FetchGroup:
     """The parameters one module uses, fetched and released together."""
 
-    def __init__(self, name: str, params: list[ShardedParam]):
+    def __init__(self, name: str, params: list[ShardedParam], *, released_on_grads: bool = False):
+        """``released_on_grads``: the module runs a forward of :data:`RELEASED_ON_GRADS` (:func:`released_on_grads`)."""
         self.name = name
         self.params = list(params)
-        self.release_on_grads = False        # its inputs need no gradient: release when its grads are ready
+        self._layer_released_on_grads = released_on_grads
+        self.released_on_grads = released_on_grads and all(p.slot.trainable for p in self.params)
+        """In backward it is released once its parameters' gradients are ready, whatever its inputs need."""
+        self.release_on_grads = False        # this pass: release when its grads are ready (not its inputs' backward)
         self.awaiting_grads: set[int] = set()  # ids of parameters whose gradient this backward still waits for
         self.always_fetched = all(p.aliased for p in self.params)
         """Every parameter's shard is its full tensor (one rank, shards in device memory): nothing is ever
@@ -67,6 +92,7 @@ class FetchGroup:
         if param not in self.params:
             self.params.append(param)
             self.always_fetched = self.always_fetched and param.aliased
+            self.released_on_grads = False  # the parameter is read by code outside the layer's own forward
             logger.info("%s uses %s outside that parameter's own module; it is now fetched with %s",
                         self.name or "the root module", param.name, self.name or "the root module")
 
@@ -99,7 +125,7 @@ def fetch_groups(model: torch.nn.Module, by_param: dict[int, ShardedParam]) -> d
     for name, module in model.named_modules():
         params = [by_param[id(p)] for p in module.parameters(recurse=False) if id(p) in by_param]
         if params:
-            groups[module] = FetchGroup(name, params)
+            groups[module] = FetchGroup(name, params, released_on_grads=released_on_grads(module))
     return groups
 
 
@@ -136,6 +162,9 @@ class ModuleHooks:
             self.running.append(group)
             if group.always_fetched or not torch.is_grad_enabled():
                 return None  # no release to schedule after its backward
+            if group.released_on_grads:
+                group.release_on_grads = True
+                return None
             wrapped = _wrap_for_release(group, args, kwargs)
             group.release_on_grads = wrapped is None
             return wrapped
@@ -149,8 +178,14 @@ class ModuleHooks:
                 group.release()
             if group.always_fetched:
                 return None  # nothing to fetch again before its backward
+            if not torch.is_grad_enabled():
+                return None
+            if type(output) is torch.Tensor:  # one output (most layers): its own hook, without a pytree walk
+                if output.requires_grad:
+                    output.register_hook(lambda grad: group.fetch_for_backward())
+                return None
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs and torch.is_grad_enabled():
+            if outputs:
                 torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch_for_backward(),
                                                               mode="any")
             return None

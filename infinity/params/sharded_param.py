@@ -126,6 +126,10 @@ class ShardedParam:
         self._view = self.full[:slot.numel].view(slot.shape)
         """The parameter's shape over the full tensor's bytes, made while they exist (a view of an emptied storage
         cannot be made)."""
+        n = slot.shard_numel
+        self._own_chunk = self.full[comm.rank * n:(comm.rank + 1) * n]
+        """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place (made once,
+        like ``_view``; a slice at every fetch was a visible share of a small model's step)."""
         param.data = self._view
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
@@ -264,8 +268,7 @@ class ShardedParam:
 
     def _own_slot(self) -> torch.Tensor:
         """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place."""
-        n = self.slot.shard_numel
-        return self.full[self._comm.rank * n:(self._comm.rank + 1) * n]
+        return self._own_chunk
 
     def _start_up(self, *, block: bool) -> bool:
         """Begin bringing the shard up: an NVMe read, or a copy from host memory (nothing when it is in

@@ -1,6 +1,8 @@
 """With one rank and every shard in device memory (``offload_param: none``), each shard is its parameter's full
 tensor and nothing is ever released: the engine's backward graph is then plain PyTorch's, node for node, with no
-release or re-fetch hooks in it. Where shards live elsewhere those hooks are in the graph, and they must be."""
+release or re-fetch hooks in it. Where shards live elsewhere those hooks are in the graph, and they must be: a
+module of its own forward gets a release node on its inputs, while a ``torch.nn`` layer whose parameters all train
+is released by its parameters' gradient hooks, so its part of the graph stays plain PyTorch's."""
 
 from __future__ import annotations
 
@@ -65,6 +67,104 @@ def test_released_parameters_are_fetched_again_through_the_graph(tmp_path, monke
     plain = backward_nodes(copy.deepcopy(model)(*batch))
     nodes, params, refetched = _engine_loss_graph(model, batch, tmp_path, monkeypatch, param)
     assert not any(p.aliased for p in params)
-    extra = nodes - plain
-    assert set(extra) == {"_ReleaseAfterBackwardBackward"} and extra["_ReleaseAfterBackwardBackward"] > 0
+    # TinyGPT's parametrized modules are torch.nn layers (released on their gradients) and the root, whose input
+    # needs no gradient (released at the end of backward): no release node anywhere
+    assert nodes == plain
     assert len(refetched) > 0  # each module that owns parameters is fetched again before its backward
+
+
+class Scale(torch.nn.Module):
+    """A module of its own forward: it keeps the release node on its inputs."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class DetachedLinear(torch.nn.Linear):
+    """A subclass whose forward saves its weight for backward without a gradient edge, beside a use with one: a
+    release once the weight's gradient is ready would free the bytes the detached use's backward still reads."""
+
+    def forward(self, x):
+        # made first, so its backward runs last: after the weight's gradient is ready
+        detached = torch.nn.functional.linear(x, self.weight.detach())
+        return detached * torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.first = torch.nn.Linear(d, d)
+        self.scale = Scale(d)
+        self.detached = DetachedLinear(d, d)
+        self.last = torch.nn.Linear(d, 1)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.last(self.detached(self.scale(self.first(x)))).squeeze(-1), y)
+
+
+def test_only_layers_of_their_own_forward_keep_the_release_node(tmp_path, monkeypatch):
+    """The release node goes where the forward is the module's own (Scale, the overriding subclass), not on the
+    torch.nn layers; and the engine trains the mix exactly as plain PyTorch AdamW does, every copy late."""
+    monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
+    torch.manual_seed(0)
+    model = Mixed()
+    batches = [(torch.randn(4, 8), torch.randn(4)) for _ in range(4)]
+    plain = backward_nodes(copy.deepcopy(model)(*batches[0]))
+    nodes, _, refetched = _engine_loss_graph(model, batches[0], tmp_path, monkeypatch, "cpu")
+    assert nodes - plain == collections.Counter({"_ReleaseAfterBackwardBackward": 2})  # scale, detached
+    assert {"first", "last", "scale", "detached"} <= set(refetched)
+
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    expected = []
+    for x, y in batches:
+        loss = reference(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-2)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    engine.copies.delay_s = 0.0005  # a parameter read after its release would read late or freed bytes
+    try:
+        losses = []
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_layer_released_on_its_gradients_is_released_inside_backward(tmp_path, monkeypatch):
+    """Released on gradients means released as its backward ends, not held until the end of backward."""
+    monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
+    torch.manual_seed(0)
+    model = Mixed()
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-2)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    try:
+        last = next(p for p in engine.params if p.name == "last.weight")
+        states_when_first_fetched = []
+        first_group = engine.groups[engine.module.first]
+        fetch_for_backward = first_group.fetch_for_backward
+
+        def spy():
+            states_when_first_fetched.append(last.state.name)  # `first`'s backward comes after `last`'s
+            fetch_for_backward()
+        first_group.fetch_for_backward = spy
+        loss = engine(torch.randn(4, 8), torch.randn(4))
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+    assert states_when_first_fetched == ["RELEASED"]
