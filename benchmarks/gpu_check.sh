@@ -12,11 +12,13 @@
 #                                          #   with the step-time model's prediction in each row (cpu with fp32 and
 #                                          #   int8 states, half the optimizer on the device, accumulation 4; each
 #                                          #   traced), a 6.7B whose states do not fit the GPU (cpu against auto,
-#                                          #   tokens/s and TFLOP/s), 124M (none, cpu, accumulation 4)
+#                                          #   tokens/s and TFLOP/s), 124M (none, cpu, accumulation 4), and
+#                                          #   the engine's host-side work per tensor (bench_host_overhead.py)
 #   bash benchmarks/gpu_check.sh step-more # ~3 min, the same machine's next call: the other offloaded 1.3B rows
 #                                          #   (the CPU Adam unbound, spill against cpu, nvme against the disk)
 #   bash benchmarks/gpu_check.sh model     # ~3 min: fresh figures, then the 1.3B cpu and int8 rows beside their
-#                                          #   predictions, traced: a lease's short second call after `scale`
+#                                          #   predictions, traced, and the host-side work per tensor: a lease's
+#                                          #   short second call after `scale`
 #   bash benchmarks/gpu_check.sh scale     # ~8 min: the largest GPT this box holds (estimate --max-params), then a
 #                                          #   20.4B GPT with int8 states in 110 GiB of host memory and NVMe, 3 steps
 #   bash benchmarks/gpu_check.sh tests     # ~6 min: the whole suite with CUDA present: tests/gpu and tests/unit, with
@@ -144,6 +146,8 @@ run_phase() {
       # the small model, whose offloaded step the host-side work per tensor weighs on most
       step bench-gpu-124m 60 "$py" benchmarks/bench_gpu.py --models 124m --cases none:1,cpu:1,cpu:4 --rounds 3 \
         --warmup 1 --trace "$out" --trace-cases cpu:1 --out "$out/bench-gpu-124m.json"
+      # that host-side work alone: 124M's tensors at next to no compute, ours against plain PyTorch
+      step bench-host-overhead 40 "$py" benchmarks/bench_host_overhead.py --out "$out/bench-host-overhead.json"
       ;;
     model)
       # the step-time model on fresh figures against the two 1.3B rows it predicts most simply (~3 min): a
@@ -152,6 +156,8 @@ run_phase() {
       step machine-figures 60 "$py" -m infinity.cli bench --machine --json
       step bench-gpu-1.3b 120 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1 --rounds 2 \
         --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1 --out "$out/bench-gpu-1.3b.json"
+      # the engine's host-side work per tensor (what 124M's offloaded rows wait for), ours against plain PyTorch
+      step bench-host-overhead 30 "$py" benchmarks/bench_host_overhead.py --out "$out/bench-host-overhead.json"
       ;;
     step-more)
       # the nvme row alone takes ~60 s at 1.3B (19 s a step): one round each, of one step

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.device_independent  # the GPU session's plan and argume
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
-PARSED_SCRIPTS = ("bench_gpu.py", "bench_versions.py", "bench_scale.py")
+PARSED_SCRIPTS = ("bench_gpu.py", "bench_versions.py", "bench_scale.py", "bench_host_overhead.py")
 """The benchmarks with a ``parse_args(argv)`` of their own."""
 
 

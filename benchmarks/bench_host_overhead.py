@@ -1,0 +1,177 @@
+"""The engine's host-side work a step, against plain PyTorch on the same model.
+
+A small model on a GPU waits for the thread that feeds it: every parameter the
+engine manages costs Python on that thread (the module hooks, each fetch and
+release, the prefetcher, each copy's issue, the gradient's hook). This
+benchmark takes a GPT with a real model's parameter tensors and modules but
+next to no compute (124M's twelve layers at width 64, fp32, a few tokens), so
+a step's time over plain PyTorch's is that host-side work. Plain PyTorch and
+the engine alternate round by round in one process; each row gives both steps
+(medians), their ratio, and the difference per managed parameter tensor.
+
+Without a GPU the device is kept distinct from host memory
+(``INFINITY_DISTINCT_DEVICE=1``, a worker thread playing the copy stream), so
+every crossing a GPU run issues is issued; ``--one-memory`` runs the CPU path.
+
+    python benchmarks/bench_host_overhead.py                  # none and cpu, 12 layers
+    python benchmarks/bench_host_overhead.py --layers 24 --cases cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import infinity  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig  # noqa: E402
+from infinity.runtime.hardware import cpu_name  # noqa: E402
+
+CASES = {
+    "none": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}},
+    "cpu": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--cases", default="none,cpu", help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--block", type=int, default=10, help="steps a round, back to back")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--one-memory", action="store_true", help="without a GPU: the CPU path, nothing crosses")
+    p.add_argument("--out", default=None, help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # a block's time includes the GPU work it queued
+
+
+def model_config(args) -> GPTConfig:
+    return GPTConfig(n_layer=args.layers, n_head=2, d_model=args.width, seq_len=args.seq, vocab_size=256,
+                     tie_embeddings=True)
+
+
+def engine_config(case: str) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **CASES[case]}  # every tensor managed
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+            "zero_optimization": zero}
+
+
+class Plain:
+    def __init__(self, cfg: GPTConfig, device: torch.device):
+        torch.manual_seed(0)
+        self.model = GPT(cfg).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1,
+                                     fused=device.type == "cuda")
+
+    def step(self, idx, targets) -> torch.Tensor:
+        loss = self.model(idx, targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Ours:
+    def __init__(self, cfg: GPTConfig, case: str, device: torch.device):
+        torch.manual_seed(0)
+        self.engine = infinity.initialize(GPT(cfg), {**engine_config(case), "device": device.type})
+
+    def step(self, idx, targets) -> torch.Tensor:
+        loss = self.engine(idx, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss
+
+    def finish(self) -> None:
+        self.engine.finish_step()  # updates behind the next forward are the block's work
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def timed_block(device, contender, batches) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for idx, targets in batches:
+        contender.step(idx, targets)
+    contender.finish()
+    synchronize(device)
+    return (time.perf_counter() - start) / len(batches)
+
+
+def run_case(case: str, cfg: GPTConfig, args, device: torch.device) -> dict:
+    plain, ours = Plain(cfg, device), Ours(cfg, case, device)
+    managed = len(ours.engine.params)
+    g = torch.Generator().manual_seed(0)
+    plain_s, ours_s, ratios = [], [], []
+    try:
+        for round_ in range(args.warmup + args.rounds):
+            batches = []
+            for _ in range(args.block):
+                idx = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), generator=g)
+                batches.append((idx[:, :-1].to(device), idx[:, 1:].to(device)))
+            p, o = timed_block(device, plain, batches), timed_block(device, ours, batches)
+            if round_ >= args.warmup:
+                plain_s.append(p)
+                ours_s.append(o)
+                ratios.append(o / p)
+    finally:
+        ours.close()
+        plain.close()
+    row = {"case": case, "param_tensors": managed, "plain_step_s": statistics.median(plain_s),
+           "step_s": statistics.median(ours_s), "ratio": statistics.median(ratios)}
+    row["over_plain_ms"] = (row["step_s"] - row["plain_step_s"]) * 1e3
+    row["over_plain_us_per_param"] = row["over_plain_ms"] * 1e3 / managed
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.one_memory:
+        os.environ["INFINITY_DISTINCT_DEVICE"] = "1"  # read as each engine decides its placement
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the host-side work is one thread's; the other core plays the copy stream
+    cfg = model_config(args)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        "CPU, one memory" if args.one_memory else "CPU, device memory kept distinct")
+    print(f"machine: {cpu_name()}; {where}; GPT {args.layers} layers x width {args.width}, fp32, "
+          f"micro-batch {args.micro_batch} x seq {args.seq}, {args.rounds} rounds of {args.block} steps")
+    print(f"{'case':>6} {'tensors':>8} {'plain ms':>9} {'ours ms':>8} {'ratio':>7} {'over ms':>8} {'us/tensor':>10}")
+    rows = []
+    for case in args.cases.split(","):
+        row = run_case(case, cfg, args, device)
+        rows.append(row)
+        print(f"{case:>6} {row['param_tensors']:>8} {row['plain_step_s'] * 1e3:>9.2f} {row['step_s'] * 1e3:>8.2f} "
+              f"{row['ratio']:>6.2f}x {row['over_plain_ms']:>8.2f} {row['over_plain_us_per_param']:>10.1f}")
+    line = json.dumps({"machine": cpu_name(), "device": where, "layers": args.layers, "width": args.width,
+                       "rows": rows})
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
