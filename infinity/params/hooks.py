@@ -49,7 +49,8 @@ their inputs in an autograd function. That wrap (a pytree walk and a Python ``au
 part of the engine's host time per module, and these layers hold nearly every parameter of a transformer. A module
 keeps the wrap where its forward is not one of these classes' own (a subclass may override it), or where a parameter
 is frozen: such a forward may save a parameter for backward without a gradient edge (``weight.detach()``), which a
-release on gradients would free under it."""
+release on gradients would free under it. So does a layer with a parameter another module owns too (a tied head),
+whose gradient is ready only at the end of the other module's backward."""
 
 _FORWARDS_RELEASED_ON_GRADS = frozenset(cls.forward for cls in RELEASED_ON_GRADS)
 
@@ -143,6 +144,11 @@ class ModuleHooks:
         for group in groups.values():
             for p in group.params:
                 self._groups_of.setdefault(id(p.param), []).append(group)
+        for group in groups.values():
+            if any(len(self._groups_of[id(p.param)]) > 1 for p in group.params):
+                # a tied parameter's gradient is ready only once every module using it is done (a tied head would
+                # stay gathered through all of backward): released after its own backward, by the wrap
+                group.released_on_grads = False
         self._handles = []
         for module, group in groups.items():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(group), with_kwargs=True))
