@@ -24,19 +24,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import infinity  # noqa: E402
-from infinity.models.gpt import GPT, GPTConfig  # noqa: E402
+from infinity.commands.host_feed import CASES, EngineSteps, PlainSteps, batches_for, thin_gpt, timed_block  # noqa: E402
 from infinity.runtime.hardware import cpu_name  # noqa: E402
-
-CASES = {
-    "none": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}},
-    "cpu": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
-}
 
 
 def parse_args(argv=None):
@@ -54,82 +47,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # a block's time includes the GPU work it queued
-
-
-def model_config(args) -> GPTConfig:
-    return GPTConfig(n_layer=args.layers, n_head=2, d_model=args.width, seq_len=args.seq, vocab_size=256,
-                     tie_embeddings=True)
-
-
-def engine_config(case: str) -> dict:
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **CASES[case]}  # every tensor managed
-    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-            "zero_optimization": zero}
-
-
-class Plain:
-    def __init__(self, cfg: GPTConfig, device: torch.device):
-        torch.manual_seed(0)
-        self.model = GPT(cfg).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1,
-                                     fused=device.type == "cuda")
-
-    def step(self, idx, targets) -> torch.Tensor:
-        loss = self.model(idx, targets)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss
-
-    def finish(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Ours:
-    def __init__(self, cfg: GPTConfig, case: str, device: torch.device):
-        torch.manual_seed(0)
-        self.engine = infinity.initialize(GPT(cfg), {**engine_config(case), "device": device.type})
-
-    def step(self, idx, targets) -> torch.Tensor:
-        loss = self.engine(idx, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss
-
-    def finish(self) -> None:
-        self.engine.finish_step()  # updates behind the next forward are the block's work
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def timed_block(device, contender, batches) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    for idx, targets in batches:
-        contender.step(idx, targets)
-    contender.finish()
-    synchronize(device)
-    return (time.perf_counter() - start) / len(batches)
+def model_config(args):
+    return thin_gpt(args.layers, args.width, args.seq)
 
 
 def run_case(case: str, cfg: GPTConfig, args, device: torch.device) -> dict:
-    plain, ours = Plain(cfg, device), Ours(cfg, case, device)
-    managed = len(ours.engine.params)
+    plain, ours = PlainSteps(cfg, device), EngineSteps(cfg, case, device)
+    managed = ours.tensors
     g = torch.Generator().manual_seed(0)
     plain_s, ours_s, ratios = [], [], []
     try:
         for round_ in range(args.warmup + args.rounds):
-            batches = []
-            for _ in range(args.block):
-                idx = torch.randint(0, cfg.vocab_size, (args.micro_batch, args.seq + 1), generator=g)
-                batches.append((idx[:, :-1].to(device), idx[:, 1:].to(device)))
+            batches = batches_for(cfg, device, args.block, micro_batch=args.micro_batch, generator=g)
             p, o = timed_block(device, plain, batches), timed_block(device, ours, batches)
             if round_ >= args.warmup:
                 plain_s.append(p)

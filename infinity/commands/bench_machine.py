@@ -2,7 +2,8 @@
 
 Measures in a few seconds the device's matmul and transformer-block throughput, host⇄device copy bandwidth
 (pinned, or the distinct-device mode's copy without a GPU), the fused CPU Adam's throughput for each
-optimizer-state dtype and the disk's O_DIRECT bandwidth (in ``--path``, or a temporary folder), and writes
+optimizer-state dtype, the disk's O_DIRECT bandwidth (in ``--path``, or a temporary folder) and the engine's
+host-side work per released tensor (:mod:`infinity.commands.host_feed`), and writes
 them where ``infinity estimate``, ``infinity train`` and the benchmarks read them
 (:func:`~infinity.runtime.machine_figures.cache_path`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from infinity.commands.host_feed import measure_host_feed
 from infinity.runtime.machine_figures import MachineFigures, cache_path, measure_machine, save
 
 __all__ = ["run_machine", "format_figures"]
@@ -36,12 +38,14 @@ def format_figures(figures: MachineFigures) -> str:
         f"fused CPU Adam, billion elements/s on {figures.cpu_threads} threads: {adam}",
         f"disk (O_DIRECT): read {rate(figures.nvme_read_GBps)}, write (overwriting) {rate(figures.nvme_write_GBps)} "
         f"({figures.nvme_path})",
+        "engine's host-side work per released tensor: " + ("not measured" if figures.host_feed_s_per_tensor is None
+                                                           else f"{figures.host_feed_s_per_tensor * 1e6:.0f} us"),
         f"measured in {figures.measured_s:.1f} s",
     ])  # fmt: skip
 
 
 def run_machine(args: argparse.Namespace) -> int:
-    figures = measure_machine(nvme_dir=args.path)
+    figures = measure_machine(nvme_dir=args.path, measure_host_feed=measure_host_feed)
     path = save(figures, cache_path(figures.host))
     if args.json:
         print(json.dumps(dict(figures.as_dict(), cache=str(path))))

@@ -198,6 +198,9 @@ def estimate(
         flat_numel = sum(_round_up(n, ALIGN_NUMEL) for n in shards)  # the rank's aligned flat space
         largest = max(numels, default=0)
         persistent_numel = sum(s * world_size for n, s in zip(numels, shards) if n <= param_persistence_threshold)
+        # fetched and released every pass: with one rank and the shards on the device each is its full tensor
+        released = (0 if world_size == 1 and offload_param == "none"
+                    else sum(1 for n in numels if n > param_persistence_threshold))
         shard_groups = sub_group_shards(shards[:trained], sub_group_size, decays)
         sub_groups = [sub_group_numel(group) for group in shard_groups]
         largest_sub_group = max(sub_groups, default=0)
@@ -215,6 +218,7 @@ def estimate(
         shard_numel = flat_numel = math.ceil(num_params / world_size)
         largest = gpt_like_largest_layer(num_params)
         persistent_numel = 0
+        released = None  # tensors unknown: the step-time model counts no host-side work for them
         largest_sub_group = min(sub_group_size, flat_numel)
         sub_groups = [largest_sub_group] * (flat_numel // largest_sub_group) + (
             [flat_numel % largest_sub_group] if largest_sub_group and flat_numel % largest_sub_group else [])
@@ -344,6 +348,7 @@ def estimate(
             "host_memory_budget": host_memory_budget,
             "state_dtype": state_dtype,
             "trainable_params": num_params if trainable_params is None else int(trainable_params),
+            "released_tensors": released,
         },
         "shard_numel": shard_numel,
         "largest_sub_group_numel": largest_sub_group,

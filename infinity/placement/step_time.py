@@ -1,7 +1,7 @@
 """The step-time model: from the machine's measured figures and the bytes a placement moves, the time of one
 training step, each resource's busy seconds and the one that binds.
 
-Six resources, each busy for part of a step (:class:`StepTraffic` says how much it has to do, the machine's
+Seven resources, each busy for part of a step (:class:`StepTraffic` says how much it has to do, the machine's
 figures, :class:`~infinity.runtime.machine_figures.MachineFigures`, how fast it does it):
 
 * ``gpu``: forward and backward (FLOPs ≈ 6 · matmul parameters · tokens, the attention's products, a
@@ -10,13 +10,18 @@ figures, :class:`~infinity.runtime.machine_figures.MachineFigures`, how fast it 
   those not kept gathered), new compute shards after a host step;
 * ``d2h``: device-to-host copies: gradient slices going down to a host optimizer;
 * ``cpu_adam``: the fused CPU Adam over the states in host memory or on NVMe;
-* ``nvme_read`` / ``nvme_write``: compute shards and optimizer states read from and written to NVMe.
+* ``nvme_read`` / ``nvme_write``: compute shards and optimizer states read from and written to NVMe;
+* ``feed``: the thread that feeds the device, for the engine's own work on each parameter tensor it fetches and
+  releases, every micro-batch (hooks, fetch and release, copy issues, the gradient's hook), at the machine's
+  ``host_feed_s_per_tensor`` (none where that figure was not measured). Plain PyTorch's own launches are in the
+  block figures' fixed overhead.
 
 What the design overlaps (the critical path), on a machine whose device is a GPU:
 
 1. **forward and backward with fetches**: the prefetcher brings shards up (NVMe read, then a copy up) ahead
    of need, so the compute phase lasts as long as the busiest of compute and the fetches' copies and reads
-   (without prefetching, the fetches wait in line: their sum);
+   (without prefetching, the fetches wait in line: their sum), and at least as long as the feeding thread's
+   work: the engine's per tensor beside the launches (a small model's GPU waits for it);
 2. **the host step**, sub-group by sub-group: gradients down, states read, the CPU Adam, then states written
    and new compute shards up. The stages run on different resources and overlap across sub-groups, so the
    step lasts as long as its busiest stage plus one sub-group through the others (a pipeline's fill). With
@@ -33,7 +38,7 @@ The step is the longest of that critical path and every resource's total busy ti
 faster than its busiest wire).
 
 Without a GPU the device is the CPU: compute, the CPU Adam and the distinct-device mode's copies all run on
-the same cores, one after another, while NVMe transfers overlap them. The step is then the cores' sum plus
+the same cores, one after another (the feeding thread's work too), while NVMe transfers overlap them. The step is then the cores' sum plus
 the I/O it leaves exposed. Where the updates run beside backward they share the cores with it rather than
 hide behind it: their seconds add to the compute's (on a GPU they overlap). The copies the engine makes
 within the one memory are the cores' work too (``host_copy_nbytes``, at the machine's memory copy figure):
@@ -62,7 +67,7 @@ __all__ = ["RESOURCES", "StepTraffic", "StepPrediction", "compute_seconds", "for
 
 logger = logging.getLogger(__name__)
 
-RESOURCES = ("gpu", "h2d", "d2h", "cpu_adam", "nvme_read", "nvme_write")
+RESOURCES = ("gpu", "h2d", "d2h", "cpu_adam", "nvme_read", "nvme_write", "feed")
 """The resources a step keeps busy, in the order they are reported."""
 
 _COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -123,6 +128,8 @@ class StepTraffic:
     next forward, first those it reads first (:mod:`infinity.optim.step_tail`)."""
     crossings: bool = True
     """Device memory is apart from host memory (a GPU, or the distinct-device mode): copies are real."""
+    released_tensors: int = 0
+    """Parameter tensors fetched and released every micro-batch (the feeding thread's work is per tensor)."""
     host_copy_nbytes: float = 0
     """Without crossings (the device is the CPU): bytes the cores copy within that one memory a step, each byte
     read and each written counted (as the memory figure counts them): compute shards a fetch copies from the
@@ -187,11 +194,21 @@ def _block_rate(figures, precision: str, width: int) -> float:
 def compute_seconds(figures, traffic: StepTraffic) -> float:
     """Forward and backward of every micro-batch: each block its fixed overhead plus its FLOPs at the block
     throughput of the model's width; the head (and embeddings, the loss) one more block's overhead plus its FLOPs."""
+    rate = _block_rate(figures, traffic.precision, traffic.width)
+    return step_flops(traffic) / rate + _launch_seconds(figures, traffic)
+
+
+def _launch_seconds(figures, traffic: StepTraffic) -> float:
+    """The blocks' fixed overheads over the step (launches, dispatch, autograd: the feeding thread's own part)."""
     measured = next(iter(figures.block_overhead_s))
     overhead = figures.block_overhead_s.get(traffic.precision, figures.block_overhead_s[measured])
-    rate = _block_rate(figures, traffic.precision, traffic.width)
-    per_micro_batch = (traffic.layers + 1) * overhead * (1 + traffic.recompute / 3)
-    return step_flops(traffic) / rate + per_micro_batch * traffic.micro_batches
+    return (traffic.layers + 1) * overhead * (1 + traffic.recompute / 3) * traffic.micro_batches
+
+
+def _feed_seconds(figures, traffic: StepTraffic) -> float:
+    """The engine's host-side work on the tensors it fetches and releases, over the step's micro-batches."""
+    per_tensor = getattr(figures, "host_feed_s_per_tensor", None) or 0.0
+    return traffic.released_tensors * traffic.micro_batches * per_tensor
 
 
 def _busy(figures, traffic: StepTraffic) -> dict:
@@ -209,6 +226,8 @@ def _busy(figures, traffic: StepTraffic) -> dict:
     copies = traffic.crossings
     parts = {
         "compute": compute_s,
+        "feed": _feed_seconds(figures, traffic),
+        "launch": _launch_seconds(figures, traffic),
         "device_adam": device_adam_s,
         "fetch_h2d": _seconds(traffic.fetch_h2d_nbytes, figures.h2d_GBps, "host-to-device copy") if copies else 0.0,
         "fetch_read": _seconds(traffic.fetch_nvme_read_nbytes, figures.nvme_read_GBps, "NVMe read"),
@@ -231,6 +250,7 @@ def _busy(figures, traffic: StepTraffic) -> dict:
         "cpu_adam": parts["cpu_adam"],
         "nvme_read": parts["fetch_read"] + parts["state_read"],
         "nvme_write": parts["state_write"],
+        "feed": parts["feed"],
     }
     return {"resources": resources, "parts": parts}
 
@@ -270,14 +290,14 @@ def predict_step(figures, traffic: StepTraffic, *, timed_alone: bool = False) ->
         # of the step, written behind). Overlapped, the step is the cores' work or the disk's, whichever is
         # longer; not overlapped, the step's reads and writes after backward are pipelined with the updates only.
         copies_s = resources["h2d"] + resources["d2h"]
-        cores = resources["gpu"] + resources["cpu_adam"] + copies_s
+        cores = resources["gpu"] + resources["cpu_adam"] + copies_s + resources["feed"]
         # Timed alone, the cores wait for the first fetch before the forward, and the last sub-group's write-back
         # follows their last update; the disk's own time already holds those bytes, so they add to the cores'
         # path, not to the disk's.
         if traffic.overlap_step_with_backward:
             path = max(fill + cores + drain, disk_s)
         else:
-            fetches = [p["compute"] + p["device_adam"] + p["fetch_h2d"], p["fetch_read"]]
+            fetches = [p["compute"] + p["device_adam"] + p["fetch_h2d"] + p["feed"], p["fetch_read"]]
             fetch_phase = max(fetches) if traffic.prefetch else sum(fetches)
             path = fill + fetch_phase + drain + _pipeline(
                 [p["state_read"], p["cpu_adam"] + p["grad_d2h"], p["state_write"]], depth)
@@ -285,6 +305,8 @@ def predict_step(figures, traffic: StepTraffic, *, timed_alone: bool = False) ->
     else:
         fetches = [p["compute"], p["fetch_h2d"], p["fetch_read"]]
         compute_phase = max(fetches) if traffic.prefetch else sum(fetches)
+        # the GPU runs what the feeding thread has issued: the engine's work per tensor beside the launches
+        compute_phase = max(compute_phase, p["launch"] + p["feed"])
         host_step = _pipeline(blocking, depth)
         last_group = _chain(blocking, depth)
         if traffic.overlap_step_with_backward and host_step:
@@ -318,7 +340,7 @@ def _binding(figures, resources: dict, critical: dict, predicted: float, disk_s:
     if disk_s > 0 and math.isclose(predicted, disk_s, rel_tol=1e-9) and disk_s >= max(
             critical.get("cores", 0.0), critical.get("compute_phase", 0.0)):
         return "nvme_read" if resources["nvme_read"] >= resources["nvme_write"] else "nvme_write"
-    candidates = ("gpu", "cpu_adam", "h2d", "d2h") if figures.device == "cpu" else RESOURCES
+    candidates = ("gpu", "cpu_adam", "h2d", "d2h", "feed") if figures.device == "cpu" else RESOURCES
     return max(candidates, key=lambda r: resources[r])
 
 
@@ -434,7 +456,7 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
         device_adam_elements=device_elements if host_optimizer else shard,
         state_dtype=s["state_dtype"], sub_groups=groups, prefetch=prefetch,
         overlap_step_with_backward=overlap_step_with_backward, overlap_step_with_forward=overlap_step_with_forward,
-        crossings=bool(crossings), host_copy_nbytes=host_copy,
+        crossings=bool(crossings), host_copy_nbytes=host_copy, released_tensors=s.get("released_tensors") or 0,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -47,10 +48,11 @@ __all__ = ["FORMAT", "MachineFigures", "adam_measure_numel", "cache_path", "load
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 4
+FORMAT = 5
 """The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite; 3: a
 half-precision matmul on a CPU without units for it is timed as the engine computes it, through fp32; 4: the CPU
-Adam is timed beyond the cache, with the gradient norm the step takes before each update)."""
+Adam is timed beyond the cache, with the gradient norm the step takes before each update; 5: the engine's host-side
+work per released tensor)."""
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -102,9 +104,14 @@ class MachineFigures:
     where no path took O_DIRECT)."""
     nvme_path: str | None
     """The directory the disk figures were measured in, or why none was (``not measured: ...``)."""
-    measured_s: float
+    host_feed_s_per_tensor: float | None = None
+    """Seconds of the thread that feeds the device per parameter tensor the engine fetches and releases, each
+    micro-batch (hooks, fetch and release, copy issues, the gradient's hook), beyond plain PyTorch's on the same model
+    (:mod:`infinity.commands.host_feed`); None where not measured (``infinity bench --machine`` measures it, a
+    measurement made for a missing cache does not): the step-time model then counts none."""
+    measured_s: float = 0.0
     """Seconds the measurement took."""
-    measured_at: float
+    measured_at: float = 0.0
     """When it was measured (seconds since the epoch)."""
     format: int = FORMAT
     """The cache file's format."""
@@ -115,7 +122,9 @@ class MachineFigures:
     @classmethod
     def from_dict(cls, data: dict) -> "MachineFigures":
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - set(data) - {"format"}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = required - set(data)
         if missing:
             raise ValueError(f"machine figures lack {', '.join(sorted(missing))}")
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -428,8 +437,11 @@ def measure_disk(directory: str | None, *, nbytes: int = 256 << 20) -> tuple[flo
             os.rmdir(made)
 
 
-def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -> MachineFigures:
-    """Measure every figure here (a few seconds)."""
+def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES,
+                    measure_host_feed: Callable[[torch.device], float] | None = None) -> MachineFigures:
+    """Measure every figure here (a few seconds). ``measure_host_feed(device)``: the engine's host-side seconds per
+    released tensor (:func:`infinity.commands.host_feed.measure_host_feed`, which needs the whole engine: the
+    command passes it; without it that figure is None)."""
     start = time.perf_counter()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     matmul = {p: round(measure_matmul_tflops(device, p), 4) for p in ("bf16", "fp32")}
@@ -444,6 +456,7 @@ def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -
     host_cores = plan_host_cores(device, None)  # the team the engine takes on this machine by default
     adam = {d: round(measure_cpu_adam(d, host_cores=host_cores)) for d in state_dtypes}
     read, write, disk = measure_disk(nvme_dir)
+    host_feed = None if measure_host_feed is None else measure_host_feed(device)
     figures = MachineFigures(
         host=socket.gethostname() or "unknown", machine=machine_description(), device=device.type,
         matmul_tflops=matmul, block_tflops={p: b[0] for p, b in blocks.items()},
@@ -452,7 +465,8 @@ def measure_machine(*, nvme_dir: str | None = None, state_dtypes=STATE_DTYPES) -
         device_memory_GBps=round(device_memory, 3),
         cpu_adam_elements_per_s=adam, cpu_threads=host_cores.threads or torch.get_num_threads(),
         nvme_read_GBps=None if read is None else round(read, 3), nvme_write_GBps=None if write is None else round(write, 3),
-        nvme_path=disk, measured_s=round(time.perf_counter() - start, 2), measured_at=round(time.time(), 1),
+        nvme_path=disk, host_feed_s_per_tensor=None if host_feed is None else round(host_feed, 7),
+        measured_s=round(time.perf_counter() - start, 2), measured_at=round(time.time(), 1),
     )  # fmt: skip
     logger.info("machine figures measured in %.1f s: %s", figures.measured_s, figures)
     return figures

@@ -43,6 +43,32 @@ def traffic(**changes) -> StepTraffic:
     return dataclasses.replace(base, **changes)
 
 
+def test_the_feeding_thread_binds_a_small_models_step_on_a_gpu():
+    """1,000 released tensors at 1 ms each and 4 micro-batches: 4 s of the feeding thread beside 0.75 s of GPU work
+    a micro-batch (3 s in all) and 0.04 s of launches: the compute phase is the feed's, and it binds."""
+    small = traffic(released_tensors=1000, micro_batches=4, tokens=250, grad_d2h_nbytes=0, cpu_adam_elements=0,
+                    shards_h2d_nbytes=0)
+    fed = figures(host_feed_s_per_tensor=1e-3, block_overhead_s={"bf16": 0.005})
+    p = predict_step(fed, small)
+    assert math.isclose(p.resources["feed"], 4.0)
+    assert math.isclose(p.predicted_s, 4.0 + 2 * 0.005 * 4)  # the feed beside the blocks' launches
+    assert p.bound_by == "feed"
+    # without the figure (not measured) the feed counts nothing: the GPU's 3 s and its launches
+    unfed = predict_step(figures(block_overhead_s={"bf16": 0.005}), small)
+    assert unfed.resources["feed"] == 0.0 and unfed.bound_by == "gpu"
+    assert math.isclose(unfed.predicted_s, 3.0 + 0.04)
+    # below the GPU's work the feed hides behind it
+    hidden = predict_step(figures(host_feed_s_per_tensor=1e-4, block_overhead_s={"bf16": 0.005}), small)
+    assert math.isclose(hidden.predicted_s, 3.04) and hidden.bound_by == "gpu"
+
+
+def test_on_a_cpu_device_the_feed_adds_to_the_cores():
+    cpu = figures(device="cpu", host_feed_s_per_tensor=1e-3)
+    plain = predict_step(figures(device="cpu"), traffic(released_tensors=100, crossings=False))
+    fed = predict_step(cpu, traffic(released_tensors=100, crossings=False))
+    assert math.isclose(fed.predicted_s - plain.predicted_s, 0.1)
+
+
 def test_flops_and_compute_seconds_by_hand():
     assert step_flops(traffic()) == FLOPS
     assert step_flops(traffic(micro_batches=4)) == 4 * FLOPS
@@ -67,7 +93,8 @@ def test_host_step_hidden_behind_backward_gpu_binds():
     p = predict_step(figures(), traffic())
     assert math.isclose(p.predicted_s, 3.12)
     assert p.bound_by == "gpu"
-    assert p.resources == {"gpu": 3.0, "h2d": 0.2, "d2h": 0.2, "cpu_adam": 1.0, "nvme_read": 0.0, "nvme_write": 0.0}
+    assert p.resources == {"gpu": 3.0, "h2d": 0.2, "d2h": 0.2, "cpu_adam": 1.0, "nvme_read": 0.0, "nvme_write": 0.0,
+                           "feed": 0.0}
 
 
 def test_without_overlap_the_host_step_follows_backward():
@@ -278,7 +305,8 @@ def test_a_cpu_only_step_from_its_estimate_each_resource_by_hand():
     # Adam 3e8 / 1e9 = 0.3 s; reads: 12 B states (3.6 GB) and half the 2 B shards (0.3 GB) at 2 GB/s = 1.95 s;
     # writes: 14 B (4.2 GB) at 1 GB/s = 4.2 s; nothing crosses
     assert t.host_copy_nbytes == 2 * 0.3e9 + 2 * 0.6e9
-    assert p.resources == {"gpu": 3.0018, "h2d": 0.0, "d2h": 0.0, "cpu_adam": 0.3, "nvme_read": 1.95, "nvme_write": 4.2}
+    assert p.resources == {"gpu": 3.0018, "h2d": 0.0, "d2h": 0.0, "cpu_adam": 0.3, "nvme_read": 1.95, "nvme_write": 4.2,
+                           "feed": 0.0}
     # the cores' 3.3018 s hide behind the disk's 1.95 + 4.2 s (reads and writes share it)
     assert math.isclose(p.predicted_s, 6.15) and p.bound_by == "nvme_write"
     # timed alone: no first read (staged), the last sub-group's 0.525 s write after the cores' 3.3 s: the disk binds
@@ -340,7 +368,7 @@ def test_the_cpu_adam_figure_includes_the_norm_the_step_takes_first(monkeypatch)
 DOCUMENTED_KEYS = {
     "host", "machine", "device", "matmul_tflops", "block_tflops", "block_overhead_s", "block_tokens", "h2d_GBps",
     "d2h_GBps", "copy_path", "device_memory_GBps", "cpu_adam_elements_per_s", "cpu_threads", "nvme_read_GBps",
-    "nvme_write_GBps", "nvme_path", "measured_s", "measured_at", "format",
+    "nvme_write_GBps", "nvme_path", "host_feed_s_per_tensor", "measured_s", "measured_at", "format",
 }
 
 
@@ -389,6 +417,7 @@ def test_bench_machine_json_emits_the_figures_and_caches_them(tmp_path, monkeypa
     assert set(out["cpu_adam_elements_per_s"]) == {"fp32", "bf16", "int8"}
     assert all(v > 0 for v in out["cpu_adam_elements_per_s"].values())
     assert set(out["matmul_tflops"]) == {"bf16", "fp32"} and out["device"] in ("cpu", "cuda")
+    assert out["host_feed_s_per_tensor"] >= 0  # the command measures it (a cache measured for lack of one does not)
     cached = load_cached()
     assert cached is not None and cached.as_dict() == {k: v for k, v in out.items() if k != "cache"}
     assert out["cache"] == str(cache_path(out["host"]))
