@@ -14,7 +14,7 @@ import torch
 
 import infinity
 from infinity.params.hooks import FetchGroup
-from helpers import TinyGPT, engine_config, gpt_batches
+from helpers import TinyGPT, assert_matches, engine_config, engine_steps, gpt_batches, reference_train
 
 
 def backward_nodes(loss: torch.Tensor) -> collections.Counter:
@@ -119,31 +119,13 @@ def test_only_layers_of_their_own_forward_keep_the_release_node(tmp_path, monkey
     assert nodes - plain == collections.Counter({"_ReleaseAfterBackwardBackward": 2})  # scale, detached
     assert {"first", "last", "scale", "detached"} <= set(refetched)
 
-    reference = copy.deepcopy(model)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-    expected = []
-    for x, y in batches:
-        loss = reference(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    reference = reference_train(model, batches, steps=4, accum=1, clip=0.0, lr=1e-2)
     config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-2)
-    engine = infinity.initialize(copy.deepcopy(model), config)
-    engine.copies.delay_s = 0.0005  # a parameter read after its release would read late or freed bytes
-    try:
-        losses = []
-        for x, y in batches:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        state = engine.full_state_dict()
-    finally:
-        engine.close()
-    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+    def late_copies(engine):
+        engine.copies.delay_s = 0.0005  # a parameter read after its release would read late or freed bytes
+    result = engine_steps(model, config, batches, steps=4, accum=1, setup=late_copies)
+    assert_matches(result, reference, "torch.nn layers released on gradients beside wrapped modules")
 
 
 def test_a_layer_released_on_its_gradients_is_released_inside_backward(tmp_path, monkeypatch):
