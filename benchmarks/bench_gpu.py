@@ -392,6 +392,7 @@ def run_case(cfg, name, tier, accum, args, device, nvme_path, disk, with_referen
            "ratio": statistics.median(ratios) if ratios else None, "loss": loss,
            "tokens_per_s": tokens / step_s, "tflops": model_tflops(cfg, tokens, step_s),
            "activation_checkpointing": recompute, "copies": metrics.get("copies", {}),
+           "hooks_s": metrics.get("hooks_s"),  # the last step's seconds in the engine's hooks (the feeding thread)
            "placement": placement, **setup,
            **({"optimizer_split": metrics["optimizer_split"]} if "optimizer_split" in metrics else {}),
            **predicted(cfg, tier, accum, args, config, metrics.get("optimizer_split")),

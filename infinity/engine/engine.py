@@ -205,7 +205,7 @@ class Engine:
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
-                               optimizer_states_by_tier(self.optimizer))
+                               optimizer_states_by_tier(self.optimizer), hooks_clock=self.hooks.clock)
         if config.zero.offload_optimizer.splits:
             self.meter.metrics["optimizer_split"] = optimizer_split_metrics(self.optimizer_split, self.tiers)
         self._apply_lr_schedule()

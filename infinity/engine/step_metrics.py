@@ -4,7 +4,9 @@ step settled, optimizer seconds), and, since the step before it, the bytes
 each tier read and wrote with its live and peak bytes, the bytes of each
 collective and of each host⇄device crossing, the compute-shard bytes copied
 from a staging set instead of read from NVMe, seconds of compute and of the
-whole step, and the timeline's summary; ``optimizer_states`` says where the optimizer's states rest
+whole step, seconds in the engine's module and gradient hooks (``hooks_s``: the feeding thread's work on the
+tensors it fetches and releases, their waits for I/O included, which ``fetch_wait_s`` counts), and the timeline's
+summary; ``optimizer_states`` says where the optimizer's states rest
 (sub-groups and bytes on the device, in host memory and on NVMe), and ``optimizer_split`` (a split optimizer:
 ``offload_optimizer.device: auto`` or a ``ratio``) how many sub-groups rest on the device, how that count was
 chosen (for ``auto`` by the step-time model: the predicted step of the chosen count and with every sub-group
@@ -18,6 +20,7 @@ from typing import Any
 
 from infinity.kernels import state_nbytes
 from infinity.optim.offload_optimizer import OffloadOptimizer
+from infinity.params.hooks import HookClock
 from infinity.params.staging import StagedShards
 from infinity.placement.copies import Copies
 from infinity.placement.optimizer_split import OptimizerSplit
@@ -30,8 +33,10 @@ class StepMeter:
     """Counts since the last step, closed into ``metrics`` at each step's end."""
 
     def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards,
-                 optimizer_states: dict | None = None):
-        """``optimizer_states``: where the optimizer's states rest (sub-groups and bytes by tier), fixed for the run."""
+                 optimizer_states: dict | None = None, hooks_clock: HookClock | None = None):
+        """``optimizer_states``: where the optimizer's states rest (sub-groups and bytes by tier), fixed for the run;
+        ``hooks_clock``: the module hooks' seconds."""
+        self._hooks_clock = hooks_clock or HookClock()
         self._tiers = tiers
         self._staged = staged
         self._comm = comm
@@ -69,7 +74,7 @@ class StepMeter:
         elapsed = time.perf_counter() - self._step_started
         self.metrics["timeline"] = self._timeline.close_step()
         self.metrics.update(step=step, skipped=skipped, tiers=tiers, collectives=collectives, copies=copies,
-                            compute_s=self._compute_s, step_s=elapsed,
+                            compute_s=self._compute_s, step_s=elapsed, hooks_s=self._hooks_clock.take(),
                             compute_shards_from_staging_nbytes=now["staged_nbytes"] - last["staged_nbytes"],
                             fetch_wait_s=sum(t["wait_s"] for t in tiers.values()),
                             lr=lr, loss_scale=loss_scale)

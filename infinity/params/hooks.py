@@ -10,6 +10,9 @@ the gradient reducer; they hold no state of their own beyond the handles.
   them fetches again (the module's backward is about to run);
 * a parameter's post-accumulate-grad hook hands its gradient to the reducer.
 
+Every hook runs on the thread that feeds the device, and its seconds are counted (:class:`HookClock`,
+``step_metrics()["hooks_s"]``): the engine's host-side work a small model's GPU waits for.
+
 A module whose inputs need no gradient (the first layer, or every tile of a
 tiled layer fed the same input) has no backward through its inputs; it is
 released in backward once all its trainable parameters' gradients are ready.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -106,18 +110,44 @@ class FetchGroup:
             p.release()
 
 
+class HookClock:
+    """Seconds the engine's hooks ran, since the last :meth:`take` (one thread calls them: the one that feeds the
+    device, in forward and in autograd's backward)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _timed(clock: HookClock, hook: Callable) -> Callable:
+    def timed(*args):
+        start = time.perf_counter()
+        try:
+            return hook(*args)
+        finally:
+            clock.seconds += time.perf_counter() - start
+    return timed
+
+
 class _ReleaseAfterBackward(torch.autograd.Function):
     """Identity on a module's inputs; its backward runs once the module's backward is done."""
 
     @staticmethod
-    def forward(ctx, group: FetchGroup, *inputs):
-        ctx.group = group
+    def forward(ctx, group: FetchGroup, clock: HookClock, *inputs):
+        ctx.group, ctx.clock = group, clock
         return inputs if len(inputs) > 1 else inputs[0]
 
     @staticmethod
     def backward(ctx, *grads):
+        start = time.perf_counter()
         ctx.group.release()
-        return (None, *grads)
+        ctx.clock.seconds += time.perf_counter() - start
+        return (None, None, *grads)
 
 
 def fetch_groups(model: torch.nn.Module, by_param: dict[int, ShardedParam]) -> dict[torch.nn.Module, FetchGroup]:
@@ -149,12 +179,19 @@ class ModuleHooks:
                 # a tied parameter's gradient is ready only once every module using it is done (a tied head would
                 # stay gathered through all of backward): released after its own backward, by the wrap
                 group.released_on_grads = False
+        self.clock = HookClock()
+        """Seconds in these hooks since the step meter last took them."""
+        # each group's hook that fetches it again before its backward, made once
+        self._refetch = {group: _timed(self.clock, lambda grads, group=group: group.fetch_for_backward())
+                         for group in groups.values()}
         self._handles = []
         for module, group in groups.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(group), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_forward(group)))
+            self._handles.append(module.register_forward_pre_hook(_timed(self.clock, self._pre_forward(group)),
+                                                                  with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_timed(self.clock, self._post_forward(group))))
+        grad_ready = _timed(self.clock, self._grad_ready)
         for param in trainable:
-            self._handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            self._handles.append(param.register_post_accumulate_grad_hook(grad_ready))
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
         self._on_grad_ready(param)
@@ -171,7 +208,7 @@ class ModuleHooks:
             if group.released_on_grads:
                 group.release_on_grads = True
                 return None
-            wrapped = _wrap_for_release(group, args, kwargs)
+            wrapped = _wrap_for_release(group, self.clock, args, kwargs)
             group.release_on_grads = wrapped is None
             return wrapped
         return hook
@@ -186,14 +223,14 @@ class ModuleHooks:
                 return None  # nothing to fetch again before its backward
             if not torch.is_grad_enabled():
                 return None
+            refetch = self._refetch[group]
             if type(output) is torch.Tensor:  # one output (most layers): its own hook, without a pytree walk
                 if output.requires_grad:
-                    output.register_hook(lambda grad: group.fetch_for_backward())
+                    output.register_hook(refetch)
                 return None
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
-                torch.autograd.graph.register_multi_grad_hook(outputs, lambda grads: group.fetch_for_backward(),
-                                                              mode="any")
+                torch.autograd.graph.register_multi_grad_hook(outputs, refetch, mode="any")
             return None
         return hook
 
@@ -203,12 +240,12 @@ class ModuleHooks:
         self._handles.clear()
 
 
-def _wrap_for_release(group: FetchGroup, args, kwargs):
+def _wrap_for_release(group: FetchGroup, clock: HookClock, args, kwargs):
     flat, _ = tree_flatten((args, kwargs))
     needing = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     if not needing:
         return None  # no gradient reaches the inputs; the end of backward releases
-    wrapped = _ReleaseAfterBackward.apply(group, *needing)
+    wrapped = _ReleaseAfterBackward.apply(group, clock, *needing)
     wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
     replacement = {id(t): w for t, w in zip(needing, wrapped)}
     new_args, new_kwargs = tree_map(lambda x: replacement.get(id(x), x) if isinstance(x, torch.Tensor) else x,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import collections
 import copy
+import time
 
 import pytest
 import torch
 
 import infinity
 from infinity.params.hooks import FetchGroup
+from infinity.params.sharded_param import ShardedParam
 from helpers import TinyGPT, assert_matches, engine_config, engine_steps, gpt_batches, reference_train
 
 
@@ -151,3 +153,34 @@ def test_a_layer_released_on_its_gradients_is_released_inside_backward(tmp_path,
     finally:
         engine.close()
     assert states_when_first_fetched == ["RELEASED"]
+
+
+def test_step_metrics_count_the_seconds_the_hooks_ran(tmp_path, monkeypatch):
+    """``hooks_s``: each step's seconds in the engine's hooks. Every fetch made slower by 2 ms shows there in full
+    (at least 2 ms a fetch of that step), and the figure is the step's own (taken afresh at each step)."""
+    monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
+    torch.manual_seed(0)
+    model, batches = Mixed(), [(torch.randn(4, 8), torch.randn(4)) for _ in range(3)]
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-2)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    fetches = []
+    fetch = ShardedParam.fetch
+
+    def slow_fetch(sharded):
+        time.sleep(0.002)
+        fetches.append(sharded.name)
+        fetch(sharded)
+    monkeypatch.setattr(ShardedParam, "fetch", slow_fetch)
+    try:
+        per_step = []
+        for x, y in batches:
+            fetches.clear()
+            engine.backward(engine(x, y))
+            engine.step()
+            metrics = engine.step_metrics()
+            per_step.append((metrics["hooks_s"], len(fetches), metrics["step_s"]))
+    finally:
+        engine.close()
+    for hooks_s, count, step_s in per_step:
+        assert count >= 8  # the four layers' weights and biases, in forward and again in backward
+        assert 0.002 * count <= hooks_s < step_s
