@@ -200,7 +200,8 @@ class Engine:
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
-        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
+        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable,
+                                 updates_behind=lambda: self.optimizer.tail is not None)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)

@@ -242,6 +242,11 @@ class ShardedParam:
         """No step update is pending for the shard: a read or copy of it issued now sees the new values."""
         return self._tail is None or self._tail.delivered(self.slot.index)
 
+    @property
+    def update_pending(self) -> bool:
+        """A step's update of the shard runs behind the forward and this parameter has not waited for it yet."""
+        return self._tail is not None
+
     def wait_for_new_shard(self) -> None:
         """The last step's tail updates the shard behind this forward: wait for it (once; an aliased shard is
         the full tensor, so this comes before anything reads it)."""

@@ -184,3 +184,30 @@ def test_step_metrics_count_the_seconds_the_hooks_ran(tmp_path, monkeypatch):
     for hooks_s, count, step_s in per_step:
         assert count >= 8  # the four layers' weights and biases, in forward and again in backward
         assert 0.002 * count <= hooks_s < step_s
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["no-updates-behind", "updates-behind"])
+def test_resident_modules_are_fetched_only_while_updates_run_behind_the_forward(tmp_path, monkeypatch, behind):
+    """Nothing resident is ever released: with no update behind the forward (``overlap_step_with_forward`` off) its
+    hooks fetch nothing; with the step's updates behind it, each module is fetched, which waits for its
+    parameters' update. Training equals plain PyTorch either way (every copy late)."""
+    monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", "1")
+    torch.manual_seed(0)
+    model, batches = TinyGPT(), gpt_batches(4, batch=2)
+    reference = reference_train(model, batches, steps=4, accum=1, clip=0.0, lr=1e-3)
+    config = engine_config(param="none", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-3,
+                           overlap_step_with_forward=behind)
+    fetches = []
+    fetch = ShardedParam.fetch
+
+    def counted(sharded):
+        fetches.append(sharded.name)
+        fetch(sharded)
+    monkeypatch.setattr(ShardedParam, "fetch", counted)
+
+    def late_copies(engine):
+        assert all(p.aliased for p in engine.params)
+        engine.copies.delay_s = 0.0005
+    result = engine_steps(model, config, batches, steps=4, accum=1, setup=late_copies)
+    assert_matches(result, reference, f"resident parameters, updates behind the forward: {behind}")
+    assert bool(fetches) is behind
