@@ -1,6 +1,6 @@
 """Module hooks: fetch a module's parameters before it runs and release them
 after, in forward and again in backward. Hooks call into the fetch groups and
-the gradient reducer; they hold no state of their own beyond the handles.
+the gradient reducer; they hold no state of their own beyond the handles and a clock.
 
 * forward pre-hook: fetch; wrap the inputs so that their backward releases
   (the module's backward is done when gradients reach its inputs) — or, for a
@@ -72,7 +72,6 @@ class FetchGroup:
         """``released_on_grads``: the module runs a forward of :data:`RELEASED_ON_GRADS` (:func:`released_on_grads`)."""
         self.name = name
         self.params = list(params)
-        self._layer_released_on_grads = released_on_grads
         self.released_on_grads = released_on_grads and all(p.slot.trainable for p in self.params)
         """In backward it is released once its parameters' gradients are ready, whatever its inputs need."""
         self.release_on_grads = False        # this pass: release when its grads are ready (not its inputs' backward)
