@@ -38,12 +38,13 @@ The step is the longest of that critical path and every resource's total busy ti
 faster than its busiest wire).
 
 Without a GPU the device is the CPU: compute, the CPU Adam and the distinct-device mode's copies all run on
-the same cores, one after another (the feeding thread's work too), while NVMe transfers overlap them. The step is then the cores' sum plus
-the I/O it leaves exposed. Where the updates run beside backward they share the cores with it rather than
-hide behind it: their seconds add to the compute's (on a GPU they overlap). The copies the engine makes
-within the one memory are the cores' work too (``host_copy_nbytes``, at the machine's memory copy figure):
-compute shards a fetch copies out of the optimizer's staging sets, and each micro-batch's gradient slices
-copied into the flat slices the optimizer reads; on a GPU those bytes cross (``h2d``, ``d2h``) instead.
+the same cores, one after another (the feeding thread's work too), while NVMe transfers overlap them. The step
+is then the cores' sum plus the I/O it leaves exposed. Where the updates run beside backward they share the
+cores with it rather than hide behind it: their seconds add to the compute's (on a GPU they overlap). The
+copies the engine makes within the one memory are the cores' work too (``host_copy_nbytes``, at the machine's
+memory copy figure): compute shards a fetch copies out of the optimizer's staging sets, and each micro-batch's
+gradient slices copied into the flat slices the optimizer reads; on a GPU those bytes cross (``h2d``, ``d2h``)
+instead.
 
 ``timed_alone`` (a step timed on its own, as ``bench_overlap.py``'s blocks of one step are) adds what a run
 of steps hides: the first fetch before the forward can start, and the last sub-group's write-behind. Both are
