@@ -200,13 +200,12 @@ class Engine:
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
-        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable,
-                                 updates_behind=lambda: self.optimizer.tail is not None)
+        self.hooks = ModuleHooks(model, self.groups, self.reducer.on_grad_ready, trainable)
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
-                               optimizer_states_by_tier(self.optimizer), hooks_clock=self.hooks.clock)
+                               optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
             self.meter.metrics["optimizer_split"] = optimizer_split_metrics(self.optimizer_split, self.tiers)
         self._apply_lr_schedule()

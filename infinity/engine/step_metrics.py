@@ -33,10 +33,10 @@ class StepMeter:
     """Counts since the last step, closed into ``metrics`` at each step's end."""
 
     def __init__(self, tiers: Tiers, comm: Collectives, copies: Copies, timeline: Timeline, staged: StagedShards,
-                 optimizer_states: dict | None = None, hooks_clock: HookClock | None = None):
+                 optimizer_states: dict | None, hooks_clock: HookClock):
         """``optimizer_states``: where the optimizer's states rest (sub-groups and bytes by tier), fixed for the run;
         ``hooks_clock``: the module hooks' seconds."""
-        self._hooks_clock = hooks_clock or HookClock()
+        self._hooks_clock = hooks_clock
         self._tiers = tiers
         self._staged = staged
         self._comm = comm

@@ -163,14 +163,9 @@ class ModuleHooks:
     """Installs and removes the hooks of every module that owns parameters."""
 
     def __init__(self, model: torch.nn.Module, groups: dict[torch.nn.Module, FetchGroup],
-                 on_grad_ready: Callable[[torch.nn.Parameter], None], trainable: list[torch.nn.Parameter],
-                 updates_behind: Callable[[], bool] = lambda: True):
-        """``updates_behind()``: the last step's updates may still be running behind this forward. A module that
-        is never released is then fetched (once a step: the fetch waits for its parameters' updates); else its
-        hooks do nothing."""
+                 on_grad_ready: Callable[[torch.nn.Parameter], None], trainable: list[torch.nn.Parameter]):
         self.groups = groups
         self.running: list[FetchGroup] = []  # modules inside their forward, innermost last
-        self._updates_behind = updates_behind
         # every managed parameter is in its module's group, and whether it is aliased is fixed at construction
         self.nothing_released = all(group.always_fetched for group in groups.values())
         self._on_grad_ready = on_grad_ready
@@ -204,8 +199,9 @@ class ModuleHooks:
 
     def _pre_forward(self, group: FetchGroup):
         def hook(module, args, kwargs):
-            if group.always_fetched and not (self._updates_behind() and any(p.update_pending for p in group.params)):
-                self.running.append(group)  # its full tensors are its shards, up to date: nothing to fetch
+            if group.always_fetched and not any(p.update_pending for p in group.params):
+                # never released, and no step's update of it runs behind this forward: nothing to fetch or wait for
+                self.running.append(group)
                 return None
             with torch._C.DisableTorchFunction():  # the engine's own ops: FetchOnUse need not check them
                 group.fetch()

@@ -208,8 +208,7 @@ def _launch_seconds(figures, traffic: StepTraffic) -> float:
 
 def _feed_seconds(figures, traffic: StepTraffic) -> float:
     """The engine's host-side work on the tensors it fetches and releases, over the step's micro-batches."""
-    per_tensor = getattr(figures, "host_feed_s_per_tensor", None) or 0.0
-    return traffic.released_tensors * traffic.micro_batches * per_tensor
+    return traffic.released_tensors * traffic.micro_batches * (figures.host_feed_s_per_tensor or 0.0)
 
 
 def _busy(figures, traffic: StepTraffic) -> dict:

@@ -104,15 +104,15 @@ class MachineFigures:
     where no path took O_DIRECT)."""
     nvme_path: str | None
     """The directory the disk figures were measured in, or why none was (``not measured: ...``)."""
+    measured_s: float
+    """Seconds the measurement took."""
+    measured_at: float
+    """When it was measured (seconds since the epoch)."""
     host_feed_s_per_tensor: float | None = None
     """Seconds of the thread that feeds the device per parameter tensor the engine fetches and releases, each
     micro-batch (hooks, fetch and release, copy issues, the gradient's hook), beyond plain PyTorch's on the same model
     (:mod:`infinity.commands.host_feed`); None where not measured (``infinity bench --machine`` measures it, a
     measurement made for a missing cache does not): the step-time model then counts none."""
-    measured_s: float = 0.0
-    """Seconds the measurement took."""
-    measured_at: float = 0.0
-    """When it was measured (seconds since the epoch)."""
     format: int = FORMAT
     """The cache file's format."""
 
