@@ -196,6 +196,7 @@ class Engine:
         self._initializer.materialize_buffers()
         cast_buffers(model, self.device, self.dtype)
         self._in_pass = False
+        self._kept_for_next_pass: list[ShardedParam] = []  # gathered across two passes of one step (prefetcher)
         self._leave_pass()
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
@@ -255,6 +256,8 @@ class Engine:
         start = time.perf_counter()
         if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
+        if self.prefetcher is not None and self._in_pass:
+            self.prefetcher.begin_backward(step_goes_on=not self.cycle.next_is_boundary)
         begun = False
         try:
             self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
@@ -466,12 +469,14 @@ class Engine:
         for sharded in self.params:
             sharded.enter_pass()
         if self.prefetcher is not None:
-            self.prefetcher.begin_pass()
+            self.prefetcher.begin_pass(self._kept_for_next_pass)
+        self._kept_for_next_pass = []
 
     def _end_pass(self) -> None:
-        self._release_all()
-        if self._in_pass and self.prefetcher is not None:
-            self.prefetcher.end_pass()
+        kept = self.prefetcher.end_pass() if self._in_pass and self.prefetcher is not None else []
+        self._release_all(keep=kept)
+        # a step's update marks them stale, which frees them (the pass that ends a step keeps nothing)
+        self._kept_for_next_pass = kept
         self._in_pass = False
         self._leave_pass()
 
@@ -481,9 +486,10 @@ class Engine:
             sharded.leave_pass()
 
     # -- teardown ----------------------------------------------------------------
-    def _release_all(self) -> None:
+    def _release_all(self, keep: list[ShardedParam] = ()) -> None:
+        kept = {id(sharded) for sharded in keep}
         for sharded in self.params:
-            if sharded.state is not ParamState.RELEASED:
+            if sharded.state is not ParamState.RELEASED and id(sharded) not in kept:
                 sharded.force_release()
         self.hooks.running.clear()
 

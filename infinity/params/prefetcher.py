@@ -9,6 +9,14 @@ the NVMe reads run while the current module computes. A released parameter
 whose next use is within ``max_reuse_distance`` elements of fetches is kept
 gathered (within the same budget) instead of being fetched again.
 
+Between the micro-batches of one step nothing changes the shards, so a pass
+that another of the same step follows looks past its own end: the next pass
+follows the same plan, and what its forward fetches first (the first layers,
+which the backward used last) is kept gathered across the two when its next
+use is within ``max_reuse_distance``, as FSDP2's ``reshard_after_backward=False``
+does for gradient accumulation. The step's updates make the shards new, and
+every parameter kept so is released by the pass that ends the step.
+
 When the order changes (a data-dependent branch, adapters switched on or off)
 the pass stops prefetching, fetches on demand, and its trace becomes the plan
 for the next pass: no error, no deadlock, one log line.
@@ -39,6 +47,9 @@ class Prefetcher:
         self.plan: list[ShardedParam] = []    # the last complete pass's requests
         self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
         self._numel_before: list[int] = []    # elements requested before each plan position
+        self._plan_numel = 0                  # elements requested in the whole plan
+        self._first_use: dict[int, int] = {}  # id(param) -> its first position in the plan
+        self._next_pass_follows = False       # this pass's step goes on: the next pass follows the same plan
         self._trace: list[ShardedParam] = []  # this pass's requests so far
         self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
         self._on_plan = False
@@ -52,14 +63,26 @@ class Prefetcher:
         self.order_changes = 0
 
     # -- a pass ------------------------------------------------------------------
-    def begin_pass(self) -> None:
-        self._held = []
+    def begin_pass(self, kept: list[ShardedParam] = ()) -> None:
+        """``kept``: what the last pass kept gathered for this one (:meth:`end_pass`); given back like anything
+        else held by choice when a fetch on demand finds no room."""
+        self._held = [p for p in kept if p.state is not ParamState.RELEASED]
         self._trace = []
         self._last_request = {}
         self._on_plan = bool(self.plan)
         self._issued_upto = 0
+        self._next_pass_follows = False
 
-    def end_pass(self) -> None:
+    def begin_backward(self, *, step_goes_on: bool) -> None:
+        """The pass's backward begins; ``step_goes_on``: it is not the step's last, so no update comes before the
+        next pass and what that pass's forward fetches first may stay gathered until then."""
+        self._next_pass_follows = step_goes_on
+
+    def end_pass(self) -> list[ShardedParam]:
+        """The pass is over: its trace becomes the plan where the order changed. Returns the parameters kept
+        gathered for the next pass of the same step (released, up to date, next used within the reuse
+        distance); the caller frees every other."""
+        kept = []
         if self._trace != self.plan:
             if self.plan:
                 self.order_changes += 1
@@ -67,9 +90,15 @@ class Prefetcher:
                             "fetching on demand this pass and following the new order from the next",
                             len(self._trace), len(self.plan))
             self._adopt(self._trace)
+        elif self._next_pass_follows:
+            kept = [p for p in dict.fromkeys(self._held)  # kept for reuse twice in the pass: listed twice
+                    if p.holders == 0 and p.state is ParamState.FETCHED and not p.stale
+                    and not (p.persistent or p.aliased)]
         self._trace = []
         self._held = []
         self._on_plan = False
+        self._next_pass_follows = False
+        return kept
 
     def _adopt(self, trace: list[ShardedParam]) -> None:
         self.plan = list(trace)
@@ -77,12 +106,14 @@ class Prefetcher:
         for p in self.plan:
             self._numel_before.append(total)
             total += p.slot.numel
+        self._plan_numel = total
         self._next_use = [len(self.plan)] * len(self.plan)
         last_seen: dict[int, int] = {}
         for i in range(len(self.plan) - 1, -1, -1):
             key = id(self.plan[i])
             self._next_use[i] = last_seen.get(key, len(self.plan))
             last_seen[key] = i
+        self._first_use = last_seen  # walked backwards: each parameter's first position
 
     # -- what a ShardedParam tells and asks ----------------------------------------
     def fetch_requested(self, param: ShardedParam) -> None:
@@ -107,9 +138,14 @@ class Prefetcher:
         if last is None or position >= len(self.plan):
             return False
         nxt = self._next_use[last]  # on the plan, the trace so far is the plan's prefix
-        if nxt >= len(self.plan):
+        after_now = self._numel_before[position] + self.plan[position].slot.numel  # elements up to this request
+        if nxt < len(self.plan):
+            distance = self._numel_before[nxt] - after_now
+        elif self._next_pass_follows:
+            # no use left in this pass: the next pass (same plan, same shards) uses it after the rest of this one
+            distance = self._plan_numel - after_now + self._numel_before[self._first_use[id(param)]]
+        else:
             return False
-        distance = self._numel_before[nxt] - self._numel_before[position] - self.plan[position].slot.numel
         keep = (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
                 and self._room_for(param.full_nbytes))
         if keep:

@@ -24,7 +24,8 @@ host buffers and NVMe too. It follows the engine's layout (``infinity.placement.
   always, plus the largest layer being used; with params on NVMe the
   prefetcher also keeps up to ``max(prefetch_bucket_size, max_reuse_distance / 2)``
   elements gathered (ahead of need, or until their reuse in the backward: the
-  last ``max_reuse_distance / 2`` elements of the forward), within
+  last ``max_reuse_distance / 2`` elements of the forward; between two
+  micro-batches of one step, its first), within
   ``max_live_parameters``. With one rank and the compute shard on the device,
   the shard *is* the full tensor: nothing is gathered;
 * with a GPU (``gpu``: device memory apart from host memory) the compute

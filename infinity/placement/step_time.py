@@ -7,7 +7,8 @@ figures, :class:`~infinity.runtime.machine_figures.MachineFigures`, how fast it 
 * ``gpu``: forward and backward (FLOPs ≈ 6 · matmul parameters · tokens, the attention's products, a
   recomputed forward) at the device's matmul throughput, plus the optimizer when its states rest on the device;
 * ``h2d``: host-to-device copies: compute shards fetched from host memory (forward, and backward again for
-  those not kept gathered), new compute shards after a host step;
+  those not kept gathered; the forward again for those not kept from the micro-batch before), new compute
+  shards after a host step;
 * ``d2h``: device-to-host copies: gradient slices going down to a host optimizer;
 * ``cpu_adam``: the fused CPU Adam over the states in host memory or on NVMe;
 * ``nvme_read`` / ``nvme_write``: compute shards and optimizer states read from and written to NVMe;
@@ -400,10 +401,11 @@ def traffic_from_estimate(est: dict, *, micro_batch: int | None = None, seq_len:
     prefetch = s["prefetch_bucket_size"] > 0 or s["max_reuse_distance"] > 0
 
     # A micro-batch fetches every shard for its forward, and again for its backward those not kept gathered
-    # in between: the forward's last max_reuse_distance / 2 elements stay (within max_live_parameters).
+    # in between: the forward's last max_reuse_distance / 2 elements stay (within max_live_parameters). Between
+    # two micro-batches of one step the backward's last max_reuse_distance / 2 (the forward's first) stay too.
     kept = min(s["max_reuse_distance"] // 2, s["max_live_parameters"]) if prefetch else 0
-    refetched = max(0.0, 1.0 - kept / s["num_params"]) if s["num_params"] else 0.0
-    fetches = accum * (1.0 + refetched)
+    kept_share = min(1.0, kept / s["num_params"]) if s["num_params"] else 0.0
+    fetches = accum * (2.0 - kept_share) - (accum - 1) * kept_share
     nvme_shard = tiers["nvme"]["compute_shard"]
     host_shard = tiers["host"]["compute_shard"]
     split = est.get("optimizer_split")  # a split optimizer: its first sub-groups are stepped on the device

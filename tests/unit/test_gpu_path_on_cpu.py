@@ -98,10 +98,10 @@ def _mlp_batches(n):
     return [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)) for _ in range(n)]
 
 
-def _crossings(param, optimizer, accum, tmp_path, route=None):
+def _crossings(param, optimizer, accum, tmp_path, route=None, reuse=0):
     torch.manual_seed(0)
     config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=0.0, lr=LR,
-                           max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+                           max_reuse_distance=reuse, stage3_prefetch_bucket_size=0)
     if route is not None:
         config["zero_optimization"]["offload_optimizer"]["grad_accumulation"] = route
     # every update inside its own step, so that a step's counters hold its crossings (behind the next forward,
@@ -136,6 +136,17 @@ def test_host_resident_parameters_cross_up_at_every_fetch(tmp_path):
     copies, shard_nbytes = _crossings("cpu", "cpu", 1, tmp_path)
     assert copies["host_to_device_nbytes"] == 2 * shard_nbytes  # forward and backward fetch each parameter
     assert copies["device_to_host_nbytes"] == shard_nbytes       # gradients; new shards are written in place
+
+
+def test_parameters_stay_gathered_across_the_micro_batches_of_a_step(tmp_path):
+    """No update comes between the micro-batches of a step: with a reuse distance that spans a pass and the next,
+    each parameter crosses up once a step (the first forward's fetch) instead of twice a micro-batch."""
+    refetched, shard_nbytes = _crossings("cpu", "cpu", 4, tmp_path / "refetched")
+    numel = sum(p.numel() for p in _MLP().parameters())
+    kept, _ = _crossings("cpu", "cpu", 4, tmp_path / "kept", reuse=4 * numel)
+    assert refetched["host_to_device_nbytes"] == 4 * 2 * shard_nbytes
+    assert kept["host_to_device_nbytes"] == shard_nbytes
+    assert kept["device_to_host_nbytes"] == refetched["device_to_host_nbytes"] == shard_nbytes  # fp32 accumulator
 
 
 def test_the_cpu_kernel_is_never_handed_device_memory(gpt, tmp_path, monkeypatch):

@@ -258,6 +258,15 @@ def test_traffic_follows_the_estimates_bytes():
     again = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", max_reuse_distance=0,
                      prefetch_bucket_size=0)
     assert traffic_from_estimate(again).fetch_h2d_nbytes == 4 * n
+    # over 4 micro-batches of a step: a reuse distance of a quarter of the model keeps the forward's last eighth
+    # for backward and the backward's last eighth (the forward's first) for the next micro-batch's forward
+    eighth = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", gradient_accumulation_steps=4,
+                      max_reuse_distance=n // 4)
+    assert traffic_from_estimate(eighth).fetch_h2d_nbytes == 2 * n * (4 * (2 - 1 / 8) - 3 / 8)
+    # one that spans a pass and the next: every shard up once a step, whatever the micro-batches
+    whole = estimate(num_params=n, offload_param="cpu", offload_optimizer="cpu", gradient_accumulation_steps=4,
+                     max_reuse_distance=2 * n, max_live_parameters=n)
+    assert traffic_from_estimate(whole).fetch_h2d_nbytes == 2 * n
     # everything on NVMe, fp32 states: 12 B an element read and written, plus the compute shard written back;
     # the one sub-group's new shards wait in a staging set, so the next forward reads none from NVMe
     nvme = estimate(num_params=n, offload_param="nvme", offload_optimizer="nvme", max_in_cpu=0, gpu=False)
