@@ -81,13 +81,17 @@ MODELS = {
     "thin": GPTConfig(n_layer=12, n_head=2, d_model=64, seq_len=128, vocab_size=256, tie_embeddings=True),
 }
 DEFAULT_CASES = "none:1,none:4,cpu:1,cpu:4,nvme:1,spill:1"
-TIERS = ("none", "cpu", "nvme", "spill", "int8", "half", "auto", "unbound")
+TIERS = ("none", "cpu", "nvme", "spill", "int8", "half", "auto", "unbound", "keep")
 """spill: nvme configured, the host-memory budget keeps what fits; int8: cpu with int8 optimizer states; half:
 parameters cpu, half the optimizer's sub-groups on the device (DeepSpeed's offload_optimizer.ratio 0.5); auto:
 parameters cpu, the optimizer's sub-groups on the device as far as the device-memory budget holds them and the
 step-time model finds them worth it (``offload_optimizer.device: auto``, the default budget), the rest on the CPU;
 unbound: cpu with the CPU Adam's team on every core, unbound (``host_threads`` = the usable cores), where ``cpu``
-leaves the first core to the thread that feeds the GPU."""
+leaves the first core to the thread that feeds the GPU; keep: cpu with every parameter kept gathered once fetched
+until the step's update (``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` past the model's size, within
+the device's room): each crosses up once a step instead of twice a micro-batch."""
+KEEP_ALL = 10 ** 12
+"""The keep case's live-parameter budget and reuse distance, in elements: more than any model here."""
 PLAIN_TRAINING_BYTES_PER_PARAM = 16
 """Plain PyTorch's training state a parameter: fp32 weight, fp32 gradient, AdamW's two fp32 moments."""
 
@@ -98,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--cases", default=DEFAULT_CASES,
                    help="comma-separated TIER:ACCUMULATION (tier none, cpu, nvme, spill: nvme under the budget, "
                         "int8: cpu with int8 states, half: cpu with half the optimizer on the device, unbound: cpu with "
-                        "the CPU Adam on every core)")
+                        "the CPU Adam on every core, keep: cpu with parameters kept gathered until the step)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (each: --block steps of each)")
@@ -163,6 +167,10 @@ def engine_config(tier: str, accum: int, nvme_path: str, overrides: dict | None 
         change = {"int8": {"state_dtype": "int8"}, "half": {"ratio": 0.5},
                   "unbound": {"host_threads": len(usable_cores())}}[tier]
         config["zero_optimization"]["offload_optimizer"].update(change)
+        return config
+    if tier == "keep":  # the cpu case with every parameter kept gathered from its first fetch to the step's update
+        config = engine_config("cpu", accum, nvme_path, overrides)
+        config["zero_optimization"].update(stage3_max_live_parameters=KEEP_ALL, stage3_max_reuse_distance=KEEP_ALL)
         return config
     if tier == "auto":  # parameters cpu, as in half; the optimizer split by the device budget and the step-time model
         config = engine_config("cpu", accum, nvme_path, overrides)
@@ -304,7 +312,7 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args, config: dict, split: 
     always: a GPU, or the distinct-device mode). ``split``: the engine's own optimizer split
     (``step_metrics()["optimizer_split"]``), so a split case is predicted with the sub-groups the engine put on the
     device."""
-    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "auto": "cpu", "unbound": "cpu"}.get(tier, tier)
+    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "auto": "cpu", "unbound": "cpu", "keep": "cpu"}.get(tier, tier)
     seq = min(args.seq, cfg.seq_len)
     recompute = args.activation_checkpointing
     est = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16", offload_param=offload,
@@ -315,7 +323,8 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args, config: dict, split: 
                        max_in_cpu=0 if tier == "nvme" else 1_000_000_000,
                        optimizer_max_in_cpu=0 if tier == "nvme" else None,
                        host_memory_budget=resolve_host_budget(args.host_memory) if tier == "spill" else None,
-                       overlap_step=True)
+                       overlap_step=True,
+                       **({"max_live_parameters": KEEP_ALL, "max_reuse_distance": KEEP_ALL} if tier == "keep" else {}))
     if split and split.get("device_sub_groups"):  # its first sub-groups' states and gradients on the device
         move_to_device(est, InfinityConfig.from_deepspeed(config), split["device_sub_groups"], split["device_numel"])
     prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
@@ -512,6 +521,15 @@ def main(argv=None) -> int:
                 ratio = by_tier[tier]["step_s"] / by_tier[over]["step_s"]
                 summary.setdefault(key, {})[name] = ratio
                 print(f"{name}: " + says.format(ratio))
+        for accum in sorted({r["accumulation"] for r in rows if r["model"] == name}):
+            # parameters kept gathered until the step against fetched twice a micro-batch, at each accumulation
+            pair = {r["tier"]: r for r in rows if r["model"] == name and r["accumulation"] == accum
+                    and r["tier"] in ("keep", "cpu") and "error" not in r}
+            if len(pair) == 2:
+                ratio = pair["keep"]["step_s"] / pair["cpu"]["step_s"]
+                summary.setdefault("keep_vs_cpu", {})[f"{name}:{accum}"] = ratio
+                print(f"{name}, accumulation {accum}: parameters kept gathered until the step: {ratio:.2f}x the cpu "
+                      f"step")
         if "auto" in by_tier and "cpu" in by_tier:  # the target for a model whose states do not fit: >= 1.5x
             speedup = by_tier["auto"]["tokens_per_s"] / by_tier["cpu"]["tokens_per_s"]
             summary.setdefault("auto_vs_cpu_tokens_per_s", {})[name] = speedup

@@ -136,9 +136,11 @@ run_phase() {
       # cache this writes)
       step machine-figures 60 "$py" -m infinity.cli bench --machine --json
       # the offloaded step's targets first, rows printed as they finish so a cut-off run still leaves them: cpu with
-      # fp32 and int8 states, half the optimizer on the device, accumulation 4; where each row's step goes (trace)
-      step bench-gpu-1.3b 210 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1,half:1,cpu:4 \
-        --rounds 3 --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1,half:1,cpu:4 --out "$out/bench-gpu-1.3b.json"
+      # fp32 and int8 states, half the optimizer on the device, accumulation 4 (and with every parameter kept
+      # gathered until the step); where each row's step goes (trace)
+      step bench-gpu-1.3b 260 "$py" benchmarks/bench_gpu.py --models 1.3b --cases cpu:1,int8:1,half:1,cpu:4,keep:4 \
+        --rounds 3 --warmup 1 --trace "$out" --trace-cases cpu:1,int8:1,half:1,cpu:4,keep:4 \
+        --out "$out/bench-gpu-1.3b.json"
       # a model whose states do not fit the GPU (no plain PyTorch row: 107 GB of training state): auto against cpu,
       # every block recomputed so that activations leave the device budget room; fp32 states in 110 GiB of host
       step bench-gpu-6.7b 200 "$py" benchmarks/bench_gpu.py --models 6.7b --cases cpu:1,auto:1 \

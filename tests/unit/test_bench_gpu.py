@@ -46,6 +46,20 @@ def test_auto_case_is_cpu_parameters_and_the_optimizer_split_by_the_device_budge
         assert "host_memory_budget" not in plain and "sub_group_size" not in plain, tier
 
 
+def test_keep_case_is_the_cpu_case_with_every_parameter_kept_gathered_until_the_step(tmp_path):
+    keep = InfinityConfig.from_deepspeed(bench_gpu.engine_config("keep", 4, str(tmp_path)))
+    cpu = InfinityConfig.from_deepspeed(bench_gpu.engine_config("cpu", 4, str(tmp_path)))
+    assert keep.zero.max_live_parameters == keep.zero.max_reuse_distance == bench_gpu.KEEP_ALL
+    assert keep.zero.offload_param == cpu.zero.offload_param and keep.zero.offload_optimizer == cpu.zero.offload_optimizer
+    # predicted with fetches once a step: less to copy up than the cpu case's, which at 1.3B keeps what the default
+    # reuse distance covers (at 124M it covers the whole model already)
+    args = bench_gpu.parse_args(["--seq", "64"])
+    cfg = bench_gpu.MODELS["1.3b"]
+    kept = bench_gpu.predicted(cfg, "keep", 4, args, {})["step_resources"]["h2d"]
+    refetched = bench_gpu.predicted(cfg, "cpu", 4, args, {})["step_resources"]["h2d"]
+    assert 0 < kept < refetched
+
+
 def test_plain_pytorch_rows_only_where_its_training_state_fits():
     cfg = bench_gpu.MODELS["6.7b"]
     assert 6.6e9 < count_params(cfg) < 6.7e9
