@@ -93,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the compute shards rest (cpu: bench_gpu.py's cpu case)")
     p.add_argument("--offload-optimizer", default="cpu", choices=("none", "cpu"))
     p.add_argument("--sub-group-size", type=parse_size, default=100_000_000)
+    p.add_argument("--persistence-threshold", type=int, default=100_000,
+                   help="stage3_param_persistence_threshold: parameters of at most this many elements are never "
+                        "released (0: every tensor fetched and released, as the thin model needs to show the "
+                        "engine's work per tensor)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3, help="each round runs plain PyTorch and every tree once")
     p.add_argument("--steps", type=int, default=3, help="timed steps a run")
@@ -201,7 +205,7 @@ def run_spec(mode: str, args) -> dict:
     return {"mode": mode, "model": model, "micro_batch": args.micro_batch, "seq": args.seq,
             "grad_accum": args.grad_accum, "offload_param": args.offload_param,
             "offload_optimizer": args.offload_optimizer, "sub_group_size": args.sub_group_size,
-            "steps": args.steps, "warmup": args.warmup, "allow_cpu": args.allow_cpu}
+            "persistence_threshold": args.persistence_threshold, "steps": args.steps, "warmup": args.warmup, "allow_cpu": args.allow_cpu}
 
 
 def round_order(names: list[str], round_: int) -> list[str]:
@@ -299,7 +303,7 @@ def main(argv=None) -> int:
     summary = {"device": first["device_name"], "torch": first["torch"], "model": args.model,
                "micro_batch": args.micro_batch, "seq": args.seq, "offload_param": args.offload_param,
                "offload_optimizer": args.offload_optimizer, "sub_group_size": args.sub_group_size,
-               "grad_accum": args.grad_accum, "rounds": len(runs[REFERENCE]), "steps": args.steps,
+               "persistence_threshold": args.persistence_threshold, "grad_accum": args.grad_accum, "rounds": len(runs[REFERENCE]), "steps": args.steps,
                "warmup": args.warmup,
                "trees": {t.name: {"root": str(t.root), "commit": commits[t.name],
                                   "kernel_backend": prepared[t.name]["kernel_backend"]} for t in trees},

@@ -119,7 +119,7 @@ def engine_config(spec: dict, device: torch.device) -> dict:
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": spec["sub_group_size"],
-            "stage3_param_persistence_threshold": 100_000,
+            "stage3_param_persistence_threshold": spec.get("persistence_threshold", 100_000),
             "offload_param": {"device": spec["offload_param"], **pin},
             "offload_optimizer": {"device": spec["offload_optimizer"], **pin},
         },
