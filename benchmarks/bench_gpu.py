@@ -475,6 +475,8 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise SystemExit(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    if args.trace is not None:
+        os.makedirs(args.trace, exist_ok=True)  # the traces' folder, made before the first case
     rows = []
     with contextlib.ExitStack() as stack:
         nvme_path = args.nvme_path or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-"))

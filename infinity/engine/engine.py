@@ -85,6 +85,9 @@ class Engine:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         # by name: a meta parameter is replaced by a new one below
         weight_decay = None if param_groups is None else weight_decay_by_name(model, param_groups, config.optimizer)
+        # The timeline first: the collectives record their spans on it from the first one (and a trace path that
+        # cannot be written is refused before anything is opened).
+        self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
         self._initializer = Initializer(model, param_init)
         self._weights = None
         if weights is not None:
@@ -92,8 +95,6 @@ class Engine:
             self._weights = open_for_model(weights, model, tiled=config.tiling.max_tile_numel is not None)
         self.config = config
         keep_large_blocks_mapped()
-        # The timeline first: the collectives record their spans on it from the first one.
-        self.timeline = Timeline(config.trace.path, rank=rank_in(process_group))
         self.comm = Collectives(process_group, timeline=self.timeline)
         self.device = compute_device(config.device, self.comm)
         self.dtype = DTYPES[config.precision]

@@ -24,8 +24,12 @@ TRACKS = ("compute", "nvme read", "nvme write", "collectives", "optimizer", "wai
 
 class Timeline:
     def __init__(self, path: str | None = None, *, rank: int = 0):
+        """``path``: where :meth:`write` puts the Chrome trace at the end (``{rank}`` in it is the rank); its folder
+        is checked now, so that a path that cannot be written fails before the training, not after it."""
         self.path = path
         self.rank = rank
+        if path is not None:
+            _check_folder_of(self.file_path, key="trace.path")
         self._t0 = time.perf_counter()
         self._events: list[dict] = []
         self._step: dict[str, list[tuple[float, float]]] = {t: [] for t in TRACKS}
@@ -95,6 +99,13 @@ class Timeline:
                 "collectives_s": _length(_union(step["collectives"]))}
 
     # -- the file ------------------------------------------------------------------
+    @property
+    def file_path(self) -> str | None:
+        """This rank's trace file."""
+        if self.path is None or "{rank}" not in self.path:
+            return self.path
+        return self.path.format(rank=self.rank)
+
     def write(self) -> str | None:
         """Write the Chrome trace (atomically); returns its path."""
         if self.path is None:
@@ -105,9 +116,7 @@ class Timeline:
         meta.append({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}})
         with self._lock:
             events = meta + list(self._events)
-        path = self.path
-        if "{rank}" in path:
-            path = path.format(rank=self.rank)
+        path = self.file_path
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -188,3 +197,16 @@ def _subtract(base: list[tuple[float, float]], cut: list[tuple[float, float]]) -
 
 def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in intervals)
+
+
+def _check_folder_of(path: str, *, key: str) -> None:
+    """``path`` can be written at the end: its folder exists and is writable, and it is no folder itself; else a clear
+    error naming the config ``key`` (as ``infinity train --trace`` refuses a missing folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        example = os.path.join(path, "trace.json")
+        raise ValueError(f"{key} {path!r} is a folder: give the trace file's path (e.g. {example!r})")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{key} {path!r}: its folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{key} {path!r}: its folder {folder!r} is not writable")

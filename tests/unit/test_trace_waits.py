@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
+
+import infinity
 from infinity.runtime.trace import Timeline
 
 
@@ -36,3 +40,15 @@ def test_reads_and_writes_each_count_their_time_in_flight():
     timeline.add("nvme write", "d", 1.0, 3.5)
     summary = timeline.close_step()
     assert (summary["nvme_read_s"], summary["nvme_write_s"], summary["io_s"]) == (3.0, 2.5, 4.0)
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    """The trace is written when the engine closes: a missing folder (or a folder given as the file) would fail only
+    after the training, and lose the trace. ``initialize`` refuses it naming ``trace.path``, before any shard is
+    made; a path with ``{rank}`` is checked for this rank's file."""
+    for path, says in [(tmp_path / "nowhere" / "t.json", "does not exist"), (tmp_path, "is a folder")]:
+        with pytest.raises(ValueError, match=f"trace.path .*{says}"):
+            infinity.initialize(torch.nn.Linear(4, 4), {"trace": {"path": str(path)}})
+    engine = infinity.initialize(torch.nn.Linear(4, 4), {"trace": {"path": str(tmp_path / "t-{rank}.json")}})
+    engine.close()
+    assert (tmp_path / "t-0.json").is_file()
