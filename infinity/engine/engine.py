@@ -470,7 +470,8 @@ class Engine:
         for sharded in self.params:
             sharded.enter_pass()
         if self.prefetcher is not None:
-            self.prefetcher.begin_pass(self._kept_for_next_pass)
+            step_goes_on = torch.is_grad_enabled() and not self.cycle.next_is_boundary
+            self.prefetcher.begin_pass(self._kept_for_next_pass, step_goes_on=step_goes_on)
         self._kept_for_next_pass = []
 
     def _end_pass(self) -> None:

@@ -63,25 +63,26 @@ class Prefetcher:
         self.order_changes = 0
 
     # -- a pass ------------------------------------------------------------------
-    def begin_pass(self, kept: list[ShardedParam] = ()) -> None:
+    def begin_pass(self, kept: list[ShardedParam] = (), *, step_goes_on: bool = False) -> None:
         """``kept``: what the last pass kept gathered for this one (:meth:`end_pass`); given back like anything
-        else held by choice when a fetch on demand finds no room."""
+        else held by choice when a fetch on demand finds no room. ``step_goes_on``: a backward follows and is not
+        the step's last, so no update comes before the next pass and what it uses early may stay gathered."""
         self._held = [p for p in kept if p.state is not ParamState.RELEASED]
         self._trace = []
         self._last_request = {}
         self._on_plan = bool(self.plan)
         self._issued_upto = 0
-        self._next_pass_follows = False
+        self._next_pass_follows = step_goes_on
 
     def begin_backward(self, *, step_goes_on: bool) -> None:
-        """The pass's backward begins; ``step_goes_on``: it is not the step's last, so no update comes before the
-        next pass and what that pass's forward fetches first may stay gathered until then."""
+        """The pass's backward begins: whether its step goes on after it, as known now (a boundary may have been
+        forced since the forward began)."""
         self._next_pass_follows = step_goes_on
 
     def end_pass(self) -> list[ShardedParam]:
         """The pass is over: its trace becomes the plan where the order changed. Returns the parameters kept
-        gathered for the next pass of the same step (released, up to date, next used within the reuse
-        distance); the caller frees every other."""
+        gathered for the next pass of the same step (released and kept for that pass's use, up to date); the
+        caller frees every other."""
         kept = []
         if self._trace != self.plan:
             if self.plan:

@@ -98,7 +98,20 @@ def _mlp_batches(n):
     return [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)) for _ in range(n)]
 
 
-def _crossings(param, optimizer, accum, tmp_path, route=None, reuse=0):
+class _FrozenEmbedding(nn.Module):
+    """A frozen embedding under a trainable head, as LoRA leaves a base model's: the embedding's input needs no
+    gradient and its weight gets none, so nothing releases it before its pass ends."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d).requires_grad_(False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx, targets):
+        return F.cross_entropy(self.head(self.embedding(idx)), targets)
+
+
+def _crossings(param, optimizer, accum, tmp_path, route=None, reuse=0, frozen_embedding=False):
     torch.manual_seed(0)
     config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=0.0, lr=LR,
                            max_reuse_distance=reuse, stage3_prefetch_bucket_size=0)
@@ -107,8 +120,11 @@ def _crossings(param, optimizer, accum, tmp_path, route=None, reuse=0):
     # every update inside its own step, so that a step's counters hold its crossings (behind the next forward,
     # the updates backward did not reach cross during the next step)
     config["zero_optimization"]["overlap_step_with_forward"] = False
-    model = _MLP()
-    _, _, metrics, _ = _train(model, config, _mlp_batches(STEPS * accum), accum=accum, delay_s=0.0)
+    model = _FrozenEmbedding() if frozen_embedding else _MLP()
+    g = torch.Generator().manual_seed(2)
+    batches = ([(torch.randint(0, 64, (8,), generator=g), torch.randint(0, 64, (8,), generator=g))
+                for _ in range(STEPS * accum)] if frozen_embedding else _mlp_batches(STEPS * accum))
+    _, _, metrics, _ = _train(model, config, batches, accum=accum, delay_s=0.0)
     shard_nbytes = sum(p.numel() * 4 for p in model.parameters())  # fp32, one rank: the shard is the parameter
     return metrics[-1]["copies"], shard_nbytes
 
@@ -147,6 +163,10 @@ def test_parameters_stay_gathered_across_the_micro_batches_of_a_step(tmp_path):
     assert refetched["host_to_device_nbytes"] == 4 * 2 * shard_nbytes
     assert kept["host_to_device_nbytes"] == shard_nbytes
     assert kept["device_to_host_nbytes"] == refetched["device_to_host_nbytes"] == shard_nbytes  # fp32 accumulator
+    # a frozen first module is held to the pass's end (nothing in backward releases it): kept for the next
+    # micro-batch's forward too, which uses it first
+    kept, shard_nbytes = _crossings("cpu", "cpu", 4, tmp_path / "frozen", reuse=10 ** 9, frozen_embedding=True)
+    assert kept["host_to_device_nbytes"] == shard_nbytes
 
 
 def test_the_cpu_kernel_is_never_handed_device_memory(gpt, tmp_path, monkeypatch):
