@@ -20,6 +20,7 @@ from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
+from infinity.engine.passes import Passes
 from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
@@ -35,7 +36,7 @@ from infinity.params.compute_shards import ComputeShards
 from infinity.params.fetch_parts import prefetcher_for, read_pool_for
 from infinity.params.gathered_blocks import full_blocks_for
 from infinity.params.hooks import FetchGroup, ModuleHooks, fetch_groups, fetch_on_use
-from infinity.params.sharded_param import FetchPath, ParamState, ShardedParam
+from infinity.params.sharded_param import FetchPath, ShardedParam
 from infinity.placement.copies import Copies
 from infinity.placement.host_budget import HostMemoryPlan
 from infinity.placement.layout import ShardLayout
@@ -196,9 +197,6 @@ class Engine:
             self._weights.close()
         self._initializer.materialize_buffers()
         cast_buffers(model, self.device, self.dtype)
-        self._in_pass = False
-        self._kept_for_next_pass: list[ShardedParam] = []  # gathered across two passes of one step (prefetcher)
-        self._leave_pass()
         self.groups = fetch_groups(model, self._by_param)
         self.root_group = self.groups.get(model) or FetchGroup("", [])
         trainable = [by_name[s.name] for s in layout.slots if s.trainable]
@@ -206,6 +204,7 @@ class Engine:
         self.loss_scaler = LossScaler(config.loss_scale) if config.precision == "fp16" else None
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
+        self.passes = Passes(self.params, self.prefetcher, self.hooks, self.cycle)
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
@@ -227,7 +226,7 @@ class Engine:
             refuse_targets_as_mask(args)
         args, kwargs = cast_floating((args, kwargs), self.dtype, self.device)
         start = time.perf_counter()
-        self._begin_pass()
+        self.passes.begin()
         if torch.is_grad_enabled() and self.cycle.next_is_boundary:
             self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
         try:
@@ -236,10 +235,10 @@ class Engine:
             with fetching, self._matmul_mode(), self.timeline.span("compute", "forward"):
                 output = self.module(*args, **kwargs)
         except BaseException:
-            self._end_pass()
+            self.passes.end()
             raise
         if not torch.is_grad_enabled():
-            self._end_pass()  # no backward follows
+            self.passes.end()  # no backward follows
         self.meter.add_compute(time.perf_counter() - start)
         return output
 
@@ -257,8 +256,7 @@ class Engine:
         start = time.perf_counter()
         if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
-        if self.prefetcher is not None and self._in_pass:
-            self.prefetcher.begin_backward(step_goes_on=not self.cycle.next_is_boundary)
+        self.passes.begin_backward()
         begun = False
         try:
             self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
@@ -270,7 +268,7 @@ class Engine:
                 self.cycle.abort_backward(err)
             raise
         finally:
-            self._end_pass()
+            self.passes.end()
         self.meter.add_compute(time.perf_counter() - start)
         self.cycle.end_backward()
 
@@ -401,7 +399,7 @@ class Engine:
         """Parameters' full values outside a forward: read, written, or whole in their ``.data`` for a block
         (:mod:`infinity.engine.gathered`). Every verb is collective."""
         self._ensure_open()
-        if self._in_pass or self.backward_pending:
+        if self.passes.running or self.backward_pending:
             raise RuntimeError("parameters cannot be gathered between a forward and its step(): call it before the "
                                "forward or after step()")
         return WholeParams(self.shard_source(), self._by_param, self.device)
@@ -461,40 +459,7 @@ class Engine:
         self._apply_lr_schedule()
         return client_state
 
-    # -- passes ------------------------------------------------------------------
-    def _begin_pass(self) -> None:
-        """A pass is one micro-batch's forward and backward (or a forward alone without grad)."""
-        if self._in_pass:
-            return
-        self._in_pass = True
-        for sharded in self.params:
-            sharded.enter_pass()
-        if self.prefetcher is not None:
-            step_goes_on = torch.is_grad_enabled() and not self.cycle.next_is_boundary
-            self.prefetcher.begin_pass(self._kept_for_next_pass, step_goes_on=step_goes_on)
-        self._kept_for_next_pass = []
-
-    def _end_pass(self) -> None:
-        kept = self.prefetcher.end_pass() if self._in_pass and self.prefetcher is not None else []
-        self._release_all(keep=kept)
-        # a step's update marks them stale, which frees them (the pass that ends a step keeps nothing)
-        self._kept_for_next_pass = kept
-        self._in_pass = False
-        self._leave_pass()
-
-    def _leave_pass(self) -> None:
-        """User code runs until the next pass: a released parameter's ``.data`` is empty meanwhile."""
-        for sharded in self.params:
-            sharded.leave_pass()
-
     # -- teardown ----------------------------------------------------------------
-    def _release_all(self, keep: list[ShardedParam] = ()) -> None:
-        kept = {id(sharded) for sharded in keep}
-        for sharded in self.params:
-            if sharded.state is not ParamState.RELEASED and id(sharded) not in kept:
-                sharded.force_release()
-        self.hooks.running.clear()
-
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
