@@ -92,7 +92,7 @@ class Prefetcher:
                             len(self._trace), len(self.plan))
             self._adopt(self._trace)
         elif self._next_pass_follows:
-            kept = [p for p in dict.fromkeys(self._held)  # kept for reuse twice in the pass: listed twice
+            kept = [p for p in dict.fromkeys(self._held)  # once each (a parameter kept twice is listed twice)
                     if p.holders == 0 and p.state is ParamState.FETCHED and not p.stale
                     and not (p.persistent or p.aliased)]
         self._trace = []
