@@ -66,6 +66,26 @@ def test_both_accumulation_routes_train_like_plain_pytorch(gpt, tmp_path, route,
     assert_matches(result, reference, f"route={route} optimizer={optimizer}")
 
 
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_a_part_kept_between_micro_batches_trains_like_plain_pytorch(gpt, tmp_path, param):
+    """A reuse distance of a third of the model: some parameters stay gathered from one micro-batch to the next,
+    the rest are fetched again, with every copy late; the step's update must reach the kept ones."""
+    model, batches = gpt
+    reference = reference_train(model, batches[4], steps=STEPS, accum=4, clip=CLIP, lr=LR)
+    numel = sum(p.numel() for p in model.parameters())
+    config = engine_config(param=param, optimizer="cpu", nvme_path=str(tmp_path), accum=4, clip=CLIP, lr=LR,
+                           max_reuse_distance=numel // 3)
+    result = _train(model, config, batches[4], accum=4)
+    assert_matches(result, reference, f"params={param}, a third kept")
+    # a mixed state: fewer crossings than four steps of one micro-batch (nothing kept between them), more than
+    # one forward's (everything kept)
+    one = engine_config(param=param, optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=CLIP, lr=LR,
+                        max_reuse_distance=numel // 3)
+    up = result[2][-1]["copies"]["host_to_device_nbytes"]
+    up_alone = _train(model, one, batches[1], accum=1)[2][-1]["copies"]["host_to_device_nbytes"]
+    assert numel * 4 < up < 4 * up_alone
+
+
 def test_overlapped_step_without_clipping_matches_the_step_after_backward(gpt, tmp_path):
     """The optimizer's worker updates sub-groups while backward runs; each waits for its own slices' crossing."""
     model, batches = gpt
