@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_check.sh step      # ~7 min: the offloaded step's targets, first what decides them: the
 #                                          #   machine's figures (bench --machine), then 1.3B against plain PyTorch
 #                                          #   with the step-time model's prediction in each row (cpu with fp32 and
-#                                          #   int8 states, half the optimizer on the device, accumulation 4; each
+#                                          #   int8 states, half the optimizer on the device, accumulation 4 with
+#                                          #   and without every parameter kept gathered until the step; each
 #                                          #   traced), a 6.7B whose states do not fit the GPU (cpu against auto,
 #                                          #   tokens/s and TFLOP/s), 124M (none, cpu, accumulation 4), and
 #                                          #   the engine's host-side work per tensor (bench_host_overhead.py)
