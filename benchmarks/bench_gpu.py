@@ -312,21 +312,25 @@ def predicted(cfg: GPTConfig, tier: str, accum: int, args, config: dict, split: 
     always: a GPU, or the distinct-device mode). ``split``: the engine's own optimizer split
     (``step_metrics()["optimizer_split"]``), so a split case is predicted with the sub-groups the engine put on the
     device."""
-    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "auto": "cpu", "unbound": "cpu", "keep": "cpu"}.get(tier, tier)
+    offload = {"spill": "nvme", "int8": "cpu", "half": "cpu", "auto": "cpu", "unbound": "cpu",
+               "keep": "cpu"}.get(tier, tier)
+    parsed = InfinityConfig.from_deepspeed(config)
+    zero = parsed.zero  # the case's own fetch settings (keep's live budget, say)
     seq = min(args.seq, cfg.seq_len)
     recompute = args.activation_checkpointing
     est = estimate_gpt(cfg, micro_batch=args.micro_batch, seq_len=seq, precision="bf16", offload_param=offload,
                        offload_optimizer=offload, gradient_accumulation_steps=accum, gpu=True,
                        state_dtype="int8" if tier == "int8" else "fp32",
-                       param_persistence_threshold=100_000, activation_checkpointing=recompute,
+                       param_persistence_threshold=zero.param_persistence_threshold,
+                       max_live_parameters=zero.max_live_parameters, max_reuse_distance=zero.max_reuse_distance,
+                       activation_checkpointing=recompute,
                        **({"sub_group_size": args.sub_group_size} if args.sub_group_size else {}),
                        max_in_cpu=0 if tier == "nvme" else 1_000_000_000,
                        optimizer_max_in_cpu=0 if tier == "nvme" else None,
                        host_memory_budget=resolve_host_budget(args.host_memory) if tier == "spill" else None,
-                       overlap_step=True,
-                       **({"max_live_parameters": KEEP_ALL, "max_reuse_distance": KEEP_ALL} if tier == "keep" else {}))
+                       overlap_step=True)
     if split and split.get("device_sub_groups"):  # its first sub-groups' states and gradients on the device
-        move_to_device(est, InfinityConfig.from_deepspeed(config), split["device_sub_groups"], split["device_numel"])
+        move_to_device(est, parsed, split["device_sub_groups"], split["device_numel"])
     prediction = predict_from_estimate(machine_figures(), est, micro_batch=args.micro_batch, seq_len=seq,
                                        shape=gpt_shape(cfg))
     # plain PyTorch: the same model with nothing offloaded and nothing crossing (a load gauge: on a shared

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from infinity.commands.host_feed import CASES, EngineSteps, PlainSteps, batches_for, thin_gpt, timed_block  # noqa: E402
+from infinity.models.gpt import GPTConfig  # noqa: E402
 from infinity.runtime.hardware import cpu_name  # noqa: E402
 
 

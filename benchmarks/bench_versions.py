@@ -205,7 +205,8 @@ def run_spec(mode: str, args) -> dict:
     return {"mode": mode, "model": model, "micro_batch": args.micro_batch, "seq": args.seq,
             "grad_accum": args.grad_accum, "offload_param": args.offload_param,
             "offload_optimizer": args.offload_optimizer, "sub_group_size": args.sub_group_size,
-            "persistence_threshold": args.persistence_threshold, "steps": args.steps, "warmup": args.warmup, "allow_cpu": args.allow_cpu}
+            "persistence_threshold": args.persistence_threshold, "steps": args.steps, "warmup": args.warmup,
+            "allow_cpu": args.allow_cpu}
 
 
 def round_order(names: list[str], round_: int) -> list[str]:
@@ -303,7 +304,8 @@ def main(argv=None) -> int:
     summary = {"device": first["device_name"], "torch": first["torch"], "model": args.model,
                "micro_batch": args.micro_batch, "seq": args.seq, "offload_param": args.offload_param,
                "offload_optimizer": args.offload_optimizer, "sub_group_size": args.sub_group_size,
-               "persistence_threshold": args.persistence_threshold, "grad_accum": args.grad_accum, "rounds": len(runs[REFERENCE]), "steps": args.steps,
+               "persistence_threshold": args.persistence_threshold, "grad_accum": args.grad_accum,
+               "rounds": len(runs[REFERENCE]), "steps": args.steps,
                "warmup": args.warmup,
                "trees": {t.name: {"root": str(t.root), "commit": commits[t.name],
                                   "kernel_backend": prepared[t.name]["kernel_backend"]} for t in trees},

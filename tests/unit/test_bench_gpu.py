@@ -50,13 +50,15 @@ def test_keep_case_is_the_cpu_case_with_every_parameter_kept_gathered_until_the_
     keep = InfinityConfig.from_deepspeed(bench_gpu.engine_config("keep", 4, str(tmp_path)))
     cpu = InfinityConfig.from_deepspeed(bench_gpu.engine_config("cpu", 4, str(tmp_path)))
     assert keep.zero.max_live_parameters == keep.zero.max_reuse_distance == bench_gpu.KEEP_ALL
-    assert keep.zero.offload_param == cpu.zero.offload_param and keep.zero.offload_optimizer == cpu.zero.offload_optimizer
+    assert keep.zero.offload_param == cpu.zero.offload_param
+    assert keep.zero.offload_optimizer == cpu.zero.offload_optimizer
     # predicted with fetches once a step: less to copy up than the cpu case's, which at 1.3B keeps what the default
     # reuse distance covers (at 124M it covers the whole model already)
     args = bench_gpu.parse_args(["--seq", "64"])
     cfg = bench_gpu.MODELS["1.3b"]
-    kept = bench_gpu.predicted(cfg, "keep", 4, args, {})["step_resources"]["h2d"]
-    refetched = bench_gpu.predicted(cfg, "cpu", 4, args, {})["step_resources"]["h2d"]
+    raw = {tier: bench_gpu.engine_config(tier, 4, str(tmp_path)) for tier in ("keep", "cpu")}
+    kept = bench_gpu.predicted(cfg, "keep", 4, args, raw["keep"])["step_resources"]["h2d"]
+    refetched = bench_gpu.predicted(cfg, "cpu", 4, args, raw["cpu"])["step_resources"]["h2d"]
     assert 0 < kept < refetched
 
 
