@@ -21,20 +21,29 @@ def assert_same_training(on_losses, on_state, off_losses, off_state) -> None:
         assert torch.equal(on_state[key], off_state[key]), key
 
 
-def _train(model, batches, tmp_path, *, overlap: bool, param="nvme", optimizer="nvme", accum=2, steps=4):
+# With the updates behind the forward (the default), the sub-groups the worker has not begun when backward ends
+# wait for the next forward: how many it updates during backward then depends on its pace. Without, it takes
+# every sub-group that arrives, so counts of speculated and undone updates are the same on every machine.
+BEHIND = pytest.mark.parametrize("behind", [True, False], ids=["behind-forward", "during-backward"])
+
+
+def _train(model, batches, tmp_path, *, overlap: bool, param="nvme", optimizer="nvme", accum=2, steps=4,
+           behind=True):
     config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=accum, clip=0.0, lr=3e-3,
-                           overlap_step_with_backward=overlap,
+                           overlap_step_with_backward=overlap, overlap_step_with_forward=behind,
                            stage3_prefetch_bucket_size=50_000_000 if overlap else 0,
                            stage3_max_reuse_distance=1_000_000_000 if overlap else 0)
     return engine_train(model, config, batches, steps=steps, accum=accum)
 
 
+@BEHIND
 @pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
-def test_overlap_on_equals_off_bitwise(tmp_path, param, optimizer):
+def test_overlap_on_equals_off_bitwise(tmp_path, param, optimizer, behind):
     torch.manual_seed(0)
     model, batches = TinyGPT(), gpt_batches(8, batch=4)
-    on_losses, on_state, metrics = _train(model, batches, tmp_path, overlap=True, param=param, optimizer=optimizer)
-    assert metrics["sub_groups_during_backward"] >= 1  # the step really ran during backward
+    on_losses, on_state, metrics = _train(model, batches, tmp_path, overlap=True, param=param, optimizer=optimizer,
+                                          behind=behind)
+    assert metrics["sub_groups_during_backward"] >= 1 or behind  # the step really ran during backward
     off_losses, off_state, _ = _train(model, batches, tmp_path, overlap=False, param=param, optimizer=optimizer)
     assert_same_training(on_losses, on_state, off_losses, off_state)
 
@@ -57,9 +66,10 @@ def _steps(model, batches, tmp_path, *, overlap, param, optimizer, clip, accum=2
     return engine_steps(model, config, batches, steps=steps, accum=accum)
 
 
+@BEHIND
 @pytest.mark.parametrize("policy", ["adaptive", "speculate-always"])
 @pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu"), ("none", "none")])
-def test_overlap_with_clipping_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy):
+def test_overlap_with_clipping_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy, behind):
     """Some steps clip and some do not: the overlapped step commits the ones that do not and undoes and
     redoes the others, and every result equals the step after backward's, bit for bit."""
     torch.manual_seed(0)
@@ -69,19 +79,20 @@ def test_overlap_with_clipping_equals_off_bitwise(tmp_path, monkeypatch, param, 
     if policy == "speculate-always":
         _speculate_always(monkeypatch)
     on_losses, on_state, on_metrics, _ = _steps(model, batches, tmp_path, overlap=True, param=param,
-                                                optimizer=optimizer, clip=clip)
+                                                optimizer=optimizer, clip=clip, overlap_step_with_forward=behind)
     off_losses, off_state, off_metrics, _ = _steps(model, batches, tmp_path, overlap=False, param=param,
                                                    optimizer=optimizer, clip=clip)
     outcomes = [m["overlapped_step"] for m in on_metrics]
     assert {"committed", "redone"} <= set(outcomes), outcomes
-    assert on_metrics[-1]["rollbacks"] >= 1  # some step really was undone
+    assert on_metrics[-1]["rollbacks"] >= 1 or behind  # some step really was undone
     assert [m["grad_norm"] for m in on_metrics] == [m["grad_norm"] for m in off_metrics]
     assert_same_training(on_losses, on_state, off_losses, off_state)
 
 
+@BEHIND
 @pytest.mark.parametrize("policy", ["adaptive", "speculate-always"])
 @pytest.mark.parametrize("param, optimizer", [("nvme", "nvme"), ("cpu", "cpu")])
-def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy):
+def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, param, optimizer, policy, behind):
     """fp16 with a loss scale that overflows at first: the overflowing steps are skipped (their speculative
     updates undone, compute shards included) exactly as the step after backward skips them."""
     torch.manual_seed(0)
@@ -92,7 +103,7 @@ def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, pa
     runs = {}
     for overlap in (True, False):
         config = engine_config(param=param, optimizer=optimizer, nvme_path=str(tmp_path), accum=2, clip=1.0, lr=3e-3,
-                               overlap_step_with_backward=overlap)
+                               overlap_step_with_backward=overlap, overlap_step_with_forward=behind)
         config.pop("bf16")
         config.update(fp16)
         runs[overlap] = engine_steps(model, config, batches, steps=6, accum=2)
@@ -100,7 +111,7 @@ def test_overlap_with_fp16_overflow_equals_off_bitwise(tmp_path, monkeypatch, pa
     outcomes = [m["overlapped_step"] for m in on_metrics]
     assert "skipped" in outcomes and outcomes[-1] != "skipped", outcomes
     assert [m["skipped"] for m in on_metrics] == [m["skipped"] for m in off_metrics]
-    if policy == "speculate-always":
+    if policy == "speculate-always" and not behind:
         assert on_metrics[-1]["rollbacks"] >= outcomes.count("skipped")
     assert_same_training(on_losses, on_state, off_losses, off_state)
 
