@@ -20,11 +20,22 @@ every parameter kept so is released by the pass that ends the step.
 When the order changes (a data-dependent branch, adapters switched on or off)
 the pass stops prefetching, fetches on demand, and its trace becomes the plan
 for the next pass: no error, no deadlock, one log line.
+
+With several ranks, whether a parameter stays gathered decides whether a rank
+joins its next all-gather, so every rank must decide alike. A prefetch only
+reads locally and may differ between ranks (a read buffer not free yet, the
+last step's update of a shard still running); a keep is decided from what is
+the same on every rank: the elements gathered (all-gathered, not merely read
+ahead), and the room of the memory budget as the ranks agreed at the pass's
+start (the least of theirs; budgets are read from each rank's free memory)
+less what has been gathered since. For room a fetch on demand cannot find,
+only reads ahead are given back, never what is gathered.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from infinity.config.sections import ZeroConfig
 from infinity.params.sharded_param import ParamState, ShardedParam
@@ -32,12 +43,17 @@ from infinity.storage import TierStats
 
 logger = logging.getLogger(__name__)
 
+_NO_BUDGET = 2**62
+"""The room a rank without a memory budget gives when the ranks agree on theirs."""
+
 
 class Prefetcher:
-    def __init__(self, zero: ZeroConfig, *, itemsize: int, device_stats: TierStats, reserve_nbytes: int = 0):
+    def __init__(self, zero: ZeroConfig, *, itemsize: int, device_stats: TierStats, reserve_nbytes: int = 0,
+                 least_over_ranks: Callable[[int], int] | None = None):
         """``zero`` gives how far ahead to fetch (``prefetch_bucket_size``), the live-parameter budget
         (``max_live_parameters``) and how close a next use keeps a parameter gathered (``max_reuse_distance``),
-        all in elements."""
+        all in elements. ``least_over_ranks``: with several ranks, the least of a value over them (a collective
+        every rank calls at the same point); keeps are then decided alike on every rank."""
         self._itemsize = itemsize             # bytes of a full tensor's element
         self._bucket_numel = zero.prefetch_bucket_size
         self._max_live_numel = zero.max_live_parameters
@@ -61,6 +77,10 @@ class Prefetcher:
         self._held: list[ShardedParam] = []
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
+        self._least_over_ranks = least_over_ranks
+        self._gathered_numel = 0              # elements of the full tensors all-gathered and not freed since
+        self._pass_room_nbytes: int | None = None  # the budget's room the ranks agreed on at the pass's start
+        self._gathered_at_pass_start = 0
 
     # -- a pass ------------------------------------------------------------------
     def begin_pass(self, kept: list[ShardedParam] = (), *, step_goes_on: bool = False) -> None:
@@ -68,6 +88,8 @@ class Prefetcher:
         else held by choice when a fetch on demand finds no room. ``step_goes_on``: a backward follows and is not
         the step's last, so no update comes before the next pass and what it uses early may stay gathered."""
         self._held = [p for p in kept if p.state is not ParamState.RELEASED]
+        if self._least_over_ranks is not None:
+            self._agree_on_room()
         self._trace = []
         self._last_request = {}
         self._on_plan = bool(self.plan)
@@ -147,8 +169,7 @@ class Prefetcher:
             distance = self._plan_numel - after_now + self._numel_before[self._first_use[id(param)]]
         else:
             return False
-        keep = (distance <= self._max_reuse_distance and self._live_numel() <= self._max_live_numel
-                and self._room_for(param.full_nbytes))
+        keep = distance <= self._max_reuse_distance and self._may_keep(param.full_nbytes)
         if keep:
             self._held.append(param)
         return keep
@@ -156,17 +177,30 @@ class Prefetcher:
     def give_back_held(self) -> int:
         """A fetch on demand found no room in the memory budget: free what only this prefetcher holds gathered
         (prefetches nobody has asked for yet, parameters kept for a reuse), so that the fetch can proceed.
-        Returns how many were freed; they are fetched again on demand when their turn comes."""
-        freed = 0
+        Returns how many were freed; they are fetched again on demand when their turn comes. With several ranks
+        only reads ahead are freed: a gathered parameter freed on one rank alone would be all-gathered by it
+        alone."""
+        freed, still_held = 0, []
         for p in self._held:
             if p.holders == 0 and not p.persistent and p.state is not ParamState.RELEASED:
+                if self._least_over_ranks is not None and p.state is ParamState.FETCHED:
+                    still_held.append(p)
+                    continue
                 p.force_release()  # a read in flight lands first
                 freed += 1
-        self._held = []
+        self._held = still_held
         if freed:
             logger.debug("a fetch on demand needed room: %d parameters prefetched or kept for reuse given back",
                          freed)
         return freed
+
+    def gathered(self, param: ShardedParam) -> None:
+        """``param``'s full tensor was all-gathered (it was not gathered before)."""
+        self._gathered_numel += param.slot.padded_numel
+
+    def freed(self, param: ShardedParam) -> None:
+        """``param``'s gathered full tensor was freed."""
+        self._gathered_numel -= param.slot.padded_numel
 
     def land_in_flight(self) -> None:
         """The read pool ran dry: complete every prefetch's read and issue its copy up, so its host buffer
@@ -210,6 +244,27 @@ class Prefetcher:
             if p.reading_into_buffer:
                 still.append(p)
         self._reading = still
+
+    def _may_keep(self, nbytes: int) -> bool:
+        """The live-parameter budget and the memory budget allow keeping ``nbytes`` more gathered."""
+        if self._least_over_ranks is None:
+            return self._live_numel() <= self._max_live_numel and self._room_for(nbytes)
+        # alike on every rank (the module docstring): what is gathered, and the room agreed at the pass's start
+        if self._gathered_numel > self._max_live_numel:
+            return False
+        if self._pass_room_nbytes is None:
+            return True
+        gathered_since = (self._gathered_numel - self._gathered_at_pass_start) * self._itemsize
+        return self._pass_room_nbytes - gathered_since - nbytes >= self._reserve_nbytes
+
+    def _agree_on_room(self) -> None:
+        """The least room of the ranks' memory budgets, now (a collective: every rank begins each pass, and
+        calls it whatever its budget, so that no rank waits in it alone). None: no rank has a budget (a GPU's
+        memory)."""
+        self._gathered_at_pass_start = self._gathered_numel
+        room = self._device.room_nbytes()
+        least = self._least_over_ranks(_NO_BUDGET if room is None else room)
+        self._pass_room_nbytes = None if least >= _NO_BUDGET else least
 
     def _room_for(self, nbytes: int) -> bool:
         """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""

@@ -186,6 +186,8 @@ class ShardedParam:
         # every rank reaches this collective in the same program order; prefetches only read locally
         self._comm.all_gather_into(self.full, own)
         self.stale = False
+        if before is not ParamState.FETCHED and self._prefetcher is not None:
+            self._prefetcher.gathered(self)
         self.state = ParamState.FETCHED
         if before is not ParamState.FETCHED:
             logger.debug("%s: %s -> FETCHED", self.name, before.name)
@@ -352,6 +354,8 @@ class ShardedParam:
             self._copy_up = None
         self._deallocate()
         logger.debug("%s: %s -> RELEASED", self.name, self.state.name)
+        if self.state is ParamState.FETCHED and self._prefetcher is not None:
+            self._prefetcher.freed(self)
         self.state = ParamState.RELEASED
         if self._between_passes:  # released outside a pass (a step made it stale): no view of freed bytes
             self.param.data = self._empty

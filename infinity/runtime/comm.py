@@ -108,6 +108,12 @@ class Collectives:
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._all_reduce(tensor, dist.ReduceOp.MAX)
 
+    def least_over_ranks(self, value: int) -> int:
+        """The least of every rank's ``value`` (each rank calls it at the same point)."""
+        if self.world_size == 1:
+            return value
+        return -int(self.all_reduce_max(torch.tensor([-value], dtype=torch.int64)).item())
+
     def _all_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
