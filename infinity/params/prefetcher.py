@@ -26,9 +26,9 @@ joins its next all-gather, so every rank must decide alike. A prefetch only
 reads locally and may differ between ranks (a read buffer not free yet, the
 last step's update of a shard still running); a keep is decided from what is
 the same on every rank: the elements gathered (all-gathered, not merely read
-ahead), and the room of the memory budget as the ranks agreed at the pass's
-start (the least of theirs; budgets are read from each rank's free memory)
-less what has been gathered since. For room a fetch on demand cannot find,
+ahead), and, where device memory is host memory and so has a budget, the room
+the ranks agreed on at the pass's start (the least of theirs; budgets are read
+from each rank's free memory) less what has been gathered since. For room a fetch on demand cannot find,
 only reads ahead are given back, never what is gathered.
 """
 
@@ -42,9 +42,6 @@ from infinity.params.sharded_param import ParamState, ShardedParam
 from infinity.storage import TierStats
 
 logger = logging.getLogger(__name__)
-
-_NO_BUDGET = 2**62
-"""The room a rank without a memory budget gives when the ranks agree on theirs."""
 
 
 class Prefetcher:
@@ -77,7 +74,10 @@ class Prefetcher:
         self._held: list[ShardedParam] = []
         self.prefetched = 0                   # swap-ins started ahead of need (metrics)
         self.order_changes = 0
-        self._least_over_ranks = least_over_ranks
+        self._alike_on_ranks = least_over_ranks is not None  # keeps decided from what is the same on every rank
+        # Where device memory has a budget (it is host memory) the ranks agree on its room at each pass; a GPU's
+        # has none on any rank, so no collective is made there.
+        self._least_over_ranks = least_over_ranks if device_stats.room_nbytes() is not None else None
         self._gathered_numel = 0              # elements of the full tensors all-gathered and not freed since
         self._pass_room_nbytes: int | None = None  # the budget's room the ranks agreed on at the pass's start
         self._gathered_at_pass_start = 0
@@ -183,7 +183,7 @@ class Prefetcher:
         freed, still_held = 0, []
         for p in self._held:
             if p.holders == 0 and not p.persistent and p.state is not ParamState.RELEASED:
-                if self._least_over_ranks is not None and p.state is ParamState.FETCHED:
+                if self._alike_on_ranks and p.state is ParamState.FETCHED:
                     still_held.append(p)
                     continue
                 p.force_release()  # a read in flight lands first
@@ -247,7 +247,7 @@ class Prefetcher:
 
     def _may_keep(self, nbytes: int) -> bool:
         """The live-parameter budget and the memory budget allow keeping ``nbytes`` more gathered."""
-        if self._least_over_ranks is None:
+        if not self._alike_on_ranks:
             return self._live_numel() <= self._max_live_numel and self._room_for(nbytes)
         # alike on every rank (the module docstring): what is gathered, and the room agreed at the pass's start
         if self._gathered_numel > self._max_live_numel:
@@ -258,13 +258,9 @@ class Prefetcher:
         return self._pass_room_nbytes - gathered_since - nbytes >= self._reserve_nbytes
 
     def _agree_on_room(self) -> None:
-        """The least room of the ranks' memory budgets, now (a collective: every rank begins each pass, and
-        calls it whatever its budget, so that no rank waits in it alone). None: no rank has a budget (a GPU's
-        memory)."""
+        """The least room of the ranks' memory budgets, now (a collective: every rank begins each pass)."""
         self._gathered_at_pass_start = self._gathered_numel
-        room = self._device.room_nbytes()
-        least = self._least_over_ranks(_NO_BUDGET if room is None else room)
-        self._pass_room_nbytes = None if least >= _NO_BUDGET else least
+        self._pass_room_nbytes = self._least_over_ranks(self._device.room_nbytes())
 
     def _room_for(self, nbytes: int) -> bool:
         """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""

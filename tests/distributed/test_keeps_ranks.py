@@ -5,6 +5,7 @@ alike. Before the ranks agreed, a rank with less room released what the other ke
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -53,6 +54,8 @@ def _alike_then_unlike(rank: int, world_size: int, unlike: str):
 
 @pytest.mark.parametrize("unlike", ["room", "reads ahead"])
 def test_ranks_keep_the_same_parameters_gathered(unlike):
+    if unlike == "room" and os.environ.get("INFINITY_DISTINCT_DEVICE") == "1":
+        pytest.skip("device memory apart from host memory has no budget (a GPU's), so no room to differ")
     (alike0, unlike0), (alike1, unlike1) = run_ranks(_alike_then_unlike, unlike)
     for alike, unlike_run in ((alike0, unlike0), (alike1, unlike1)):
         assert unlike_run[0] == alike[0]
