@@ -28,8 +28,9 @@ last step's update of a shard still running); a keep is decided from what is
 the same on every rank: the elements gathered (all-gathered, not merely read
 ahead), and, where device memory is host memory and so has a budget, the room
 the ranks agreed on at the pass's start (the least of theirs; budgets are read
-from each rank's free memory) less what has been gathered since. For room a fetch on demand cannot find,
-only reads ahead are given back, never what is gathered.
+from each rank's free memory) less what has been gathered since. For room a
+fetch on demand cannot find, only reads ahead are given back, never what is
+gathered.
 """
 
 from __future__ import annotations

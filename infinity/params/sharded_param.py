@@ -186,10 +186,10 @@ class ShardedParam:
         # every rank reaches this collective in the same program order; prefetches only read locally
         self._comm.all_gather_into(self.full, own)
         self.stale = False
-        if before is not ParamState.FETCHED and self._prefetcher is not None:
-            self._prefetcher.gathered(self)
         self.state = ParamState.FETCHED
         if before is not ParamState.FETCHED:
+            if self._prefetcher is not None:
+                self._prefetcher.gathered(self)
             logger.debug("%s: %s -> FETCHED", self.name, before.name)
 
     def prefetch(self) -> bool:
