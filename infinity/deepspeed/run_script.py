@@ -1,5 +1,6 @@
 """One rank of ``infinity deepspeed``: ``import deepspeed`` answered by :mod:`infinity.deepspeed`
-(:mod:`~infinity.deepspeed.alias`), then the script run as ``__main__`` with ``--local_rank=N`` appended to its
+(:mod:`~infinity.deepspeed.alias`), ``transformers.Trainer`` and its ``--deepspeed`` JSON by the engine
+(:mod:`~infinity.deepspeed.hf_trainer`), then the script run as ``__main__`` with ``--local_rank=N`` appended to its
 arguments, as DeepSpeed's launcher passes it (``--no_local_rank``: not appended)::
 
     python -m infinity.deepspeed.run_script [--no_local_rank] [--module] SCRIPT [ARGS...]
@@ -14,7 +15,7 @@ import os
 import runpy
 import sys
 
-from infinity.deepspeed import alias
+from infinity.deepspeed import alias, hf_trainer
 
 
 def main(argv: list[str]) -> None:
@@ -29,6 +30,7 @@ def main(argv: list[str]) -> None:
     if local_rank:
         args.append(f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")
     alias.install()
+    hf_trainer.install()  # a transformers.Trainer script's --deepspeed JSON is the engine's config
     sys.argv = [script, *args]
     if as_module:
         runpy.run_module(script, run_name="__main__", alter_sys=True)

@@ -1,7 +1,9 @@
 """``infinity.hf.Trainer``: a Hugging Face ``transformers.Trainer`` whose model runs under the engine.
 
 A user's script changes one import, ``Trainer`` from ``infinity.hf`` instead of ``transformers``, and passes its
-DeepSpeed JSON as ``Trainer(..., infinity_config="ds_config.json")``; everything else (``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
+DeepSpeed JSON as ``Trainer(..., infinity_config="ds_config.json")``; or it changes nothing and is launched by
+``infinity deepspeed train.py --deepspeed ds_config.json`` (:mod:`infinity.deepspeed.hf_trainer`). Everything else
+(``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
 ``train()``/``evaluate()``/``predict()``/``save_model()``, checkpoints and resuming) stays as it is. The
 engine is built once, at construction, around the model (weights streamed into shards from the model's
 own folder when it was built on the meta device). What the Trainer does is kept; only the model's
@@ -15,7 +17,8 @@ crossings with the optimizer are ours:
 * weight decay is the stock Trainer's: ``weight_decay`` on the parameters ``get_decay_parameter_names`` names,
   none on biases and norms (the engine's param groups, :mod:`infinity.optim.param_groups`);
 * the optimizer the Trainer steps is a stand-in (:class:`EngineOptimizer`) whose learning rate the
-  Trainer's own scheduler sets, and which hands it to the engine before each step;
+  Trainer's scheduler sets, and which hands it to the engine before each step: the Trainer's own, or the
+  config's DeepSpeed ``scheduler`` block where it has one, as with the stock DeepSpeed integration;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
   included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both.
@@ -39,7 +42,7 @@ import transformers  # optional extra: this module is reached only through infin
 from torch import nn
 
 from infinity.engine.engine import Engine, initialize
-from infinity.hf.trainer_config import trainer_config
+from infinity.hf.trainer_config import deepspeed_scheduler, trainer_config
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
 
@@ -171,7 +174,8 @@ class InfinityTrainerMixin:
     """Put before ``transformers.Trainer`` (or a subclass) in the bases: its model runs under the engine.
 
     ``infinity_config=`` (keyword): a DeepSpeed-style dict, a JSON path or an ``InfinityConfig``
-    (:mod:`infinity.hf.trainer_config`). ``trainer.engine`` is the engine.
+    (:mod:`infinity.hf.trainer_config`); without it, ``args.infinity_config``, which the arguments' ``deepspeed``
+    value becomes under ``infinity deepspeed``. ``trainer.engine`` is the engine.
     """
 
     def __init__(self, *args, infinity_config=None, **kwargs):
@@ -191,7 +195,10 @@ class InfinityTrainerMixin:
         if not isinstance(model, nn.Module):
             raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
         weights = _weights_folder(model)
+        if infinity_config is None:  # `infinity deepspeed train.py --deepspeed ds.json`: infinity.deepspeed.hf_trainer
+            infinity_config = getattr(targs, "infinity_config", None)
         super().__init__(**kwargs)
+        self._infinity_config = infinity_config  # its scheduler block is read when the run's length is known
         config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
         # the Trainer turns activation checkpointing on later, in train(): the split's step-time model hears it now
@@ -222,6 +229,21 @@ class InfinityTrainerMixin:
             self.optimizer = EngineOptimizer(self.engine, lr=self.args.learning_rate,
                                              weight_decay=self.args.weight_decay)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The config's DeepSpeed ``scheduler`` block where it has one (as the stock DeepSpeed integration runs
+        it), else the Trainer's own from ``lr_scheduler_type``."""
+        if self.lr_scheduler is None:
+            schedule = deepspeed_scheduler(self._infinity_config, self.args, num_training_steps)
+            if schedule is not None:
+                optimizer = optimizer if optimizer is not None else self.optimizer
+                base_lr = optimizer.param_groups[0]["lr"]
+                # LambdaLR gives step k base_lr x factor(k): the factor of DeepSpeed's lr for step k
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer, lambda step: schedule.lr_at(step, base_lr) / base_lr if base_lr else 0.0)
+                self._created_lr_scheduler = True
+                return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _engine_optimizer(self) -> EngineOptimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's AcceleratedOptimizer

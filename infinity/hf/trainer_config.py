@@ -24,9 +24,19 @@ biases and norms (:meth:`~infinity.hf.trainer.InfinityTrainerMixin._decay_groups
 A key set to ``"auto"`` or left out takes the argument's value; a key set to another value must agree
 with the argument, else a ``ValueError`` lists every disagreement (as the stock integration does). The
 ZeRO sizes that DeepSpeed derives from the model's hidden size are filled as ``"auto"`` asks
-(:func:`~infinity.config.auto.fill_auto`). The learning rate of every step is the Trainer's own
-scheduler's (``lr_scheduler_type``, ``warmup_steps``...), so a DeepSpeed ``scheduler`` block is not
-used: it is dropped, and the log says so.
+(:func:`~infinity.config.auto.fill_auto`).
+
+The learning rate of every step is set by the Trainer's scheduler. Without a DeepSpeed ``scheduler`` block that
+is the Trainer's own (``lr_scheduler_type``, ``warmup_steps``...); with one, it is that block's schedule, as the
+stock integration hands the step to DeepSpeed's scheduler then (:func:`deepspeed_scheduler`), "auto" filled the
+same way:
+
+========================================  ==============================================================
+``scheduler.params.warmup_min_lr``        0
+``scheduler.params.warmup_max_lr``        ``learning_rate``
+``scheduler.params.warmup_num_steps``     ``get_warmup_steps(steps)``, at least 1
+``scheduler.params.total_num_steps``      the run's optimizer steps
+========================================  ==============================================================
 
 An :class:`InfinityConfig` given as it is gets the same fields replaced by the arguments' values.
 """
@@ -34,13 +44,11 @@ An :class:`InfinityConfig` given as it is gets the same fields replaced by the a
 from __future__ import annotations
 
 import copy
-import logging
 import os
 
 from infinity.config.auto import AUTO, fill_auto
+from infinity.config.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
 from infinity.config.schema import InfinityConfig, read_config_json
-
-logger = logging.getLogger(__name__)
 
 
 def args_values(args, world_size: int) -> dict:
@@ -80,11 +88,33 @@ def trainer_config(infinity_config, args, *, world_size: int, hidden_size: int |
             continue  # no fp16 block: nothing to turn off
         _set(raw, key, value)
     raw.setdefault("optimizer", {}).setdefault("type", "AdamW")
-    if "scheduler" in raw:
-        logger.info("infinity_config's scheduler block is not used: the Trainer's own scheduler "
-                    "(lr_scheduler_type=%s) sets every step's learning rate", args.lr_scheduler_type)
-        del raw["scheduler"]
+    raw.pop("scheduler", None)  # the Trainer's scheduler runs it (deepspeed_scheduler), not the engine
     return InfinityConfig.from_deepspeed(raw)
+
+
+def deepspeed_scheduler(infinity_config, args, num_training_steps: int) -> DeepSpeedScheduler | None:
+    """The config's DeepSpeed ``scheduler`` block for a run of ``num_training_steps`` optimizer steps, its "auto"
+    values filled from the arguments as the stock integration fills them (see the module's docstring); None
+    without a block. A value set otherwise that disagrees with the arguments is refused, as there."""
+    if isinstance(infinity_config, InfinityConfig):
+        return infinity_config.scheduler
+    block = _read_raw(infinity_config).get("scheduler")
+    if block is None:
+        return None
+    params = block.get("params") if isinstance(block, dict) else None
+    if isinstance(params, dict):
+        values = {"warmup_min_lr": 0.0, "warmup_max_lr": args.learning_rate,
+                  "warmup_num_steps": max(1, args.get_warmup_steps(num_training_steps)),
+                  "total_num_steps": num_training_steps}
+        disagree = [f"scheduler.params.{key}={params[key]!r} but TrainingArguments say {value!r}"
+                    for key, value in values.items()
+                    if key != "warmup_min_lr" and params.get(key, AUTO) != AUTO and not _same(params[key], value)]
+        if disagree:
+            raise ValueError("infinity_config disagrees with the TrainingArguments (set these keys to \"auto\" or "
+                             "to the arguments' values): " + "; ".join(disagree))
+        block = {**block, "params": {key: values[key] if value == AUTO and key in values else value
+                                     for key, value in params.items()}}
+    return scheduler_from_deepspeed(block)
 
 
 _MISSING = object()

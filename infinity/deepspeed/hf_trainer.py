@@ -1,0 +1,125 @@
+"""A ``transformers.Trainer`` script run by ``infinity deepspeed`` with its own ``--deepspeed ds_config.json``.
+
+A Hugging Face script launched as ``deepspeed train.py --deepspeed ds.json ...`` hands its DeepSpeed JSON to
+``TrainingArguments(deepspeed=...)``, and the stock Trainer then trains through accelerate's DeepSpeed plugin,
+which needs DeepSpeed installed. Under ``infinity deepspeed train.py --deepspeed ds.json ...`` the same script
+runs unchanged under the engine instead:
+
+* ``TrainingArguments`` (and its subclasses: ``Seq2SeqTrainingArguments``, TRL's configs) take the ``deepspeed``
+  value as the engine's config: it is kept as ``args.infinity_config`` and ``args.deepspeed`` reads None, so
+  neither transformers nor accelerate sets DeepSpeed up (no ``HfDeepSpeedConfig``: ``from_pretrained`` loads the
+  model as it would without DeepSpeed, and the engine shards it);
+* ``transformers.Trainer`` is :class:`infinity.hf.Trainer`, which reads ``args.infinity_config`` when the script
+  passes no ``infinity_config=``. A trainer class the script or a library derives from ``transformers.Trainer``
+  after that (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``, the script's own) derives from it too.
+
+Both are patched as their modules finish importing (:class:`AfterImport`), so a script that never imports them
+pays nothing; nothing is patched outside ``infinity deepspeed``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import logging
+import sys
+from typing import Callable
+
+import infinity.hf as hf
+
+logger = logging.getLogger(__name__)
+
+CONFIG_ATTRIBUTE = "infinity_config"
+"""Where ``TrainingArguments`` keep the ``deepspeed`` value under ``infinity deepspeed``."""
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then ``patch(module)``."""
+
+    def __init__(self, loader, patch: Callable):
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patches[name](module)`` once the module ``name`` has been executed (found by the finders after this
+    one, loaded by its own loader)."""
+
+    def __init__(self, patches: dict[str, Callable]):
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _take_deepspeed_argument(module) -> None:
+    """``TrainingArguments.__post_init__`` keeps ``deepspeed`` as the engine's config and sets DeepSpeed up nowhere."""
+    arguments = module.TrainingArguments
+    original = arguments.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        given = self.deepspeed
+        if given:
+            setattr(self, CONFIG_ATTRIBUTE, given)
+            self.deepspeed = None  # transformers and accelerate: no DeepSpeed plugin, no HfDeepSpeedConfig
+            logger.info("--deepspeed %s: the engine's config (infinity deepspeed); DeepSpeed itself is not used",
+                        given if isinstance(given, str) else "(a dict)")
+        original(self, *args, **kwargs)
+
+    arguments.__post_init__ = __post_init__
+
+
+def _engine_trainer(module) -> None:
+    """``transformers.trainer.Trainer`` (and so ``transformers.Trainer``) is the engine's."""
+    ours_module = sys.modules.get(OURS)
+    if ours_module is not None and not hasattr(ours_module, "Trainer"):
+        return  # infinity.hf.trainer is importing this module to derive from it: patched once it is done
+    stock = module.Trainer
+    ours = hf.Trainer  # imports infinity.hf.trainer (deriving from the class just loaded) where not yet done
+    if not issubclass(ours, stock):
+        raise RuntimeError(f"infinity.hf.Trainer does not derive from this process's transformers.trainer.Trainer "
+                           f"({stock!r})")
+    module.Trainer = ours
+    top = sys.modules.get("transformers")
+    if top is not None:
+        top.Trainer = ours  # the package caches the names it resolves lazily
+
+
+def _after_ours(module) -> None:
+    """infinity.hf.trainer is loaded: transformers' Trainer, which it imported, is patched now."""
+    _engine_trainer(sys.modules["transformers.trainer"])
+
+
+OURS = "infinity.hf.trainer"
+PATCHES = {"transformers.training_args": _take_deepspeed_argument, "transformers.trainer": _engine_trainer,
+           OURS: _after_ours}
+
+
+def install() -> None:
+    """From now on in this process, a Trainer script's ``--deepspeed`` config and ``transformers.Trainer`` are the
+    engine's (idempotent). Modules already imported are patched now."""
+    if any(isinstance(finder, AfterImport) for finder in sys.meta_path):
+        return
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, AfterImport(PATCHES))
