@@ -1,7 +1,7 @@
 """One rank of ``infinity deepspeed``: ``import deepspeed`` answered by :mod:`infinity.deepspeed`
 (:mod:`~infinity.deepspeed.alias`), ``transformers.Trainer`` and its ``--deepspeed`` JSON by the engine
-(:mod:`~infinity.deepspeed.hf_trainer`), then the script run as ``__main__`` with ``--local_rank=N`` appended to its
-arguments, as DeepSpeed's launcher passes it (``--no_local_rank``: not appended)::
+(:mod:`~infinity.deepspeed.hf_scripts`), then the script run as ``__main__`` with ``--local_rank=N`` appended to
+its arguments, as DeepSpeed's launcher passes it (``--no_local_rank``: not appended)::
 
     python -m infinity.deepspeed.run_script [--no_local_rank] [--module] SCRIPT [ARGS...]
 
@@ -15,7 +15,7 @@ import os
 import runpy
 import sys
 
-from infinity.deepspeed import alias, hf_trainer
+from infinity.deepspeed import alias, hf_scripts
 
 
 def main(argv: list[str]) -> None:
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     if local_rank:
         args.append(f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")
     alias.install()
-    hf_trainer.install()  # a transformers.Trainer script's --deepspeed JSON is the engine's config
+    hf_scripts.install()  # a Hugging Face script's DeepSpeed JSON is the engine's config, its Trainer ours
     sys.argv = [script, *args]
     if as_module:
         runpy.run_module(script, run_name="__main__", alter_sys=True)

@@ -2,7 +2,7 @@
 
 A user's script changes one import, ``Trainer`` from ``infinity.hf`` instead of ``transformers``, and passes its
 DeepSpeed JSON as ``Trainer(..., infinity_config="ds_config.json")``; or it changes nothing and is launched by
-``infinity deepspeed train.py --deepspeed ds_config.json`` (:mod:`infinity.deepspeed.hf_trainer`). Everything else
+``infinity deepspeed train.py --deepspeed ds.json`` (:mod:`infinity.deepspeed.hf_scripts`). Everything else
 (``TrainingArguments``, datasets, collator, callbacks, ``compute_metrics``,
 ``train()``/``evaluate()``/``predict()``/``save_model()``, checkpoints and resuming) stays as it is. The
 engine is built once, at construction, around the model (weights streamed into shards from the model's
@@ -195,7 +195,7 @@ class InfinityTrainerMixin:
         if not isinstance(model, nn.Module):
             raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
         weights = _weights_folder(model)
-        if infinity_config is None:  # `infinity deepspeed train.py --deepspeed ds.json`: infinity.deepspeed.hf_trainer
+        if infinity_config is None:  # `infinity deepspeed train.py --deepspeed ds.json` (deepspeed.hf_scripts)
             infinity_config = getattr(targs, "infinity_config", None)
         super().__init__(**kwargs)
         self._infinity_config = infinity_config  # its scheduler block is read when the run's length is known

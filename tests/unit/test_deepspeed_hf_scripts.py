@@ -180,8 +180,8 @@ def test_the_patches_hold_whichever_trainer_the_script_imports_first(tmp_path, f
     after are the engine's, and a dict ``deepspeed`` becomes the arguments' ``infinity_config``."""
     probe = textwrap.dedent(f"""
         import json, sys
-        from infinity.deepspeed import hf_trainer
-        hf_trainer.install()
+        from infinity.deepspeed import hf_scripts
+        hf_scripts.install()
         if {first!r} == "infinity.hf":
             from infinity.hf import Trainer as ours
         import transformers
@@ -198,3 +198,63 @@ def test_the_patches_hold_whichever_trainer_the_script_imports_first(tmp_path, f
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True, True, True, None,
                                                                {"zero_optimization": {"stage": 3}}, True]
+
+
+LOOP_SCRIPT = textwrap.dedent("""
+    # transformers' non-Trainer DeepSpeed integration, as its docs write it: nothing here knows of infinity
+    import json, sys
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    ds_config = json.load(open({config!r}))
+    dschf = HfDeepSpeedConfig(ds_config)  # keep this object alive
+    model = AutoModelForCausalLM.from_pretrained({model!r})
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config_params=ds_config)
+    losses = []
+    for ids in torch.load({batches!r}):
+        loss = engine(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = {{name: value.tolist() for name, value in engine.full_state_dict().items()}}
+    json.dump({{"losses": losses, "stage": dschf.config["zero_optimization"]["stage"],
+               "zero3_in_from_pretrained": is_deepspeed_zero3_enabled(), "state": state}}, open({out!r}, "w"))
+""")
+
+
+def test_a_script_with_its_own_loop_and_hf_deepspeed_config_trains_as_plain_pytorch(tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_llama().save_pretrained(folder)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(3, VOCAB, (2, LENGTH), generator=g) for _ in range(4)]
+    torch.save(batches, tmp_path / "batches.pt")
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}))
+    script = tmp_path / "loop.py"
+    out = tmp_path / "run.json"
+    script.write_text(LOOP_SCRIPT.format(config=str(config), model=str(folder), batches=str(tmp_path / "batches.pt"),
+                                         out=str(out)))
+    done = subprocess.run([sys.executable, "-m", "infinity.cli", "deepspeed", str(script)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(out.read_text())
+    assert run["stage"] == 3 and run["zero3_in_from_pretrained"] is False
+
+    model = tiny_llama()  # the weights the folder holds
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    expected = []
+    for ids in batches:
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(torch.tensor(run["state"][name]), value, rtol=0, atol=1e-6, msg=name)

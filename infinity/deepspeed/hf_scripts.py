@@ -1,4 +1,4 @@
-"""A ``transformers.Trainer`` script run by ``infinity deepspeed`` with its own ``--deepspeed ds_config.json``.
+"""A Hugging Face script run by ``infinity deepspeed``: a ``Trainer`` with ``--deepspeed ds.json``, or its own loop.
 
 A Hugging Face script launched as ``deepspeed train.py --deepspeed ds.json ...`` hands its DeepSpeed JSON to
 ``TrainingArguments(deepspeed=...)``, and the stock Trainer then trains through accelerate's DeepSpeed plugin,
@@ -11,15 +11,19 @@ runs unchanged under the engine instead:
   model as it would without DeepSpeed, and the engine shards it);
 * ``transformers.Trainer`` is :class:`infinity.hf.Trainer`, which reads ``args.infinity_config`` when the script
   passes no ``infinity_config=``. A trainer class the script or a library derives from ``transformers.Trainer``
-  after that (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``, the script's own) derives from it too.
+  after that (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``, the script's own) derives from it too;
+* ``HfDeepSpeedConfig(ds_config)``, which a script with its own loop makes before ``from_pretrained``, reads the
+  config and registers nothing, so ``from_pretrained`` loads the model as without DeepSpeed and the engine's
+  ``deepspeed.initialize`` shards it.
 
-Both are patched as their modules finish importing (:class:`AfterImport`), so a script that never imports them
+Each is patched as its module finishes importing (:class:`AfterImport`), so a script that never imports them
 pays nothing; nothing is patched outside ``infinity deepspeed``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import logging
 import sys
@@ -104,6 +108,17 @@ def _engine_trainer(module) -> None:
         top.Trainer = ours  # the package caches the names it resolves lazily
 
 
+def _config_without_deepspeed(module) -> None:
+    """``HfDeepSpeedConfig(ds_config)`` (a script's own loop with a Hugging Face model) is accelerate's class of that
+    name, which transformers' derives from where DeepSpeed is installed: it reads the config (``config``,
+    ``is_zero3()``, ``get_value(...)``) and, unlike transformers', registers nothing, so ``from_pretrained`` loads
+    the model as without DeepSpeed and ``deepspeed.initialize`` (the engine's) shards it."""
+    module.HfDeepSpeedConfig = importlib.import_module("accelerate.utils.deepspeed").HfDeepSpeedConfig
+    top = sys.modules.get("transformers.integrations")
+    if top is not None:
+        top.HfDeepSpeedConfig = module.HfDeepSpeedConfig  # the package caches the names it resolves lazily
+
+
 def _after_ours(module) -> None:
     """infinity.hf.trainer is loaded: transformers' Trainer, which it imported, is patched now."""
     _engine_trainer(sys.modules["transformers.trainer"])
@@ -111,7 +126,7 @@ def _after_ours(module) -> None:
 
 OURS = "infinity.hf.trainer"
 PATCHES = {"transformers.training_args": _take_deepspeed_argument, "transformers.trainer": _engine_trainer,
-           OURS: _after_ours}
+           "transformers.integrations.deepspeed": _config_without_deepspeed, OURS: _after_ours}
 
 
 def install() -> None:
