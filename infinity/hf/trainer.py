@@ -19,6 +19,8 @@ crossings with the optimizer are ours:
 * the optimizer the Trainer steps is a stand-in (:class:`EngineOptimizer`) whose learning rate the
   Trainer's scheduler sets, and which hands it to the engine before each step: the Trainer's own, or the
   config's DeepSpeed ``scheduler`` block where it has one, as with the stock DeepSpeed integration;
+* each training log gains the engine's step time and its tiers' traffic since the last log
+  (:mod:`infinity.hf.trainer_logs`), and ``--log_level info`` shows the engine's placement;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
   included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both.
@@ -41,8 +43,10 @@ import torch
 import transformers  # optional extra: this module is reached only through infinity.hf's lazy names
 from torch import nn
 
+from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.trainer_config import deepspeed_scheduler, trainer_config
+from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
 
@@ -83,6 +87,22 @@ def refusals(args, *, model_init, optimizers, optimizer_cls_and_kwargs) -> list[
     ]
     out += [f"{name}: {why}" for name, on, why in checks if on]
     return out
+
+
+def _engine_logs_as_the_trainers(args) -> None:
+    """Where the script chose the Trainer's log level (``log_level``, ``log_level_replica``), the engine's loggers
+    take it too, so ``--log_level info`` shows the placement, the host budget and the config's notes; they are
+    printed where nothing else would print them. Left alone otherwise (``passive``)."""
+    chosen = args.log_level if args.should_log else args.log_level_replica
+    if chosen == "passive":
+        return
+    level = args.get_process_log_level()
+    engine_logger = logging.getLogger("infinity")
+    engine_logger.setLevel(level)
+    if level < logging.WARNING and not engine_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[infinity] %(message)s"))
+        engine_logger.addHandler(handler)
 
 
 def _weights_folder(model: nn.Module):
@@ -131,11 +151,12 @@ class EngineOptimizer(torch.optim.Optimizer):
     """What the Trainer and its scheduler see as the optimizer: one parameter group whose ``lr`` the
     scheduler sets; ``step()`` hands it to the engine and steps the engine (a boundary's update)."""
 
-    def __init__(self, engine: Engine, *, lr: float, weight_decay: float):
+    def __init__(self, engine: Engine, *, lr: float, weight_decay: float, offload_log: OffloadLog):
         # One empty placeholder: torch's Optimizer (and so the Trainer's LambdaLR) needs a parameter group.
         super().__init__([torch.zeros(0, requires_grad=True)], {"lr": lr, "weight_decay": weight_decay})
         self.engine = engine
         self.grad_norm_out: torch.Tensor | None = None
+        self.offload_log = offload_log  # each step's traffic, for the Trainer's next log
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,6 +164,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             raise ValueError("the engine's optimizer step takes no closure")
         self.engine.lr = self.param_groups[0]["lr"]
         self.engine.step()
+        self.offload_log.add_step(self.engine.step_metrics())
         norm = self.engine.get_global_grad_norm()
         if self.grad_norm_out is not None:  # the Trainer logs it after the step (see _clip_grad_norm)
             self.grad_norm_out.fill_(float("nan") if norm is None else norm)
@@ -199,6 +221,7 @@ class InfinityTrainerMixin:
             infinity_config = getattr(targs, "infinity_config", None)
         super().__init__(**kwargs)
         self._infinity_config = infinity_config  # its scheduler block is read when the run's length is known
+        _engine_logs_as_the_trainers(self.args)
         config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
         # the Trainer turns activation checkpointing on later, in train(): the split's step-time model hears it now
@@ -206,6 +229,8 @@ class InfinityTrainerMixin:
         shape = step_shape_of(model, micro_batch=config.micro_batch_size or 1, recompute=asked or recomputes(model))
         self.engine = initialize(model, config, weights=weights, param_groups=self._decay_groups(model),
                                  step_shape=shape)
+        self.offload_log = OffloadLog(nvme=Tier.NVME in (self.engine.compute.tier, self.engine.optimizer.tier),
+                                      crossing=self.engine.placement.distinct)
         self._engine_module = EngineModule(self.engine)
         self.model_wrapped = self._engine_module
 
@@ -227,7 +252,7 @@ class InfinityTrainerMixin:
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             self.optimizer = EngineOptimizer(self.engine, lr=self.args.learning_rate,
-                                             weight_decay=self.args.weight_decay)
+                                             weight_decay=self.args.weight_decay, offload_log=self.offload_log)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -244,6 +269,13 @@ class InfinityTrainerMixin:
                 self._created_lr_scheduler = True
                 return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """A training log (it holds ``loss``) gains the engine's step time and traffic since the last one
+        (:mod:`infinity.hf.trainer_logs`)."""
+        if "loss" in logs:
+            logs.update(self.offload_log.take())
+        super().log(logs, *args, **kwargs)
 
     def _engine_optimizer(self) -> EngineOptimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # under accelerate's AcceleratedOptimizer

@@ -109,6 +109,46 @@ def test_logged_losses_grad_norms_and_lr_equal_the_stock_trainers(runs):
     assert runs["ours_eval"]["eval_loss"] == pytest.approx(runs["stock_eval"]["eval_loss"], rel=1e-6)
 
 
+class StepMetrics(transformers.TrainerCallback):
+    """Each optimizer step's engine metrics, as the step ends."""
+
+    def __init__(self):
+        self.trainer = None
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(self.trainer.engine.step_metrics())
+
+
+def test_each_training_log_has_the_engines_step_time_and_traffic_over_its_steps(tmp_path):
+    """logging_steps=2: each training log's step_s is the mean of its two steps' and its rates their bytes over
+    their seconds, as the engine's own metrics of each step give them; the stock run's logs have no such keys."""
+    metrics = StepMetrics()
+    ours = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ours", max_steps=6, logging_steps=2,
+                                                          save_strategy="no"),
+                   train_dataset=dataset(), data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"),
+                   callbacks=[metrics])
+    metrics.trainer = ours
+    ours.train()
+    ours.engine.close()
+    logs = [h for h in ours.state.log_history if "loss" in h]
+    assert len(logs) == 3 and len(metrics.steps) == 6
+    crossing = ours.engine.placement.distinct
+    for log, pair in zip(logs, zip(metrics.steps[0::2], metrics.steps[1::2])):
+        seconds = sum(m["step_s"] for m in pair)
+        assert log["step_s"] == pytest.approx(seconds / 2, rel=1e-12)
+        read = sum(m["tiers"]["nvme"]["bytes_read"] for m in pair)
+        assert read > 0  # the parameters rest on NVMe: every forward reads them
+        assert log["nvme_read_gb_per_s"] == pytest.approx(read / seconds / 1e9, rel=1e-12)
+        written = sum(m["tiers"]["nvme"]["bytes_written"] for m in pair)
+        assert log["nvme_write_gb_per_s"] == pytest.approx(written / seconds / 1e9, rel=1e-12)
+        assert ("h2d_gb_per_s" in log) == crossing == ("d2h_gb_per_s" in log)
+        if crossing:
+            up = sum(m["copies"]["host_to_device_nbytes"] for m in pair)
+            assert up > 0 and log["h2d_gb_per_s"] == pytest.approx(up / seconds / 1e9, rel=1e-12)
+    assert sum(log["nvme_write_gb_per_s"] for log in logs) > 0
+
+
 def test_saved_model_reloads_in_transformers_with_the_stock_runs_weights(runs):
     tmp = runs["tmp"]
     ours = transformers.AutoModelForCausalLM.from_pretrained(tmp / "ours-model")
