@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402  (after the path and environment above, which the imports below need)
 
 from infinity.placement import split_choice  # noqa: E402
+from infinity.runtime import machine_figures  # noqa: E402
 from infinity.placement.placement import distinct_device_requested  # noqa: E402
 
 DEVICE_INDEPENDENT = "device_independent"
@@ -27,6 +28,30 @@ def pytest_collection_modifyitems(config, items):
     if same:
         config.hook.pytest_deselected(items=same)
         items[:] = [item for item in items if not item.get_closest_marker(DEVICE_INDEPENDENT)]
+
+
+USER_CACHE_HOME = os.environ.get("XDG_CACHE_HOME")
+"""The cache folder the session started with: a test that sets another tests the cache itself."""
+
+
+@pytest.fixture(scope="session")
+def _session_figures_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("machine-figures")
+
+
+@pytest.fixture(autouse=True)
+def _machine_figures_of_the_session(monkeypatch, _session_figures_dir):
+    """The machine's figures a test reads, or measures and caches (``bench_gpu.py`` does where none are cached), are
+    the session's, never the user's ``~/.cache``: a measurement under the suite's load, on one thread
+    (``OMP_NUM_THREADS=1`` above), would otherwise become what ``infinity train`` and ``estimate`` predict with."""
+    user_cache_path = machine_figures.cache_path
+
+    def cache_path(host=None):
+        if os.environ.get("XDG_CACHE_HOME") != USER_CACHE_HOME:
+            return user_cache_path(host)  # the test's own cache folder
+        return _session_figures_dir / user_cache_path(host).name
+
+    monkeypatch.setattr(machine_figures, "cache_path", cache_path)
 
 
 @pytest.fixture(autouse=True)
