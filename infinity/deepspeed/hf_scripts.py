@@ -30,11 +30,12 @@ import sys
 from typing import Callable
 
 import infinity.hf as hf
+from infinity.hf.trainer_config import ARGS_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
-CONFIG_ATTRIBUTE = "infinity_config"
-"""Where ``TrainingArguments`` keep the ``deepspeed`` value under ``infinity deepspeed``."""
+OURS = "infinity.hf.trainer"
+"""The engine's Trainer module, which derives from transformers' as it loads."""
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -83,7 +84,7 @@ def _take_deepspeed_argument(module) -> None:
     def __post_init__(self, *args, **kwargs):
         given = self.deepspeed
         if given:
-            setattr(self, CONFIG_ATTRIBUTE, given)
+            setattr(self, ARGS_ATTRIBUTE, given)
             self.deepspeed = None  # transformers and accelerate: no DeepSpeed plugin, no HfDeepSpeedConfig
             logger.info("--deepspeed %s: the engine's config (infinity deepspeed); DeepSpeed itself is not used",
                         given if isinstance(given, str) else "(a dict)")
@@ -102,10 +103,7 @@ def _engine_trainer(module) -> None:
     if not issubclass(ours, stock):
         raise RuntimeError(f"infinity.hf.Trainer does not derive from this process's transformers.trainer.Trainer "
                            f"({stock!r})")
-    module.Trainer = ours
-    top = sys.modules.get("transformers")
-    if top is not None:
-        top.Trainer = ours  # the package caches the names it resolves lazily
+    _set_name(module, "transformers", "Trainer", ours)
 
 
 def _config_without_deepspeed(module) -> None:
@@ -113,10 +111,17 @@ def _config_without_deepspeed(module) -> None:
     name, which transformers' derives from where DeepSpeed is installed: it reads the config (``config``,
     ``is_zero3()``, ``get_value(...)``) and, unlike transformers', registers nothing, so ``from_pretrained`` loads
     the model as without DeepSpeed and ``deepspeed.initialize`` (the engine's) shards it."""
-    module.HfDeepSpeedConfig = importlib.import_module("accelerate.utils.deepspeed").HfDeepSpeedConfig
-    top = sys.modules.get("transformers.integrations")
+    reader = importlib.import_module("accelerate.utils.deepspeed").HfDeepSpeedConfig
+    _set_name(module, "transformers.integrations", "HfDeepSpeedConfig", reader)
+
+
+def _set_name(module, package: str, name: str, value) -> None:
+    """``module.name`` is ``value``, and so is ``package.name`` where the package is loaded: it keeps the names it
+    resolves lazily from its modules."""
+    setattr(module, name, value)
+    top = sys.modules.get(package)
     if top is not None:
-        top.HfDeepSpeedConfig = module.HfDeepSpeedConfig  # the package caches the names it resolves lazily
+        setattr(top, name, value)
 
 
 def _after_ours(module) -> None:
@@ -124,7 +129,6 @@ def _after_ours(module) -> None:
     _engine_trainer(sys.modules["transformers.trainer"])
 
 
-OURS = "infinity.hf.trainer"
 PATCHES = {"transformers.training_args": _take_deepspeed_argument, "transformers.trainer": _engine_trainer,
            "transformers.integrations.deepspeed": _config_without_deepspeed, OURS: _after_ours}
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
-from infinity.hf.trainer_config import deepspeed_scheduler, trainer_config
+from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
@@ -218,11 +218,12 @@ class InfinityTrainerMixin:
             raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
         weights = _weights_folder(model)
         if infinity_config is None:  # `infinity deepspeed train.py --deepspeed ds.json` (deepspeed.hf_scripts)
-            infinity_config = getattr(targs, "infinity_config", None)
+            infinity_config = getattr(targs, ARGS_ATTRIBUTE, None)
+        # read once: its scheduler block is taken again when the run's length is known (create_scheduler)
+        self._infinity_config = config_source(infinity_config)
         super().__init__(**kwargs)
-        self._infinity_config = infinity_config  # its scheduler block is read when the run's length is known
         _engine_logs_as_the_trainers(self.args)
-        config = trainer_config(infinity_config, self.args, world_size=self.args.world_size,
+        config = trainer_config(self._infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
         # the Trainer turns activation checkpointing on later, in train(): the split's step-time model hears it now
         asked = any(getattr(self.args, flag, False) for flag in ("activation_checkpointing", "gradient_checkpointing"))

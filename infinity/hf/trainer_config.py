@@ -51,6 +51,18 @@ from infinity.config.lr_schedule import DeepSpeedScheduler, scheduler_from_deeps
 from infinity.config.schema import InfinityConfig, read_config_json
 
 
+ARGS_ATTRIBUTE = "infinity_config"
+"""Where ``TrainingArguments`` hold the config under ``infinity deepspeed`` (their ``deepspeed`` value, which
+:mod:`infinity.deepspeed.hf_scripts` moves there); the Trainer reads it when given no ``infinity_config=``."""
+
+
+def config_source(infinity_config):
+    """``infinity_config`` read once: an :class:`InfinityConfig` as it is, else its DeepSpeed-style dict (a JSON
+    path read, a dict copied; ``{}`` for None). :func:`trainer_config` and :func:`deepspeed_scheduler` take
+    either form."""
+    return infinity_config if isinstance(infinity_config, InfinityConfig) else _read_raw(infinity_config)
+
+
 def args_values(args, world_size: int) -> dict:
     """The DeepSpeed keys (dotted) the Trainer's arguments decide, with their values."""
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
