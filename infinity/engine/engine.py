@@ -178,8 +178,7 @@ class Engine:
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
         self.prefetcher = prefetcher_for(self.config.zero, self.compute, self.copies, self.layout, self.dtype,
-                                         self.tiers.stats["device"], reserve,
-                                         self.comm.least_over_ranks if self.comm.world_size > 1 else None)
+                                         self.tiers.stats["device"], reserve, self.comm)
         self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}

@@ -4,7 +4,6 @@ Each is made only where it can serve (the engine gives the rest of :class:`~infi
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -16,6 +15,7 @@ from infinity.placement.copies import Copies
 from infinity.placement.layout import ShardLayout
 from infinity.placement.placement import Placement
 from infinity.placement.tiers import Tiers
+from infinity.runtime.comm import Collectives
 from infinity.storage import HostBufferPool
 from infinity.storage.stats import TierStats
 
@@ -23,16 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 def prefetcher_for(zero: ZeroConfig, compute: ComputeShards, copies: Copies, layout: ShardLayout, dtype: torch.dtype,
-                   device_stats: TierStats, reserve_nbytes: int,
-                   least_over_ranks: Callable[[int], int] | None = None) -> Prefetcher | None:
+                   device_stats: TierStats, reserve_nbytes: int, comm: Collectives) -> Prefetcher | None:
     """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
-    for prefetching or reuse; else every parameter is fetched on demand. ``least_over_ranks``: with several
-    ranks, the collective that makes every rank keep the same parameters gathered."""
+    for prefetching or reuse; else every parameter is fetched on demand. With several ranks in ``comm`` it keeps
+    the same parameters gathered on every rank (:meth:`Collectives.least_over_ranks`)."""
     starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, copies, slot) for slot in layout.slots)
     if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
         return None
     return Prefetcher(zero, itemsize=torch.empty((), dtype=dtype).element_size(), device_stats=device_stats,
-                      reserve_nbytes=reserve_nbytes, least_over_ranks=least_over_ranks)
+                      reserve_nbytes=reserve_nbytes,
+                      least_over_ranks=comm.least_over_ranks if comm.world_size > 1 else None)
 
 
 def read_pool_for(placement: Placement, offload_param: OffloadParamConfig, layout: ShardLayout, dtype: torch.dtype,
