@@ -31,12 +31,18 @@ class DeepSpeedEngine(Engine):
     """:class:`~infinity.engine.engine.Engine` as DeepSpeed's ``DeepSpeedEngine`` is called."""
 
     def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, lr_scheduler=None,
-                 monitors: dict | None = None, **kwargs):
+                 monitors: dict | None = None, client_optimizer: torch.optim.Optimizer | None = None,
+                 gather_16bit_on_save: bool = False, **kwargs):
         """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`. ``lr_scheduler``: the
         script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer). ``monitors``: the
-        config's monitor blocks by name (:mod:`~infinity.deepspeed.monitor`)."""
+        config's monitor blocks by name (:mod:`~infinity.deepspeed.monitor`). ``client_optimizer``: the optimizer
+        the script made and gave ``initialize``, whose groups' ``lr`` the engine follows. ``gather_16bit_on_save``:
+        the config's ``stage3_gather_16bit_weights_on_model_save``."""
         super().__init__(model, config, **kwargs)
         self._drop_last = drop_last
+        self._gather_16bit_on_save = gather_16bit_on_save
+        self._client_optimizer = client_optimizer
+        self._client_lr = self.lr  # the client groups' lr the engine last took (initialize took it from them)
         self.monitor = DeepSpeedMonitor(monitors or {}, rank=self.rank)
         self._step_losses: list[torch.Tensor] = []  # the step's micro-batch losses, for the monitor (no sync)
         for sharded in self.params:  # DeepSpeed's marks of a partitioned parameter, which scripts test for
@@ -130,6 +136,7 @@ class DeepSpeedEngine(Engine):
 
     # -- training, with DeepSpeed's arguments --------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._follow_client_lr()
         self.tput_timer.start()
         return super().forward(*args, **kwargs)
 
@@ -137,6 +144,7 @@ class DeepSpeedEngine(Engine):
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
         _refuse_non_default("backward", allreduce_gradients=(allreduce_gradients, True),
                             retain_graph=(retain_graph, False))
+        self._follow_client_lr()
         super().backward(loss, scale_wrt_gas=scale_wrt_gas)
         if self.monitor.enabled:
             self._step_losses.append(loss.detach().float())
@@ -151,6 +159,22 @@ class DeepSpeedEngine(Engine):
             self._write_step_events(lr)
         if stepped and self.client_schedule is not None and self.was_step_applied():
             self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
+
+    def _follow_client_lr(self) -> None:
+        """DeepSpeed's engine steps with the ``lr`` of the script's own optimizer's groups, so a rate written there
+        between steps (by the script, by a scheduler over that optimizer that ``initialize`` was not given:
+        accelerate's loop steps its scheduler so) is the next step's. The engine takes a change when it sees one;
+        a rate set through the engine's own names stands until the groups change again."""
+        if self._client_optimizer is None:
+            return
+        rates = {float(group["lr"]) for group in self._client_optimizer.param_groups}
+        if rates == {self._client_lr}:
+            return
+        if len(rates) != 1:
+            raise ValueError(f"the optimizer given to initialize has groups at the learning rates {sorted(rates)}: "
+                             "the engine has one learning rate, so its groups must move together")
+        self._client_lr = rates.pop()
+        self.set_lr(self._client_lr)
 
     def _write_step_events(self, lr: float) -> None:
         """The step's figures under DeepSpeed's names, at its global samples."""
@@ -226,19 +250,29 @@ class DeepSpeedEngine(Engine):
                 self.set_lr(self.client_schedule.lr())
         return str(resolve_checkpoint(load_dir, tag)), client_state
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """The model's state dict in the compute precision (fp32 runs: fp32), gathered whole on rank 0 and written
-        there with ``torch.save`` (a ``.safetensors`` name: safetensors), replacing the file atomically, as
-        DeepSpeed's does. Collective: every rank calls it. The whole model passes through host memory at once:
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``stage3_gather_16bit_weights_on_model_save`` (accelerate's ``get_state_dict`` asks)."""
+        return self._gather_16bit_on_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The model's state dict whole, in the compute precision (fp32 runs: fp32), on rank 0; None on the other
+        ranks, as DeepSpeed's. Collective: every rank calls it. The whole model passes through host memory at once:
         :meth:`save_pretrained` writes a tensor at a time."""
         state = self.full_state_dict()
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {name: value for name, value in state.items() if name not in frozen}
         if self.rank != 0:
+            return None
+        return {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """:meth:`_zero3_consolidated_16bit_state_dict` written on rank 0 with ``torch.save`` (a ``.safetensors``
+        name: safetensors), replacing the file atomically, as DeepSpeed's does. Collective: every rank calls it."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if state is None:
             return True
-        state = {name: value.to(self.dtype) if value.is_floating_point() else value for name, value in state.items()}
         os.makedirs(save_dir, exist_ok=True)
         write_state_dict_atomic(Path(save_dir) / save_filename, state)  # the old file or the new one, never half
         return True

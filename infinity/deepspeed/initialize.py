@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 CLIENT_ADAMS = (torch.optim.AdamW, torch.optim.Adam, DeepSpeedCPUAdam, FusedAdam)
 """The optimizers a script may make and pass: their hyperparameters become the engine's Adam's."""
+GATHER_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                     "stage3_gather_fp16_weights_on_model_save")
+"""The ``zero_optimization`` keys (DeepSpeed's names over its releases) that let ``get_state_dict`` gather the model."""
 _TORCH_ADAM_HOW = {"foreach", "fused", "capturable", "differentiable"}
 """Options of torch's Adam and AdamW that say how torch runs it, not what it computes: nothing to honour."""
 
@@ -65,12 +68,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raw, param_groups = _with_client_optimizer(raw, optimizer)
     client_schedule = _client_schedule(lr_scheduler, optimizer, raw)
     drop_last = bool(raw.get("dataloader_drop_last", False))
+    zero = raw.get("zero_optimization") or {}
+    gather_16bit_on_save = any(zero.get(key) is True for key in GATHER_16BIT_KEYS)
     monitors = {key: monitor_from_deepspeed(raw.pop(key), key) for key in MONITOR_BLOCKS if key in raw}
     infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
     if dist_init_required is not False:
         init_distributed()
     engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
-                             lr_scheduler=client_schedule, monitors=monitors)
+                             lr_scheduler=client_schedule, monitors=monitors, client_optimizer=optimizer,
+                             gather_16bit_on_save=gather_16bit_on_save)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, OptimizerView(engine), loader, engine.lr_scheduler
 

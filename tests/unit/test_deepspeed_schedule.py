@@ -108,6 +108,38 @@ def test_a_callable_makes_the_scheduler_over_the_configs_optimizer_and_a_resume_
     torch.testing.assert_close(torch.tensor(whole), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
+def test_a_scheduler_the_engine_was_not_given_moves_its_rates_through_the_scripts_optimizer():
+    """DeepSpeed's engine steps with the groups of the optimizer the script made, so a scheduler over that
+    optimizer stepped by the script itself (accelerate's loop does so) sets the rates; a DeepSpeedCPUAdam made over
+    an AdamW's groups (accelerate's ``map_pytorch_optim_to_deepspeed``) shares them."""
+    torch.manual_seed(0)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    made = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95))
+    scheduler = get_scheduler("linear", optimizer=made, num_warmup_steps=2, num_training_steps=8)
+    optimizer = DeepSpeedCPUAdam(made.param_groups, lr=LR, adamw_mode=True)  # the groups' dicts themselves
+    engine, _, loader, returned = deepspeed.initialize(model=model, optimizer=optimizer, training_data=data(),
+                                                       config=config())
+    losses, rates, batches = [], [], []
+    with engine:
+        assert returned is None and engine.get_lr() == [0.0]  # the warmup's first rate, read from the groups
+        for i, batch in enumerate(loader):
+            loss = engine(*batch)
+            engine.backward(loss)
+            if i % 4 == 3:
+                rates.append(engine.get_lr()[0])
+            engine.step()
+            if i % 4 == 3:
+                scheduler.step()  # the script's own, after the step
+            losses.append(loss.item())
+            batches.append(batch)
+    ref_optimizer = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95))
+    ref_scheduler = get_scheduler("linear", optimizer=ref_optimizer, num_warmup_steps=2, num_training_steps=8)
+    expected, expected_rates = reference(ref, ref_optimizer, ref_scheduler, batches)
+    assert rates == pytest.approx(expected_rates, rel=1e-12) and expected_rates[2] == LR
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
 def _micro_step(engine, batch) -> float:
     loss = engine(*batch)
     engine.backward(loss)
