@@ -1,4 +1,4 @@
-"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate | plot | deepspeed``.
+"""The ``infinity`` command line: ``infinity train | bench | estimate | consolidate | plot | deepspeed | accelerate``.
 
 Each sub-command lives in ``infinity/commands/<name>.py`` and is imported only
 when chosen, so ``infinity bench`` does not pay for building the engine.
@@ -23,6 +23,8 @@ COMMANDS = {
     "consolidate": "write one state dict from a sharded checkpoint",
     "plot": "draw a training run's metrics (loss, tokens/s, tier bandwidth) into one PNG",
     "deepspeed": "run a DeepSpeed training script unchanged under the engine, as DeepSpeed's launcher does",
+    "accelerate": "`infinity accelerate launch`: an accelerate script with a DeepSpeed config, unchanged, under the "
+                  "engine",
 }
 
 

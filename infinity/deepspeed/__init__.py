@@ -18,10 +18,10 @@ offers that the engine cannot honour (model parallelism's ``mpu``, an optimizer 
 name, before any work.
 """
 
-from infinity.deepspeed import accelerator, checkpointing, comm, ops, utils, zero
+from infinity.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from infinity.deepspeed.accelerator import get_accelerator
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
 __all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
-           "init_distributed", "initialize", "ops", "utils", "zero"]
+           "init_distributed", "initialize", "ops", "runtime", "utils", "zero"]

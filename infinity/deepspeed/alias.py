@@ -6,11 +6,29 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.metadata
 import importlib.util
 import sys
 
 ALIASED = "deepspeed"
 TARGET = "infinity.deepspeed"
+DOOR_VERSION = "0.14.0+infinity"
+"""What ``importlib.metadata.version("deepspeed")`` answers under the alias: the DeepSpeed release whose API the door
+follows, marked as ours. Libraries that gate a feature on a newer DeepSpeed (accelerate's tensor and sequence
+parallelism, ``engine.compile``) refuse it by name rather than calling what the door lacks."""
+
+
+class _DoorDistribution(importlib.metadata.Distribution):
+    """The ``deepspeed`` distribution as ``importlib.metadata`` sees it under the alias: name and version only."""
+
+    def read_text(self, filename):
+        if filename in ("METADATA", "PKG-INFO"):
+            return (f"Metadata-Version: 2.1\nName: {ALIASED}\nVersion: {DOOR_VERSION}\n"
+                    f"Summary: DeepSpeed's API answered by {TARGET} (zero-infinity)\n")
+        return None
+
+    def locate_file(self, path):
+        return None
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -35,6 +53,13 @@ class DeepSpeedAlias(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {fullname!r}: infinity's DeepSpeed door ({TARGET}) does not "
                                       f"offer it", name=fullname)
         return importlib.util.spec_from_loader(fullname, _AliasLoader(aliased))
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        """``importlib.metadata``'s ``deepspeed``: libraries that ask whether DeepSpeed is installed, and which
+        version, before they ``import deepspeed`` (accelerate, transformers) get the door."""
+        if context.name is None or context.name.replace("-", "_").lower() == ALIASED:
+            return iter([_DoorDistribution()])
+        return iter([])
 
 
 def install() -> None:

@@ -211,6 +211,7 @@ class DeepSpeedEngine(Engine):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns."""
         _refuse_non_default("save_checkpoint", save_latest=(save_latest, True))
+        self._follow_client_lr()  # a rate the script set since the last step is the one the resumed run goes on with
         if self.client_schedule is not None:
             if client_state and SCHEDULE_KEY in client_state:
                 raise ValueError(f"save_checkpoint(client_state=...): the key {SCHEDULE_KEY!r} holds the "
@@ -240,6 +241,10 @@ class DeepSpeedEngine(Engine):
         client_state = super().load_checkpoint(load_dir, tag=tag,
                                                optimizer_states=load_optimizer_states and not load_module_only,
                                                counters=not load_module_only)
+        if self._client_optimizer is not None and load_optimizer_states and not load_module_only:
+            self._client_lr = self.lr  # the groups hold the loaded rate, as DeepSpeed's load restores them
+            for group in self._client_optimizer.param_groups:
+                group["lr"] = self.lr
         schedule_state = client_state.pop(SCHEDULE_KEY, None) if isinstance(client_state, dict) else None
         if self.client_schedule is not None and load_lr_scheduler_states and not load_module_only:
             if schedule_state is None:

@@ -8,7 +8,8 @@ runs unchanged under the engine instead:
 * ``TrainingArguments`` (and its subclasses: ``Seq2SeqTrainingArguments``, TRL's configs) take the ``deepspeed``
   value as the engine's config: it is kept as ``args.infinity_config`` and ``args.deepspeed`` reads None, so
   neither transformers nor accelerate sets DeepSpeed up (no ``HfDeepSpeedConfig``: ``from_pretrained`` loads the
-  model as it would without DeepSpeed, and the engine shards it);
+  model as it would without DeepSpeed, and the engine shards it). Without ``--deepspeed``, the config
+  ``infinity accelerate launch`` passes in accelerate's variables (its yaml's DeepSpeed part) is taken so;
 * ``transformers.Trainer`` is :class:`infinity.hf.Trainer`, which reads ``args.infinity_config`` when the script
   passes no ``infinity_config=``. A trainer class the script or a library derives from ``transformers.Trainer``
   after that (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``, the script's own) derives from it too;
@@ -17,15 +18,17 @@ runs unchanged under the engine instead:
   ``deepspeed.initialize`` shards it.
 
 Each is patched as its module finishes importing (:class:`AfterImport`), so a script that never imports them
-pays nothing; nothing is patched outside ``infinity deepspeed``.
+pays nothing; nothing is patched outside ``infinity deepspeed`` and ``infinity accelerate launch``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import importlib.abc
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -34,6 +37,8 @@ from infinity.hf.trainer_config import ARGS_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
+ACCELERATE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+"""accelerate's variable saying the run is DeepSpeed's (``accelerate launch`` with a DeepSpeed config sets it)."""
 OURS = "infinity.hf.trainer"
 """The engine's Trainer module, which derives from transformers' as it loads."""
 
@@ -82,7 +87,7 @@ def _take_deepspeed_argument(module) -> None:
 
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
-        given = self.deepspeed
+        given = self.deepspeed or _config_from_accelerate_launch()
         if given:
             setattr(self, ARGS_ATTRIBUTE, given)
             self.deepspeed = None  # transformers and accelerate: no DeepSpeed plugin, no HfDeepSpeedConfig
@@ -91,6 +96,18 @@ def _take_deepspeed_argument(module) -> None:
         original(self, *args, **kwargs)
 
     arguments.__post_init__ = __post_init__
+
+
+def _config_from_accelerate_launch() -> dict | None:
+    """The DeepSpeed config ``infinity accelerate launch`` hands the script in accelerate's variables
+    (``ACCELERATE_USE_DEEPSPEED``, with a config file or the yaml's fields), as accelerate's ``DeepSpeedPlugin``
+    reads them; None where there is none. Once read, ``ACCELERATE_USE_DEEPSPEED`` reads false in this process, so the
+    Trainer's accelerator sets no DeepSpeed up: the engine, driven by the Trainer, is the run's DeepSpeed."""
+    if os.environ.get(ACCELERATE_DEEPSPEED, "false").lower() != "true":
+        return None
+    plugin = importlib.import_module("accelerate.utils").DeepSpeedPlugin()
+    os.environ[ACCELERATE_DEEPSPEED] = "false"
+    return copy.deepcopy(plugin.deepspeed_config)
 
 
 def _engine_trainer(module) -> None:

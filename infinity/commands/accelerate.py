@@ -1,0 +1,56 @@
+"""``infinity accelerate launch``: a script written for ``accelerate launch`` with a DeepSpeed config, run unchanged
+under the engine::
+
+    infinity accelerate launch --config_file ds_zero3.yaml train.py --my_arg 1   # the yaml `accelerate config` wrote
+    infinity accelerate launch --use_deepspeed --deepspeed_config_file ds.json --num_processes 2 train.py
+
+The arguments and the config file are accelerate's own, read by accelerate's own code (its ``launch`` parser and
+its checks), so they mean what they mean under ``accelerate launch``: the same ``ACCELERATE_*`` variables reach
+the script, whose ``Accelerator()`` then takes its DeepSpeed branch. Each process is started as ``infinity
+deepspeed`` starts it (:mod:`infinity.deepspeed.run_script`), where ``import deepspeed`` is the engine's door: the
+``Accelerator`` hands the model, the optimizer and the scheduler to the engine through ``deepspeed.initialize``.
+A config for anything but DeepSpeed, or several machines, is refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+
+from infinity.commands import deepspeed as deepspeed_command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["launch"], help="accelerate's `launch`, with its arguments")
+    p.add_argument("launch_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="what `accelerate launch` takes: its options, then the script and the script's arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        launch = importlib.import_module("accelerate.commands.launch")
+        accelerate_launch = importlib.import_module("accelerate.utils.launch")
+    except ImportError as err:
+        raise ValueError(f"infinity accelerate needs accelerate (pip install 'zero-infinity[hf]'): {err}") from None
+    parsed = launch.launch_command_parser().parse_args(args.launch_args)
+    parsed, defaults, precision_from_config = launch._validate_launch_command(parsed)
+    if not parsed.use_deepspeed or parsed.cpu:
+        raise ValueError("the accelerate config (or flags) does not use DeepSpeed: `infinity accelerate launch` runs "
+                         "DeepSpeed configs under the engine (distributed_type: DEEPSPEED, or --use_deepspeed); run "
+                         "others with `accelerate launch`")
+    if parsed.num_machines > 1:
+        raise ValueError(f"num_machines {parsed.num_machines}: `infinity accelerate launch` starts the processes of "
+                         "one machine")
+    # the config's DeepSpeed fields, named to the script as accelerate's launcher names them (launch_command)
+    fields = list(defaults.deepspeed_config.keys()) if defaults else []
+    if precision_from_config:
+        fields.append("mixed_precision")
+    parsed.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    _, environment = accelerate_launch.prepare_deepspeed_cmd_env(parsed)
+    os.environ.update(environment)  # the processes inherit the ACCELERATE_* variables
+    processes = int(parsed.num_processes) if parsed.num_processes else None
+    return deepspeed_command.run(argparse.Namespace(
+        num_gpus=processes, include=None, exclude=None, num_nodes=1, master_addr=None, master_port=None,
+        no_local_rank=True, module=bool(parsed.module), script=parsed.training_script,
+        script_args=list(parsed.training_script_args)))
