@@ -9,7 +9,8 @@ its checks), so they mean what they mean under ``accelerate launch``: the same `
 the script, whose ``Accelerator()`` then takes its DeepSpeed branch. Each process is started as ``infinity
 deepspeed`` starts it (:mod:`infinity.deepspeed.run_script`), where ``import deepspeed`` is the engine's door: the
 ``Accelerator`` hands the model, the optimizer and the scheduler to the engine through ``deepspeed.initialize``.
-A config for anything but DeepSpeed, or several machines, is refused before any process starts.
+A config for anything but DeepSpeed, several machines, or several processes without a GPU (accelerate runs DeepSpeed
+on the CPU as one process) is refused before any process starts.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+
+import torch
 
 from infinity.commands import deepspeed as deepspeed_command
 
@@ -42,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     if parsed.num_machines > 1:
         raise ValueError(f"num_machines {parsed.num_machines}: `infinity accelerate launch` starts the processes of "
                          "one machine")
+    if parsed.num_processes and parsed.num_processes > 1 and not torch.cuda.is_available():
+        raise ValueError(f"num_processes {parsed.num_processes} without a GPU: accelerate runs a DeepSpeed config on "
+                         "the CPU as one process (each would train on the whole data); use num_processes 1")
     # the config's DeepSpeed fields, named to the script as accelerate's launcher names them (launch_command)
     fields = list(defaults.deepspeed_config.keys()) if defaults else []
     if precision_from_config:

@@ -201,6 +201,7 @@ def test_a_trainer_script_launched_with_the_yaml_and_no_deepspeed_argument_train
     (["--multi_gpu", "--num_processes", "2"], "does not use DeepSpeed"),
     (["--use_deepspeed", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1"],
      "num_machines 2"),
+    (["--use_deepspeed", "--num_processes", "2"], "without a GPU"),
 ])
 def test_a_config_the_engine_does_not_run_is_refused_before_any_process_starts(tmp_path, launch_args, said):
     script = tmp_path / "train.py"
