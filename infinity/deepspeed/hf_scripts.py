@@ -7,15 +7,18 @@ runs unchanged under the engine instead:
 
 * ``TrainingArguments`` (and its subclasses: ``Seq2SeqTrainingArguments``, TRL's configs) take the ``deepspeed``
   value as the engine's config: it is kept as ``args.infinity_config`` and ``args.deepspeed`` reads None, so
-  neither transformers nor accelerate sets DeepSpeed up (no ``HfDeepSpeedConfig``: ``from_pretrained`` loads the
-  model as it would without DeepSpeed, and the engine shards it). Without ``--deepspeed``, the config
+  neither transformers nor accelerate sets DeepSpeed up. Without ``--deepspeed``, the config
   ``infinity accelerate launch`` passes in accelerate's variables (its yaml's DeepSpeed part) is taken so;
 * ``transformers.Trainer`` is :class:`infinity.hf.Trainer`, which reads ``args.infinity_config`` when the script
   passes no ``infinity_config=``. A trainer class the script or a library derives from ``transformers.Trainer``
   after that (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``, the script's own) derives from it too;
-* ``HfDeepSpeedConfig(ds_config)``, which a script with its own loop makes before ``from_pretrained``, reads the
-  config and registers nothing, so ``from_pretrained`` loads the model as without DeepSpeed and the engine's
-  ``deepspeed.initialize`` shards it.
+* ``HfDeepSpeedConfig(ds_config)``, which a script with its own loop makes before ``from_pretrained`` (and
+  accelerate's ``zero3_init_flag``), reads the config and registers it with the engine's loader, not
+  transformers' ``zero.Init``;
+* while a ZeRO-3 config is registered (by ``HfDeepSpeedConfig``, or by ``TrainingArguments`` taking one),
+  ``from_pretrained`` builds the model on the meta device and the engine streams its weights into shards, as
+  DeepSpeed's ``zero.Init`` keeps any process from holding it whole; ``peft`` adapters made over it keep the values
+  they were drawn with (:mod:`~infinity.deepspeed.hf_meta_load`).
 
 Each is patched as its module finishes importing (:class:`AfterImport`), so a script that never imports them
 pays nothing; nothing is patched outside ``infinity deepspeed`` and ``infinity accelerate launch``.
@@ -33,6 +36,7 @@ import sys
 from typing import Callable
 
 import infinity.hf as hf
+from infinity.deepspeed import hf_meta_load
 from infinity.hf.trainer_config import ARGS_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,8 @@ def _take_deepspeed_argument(module) -> None:
         given = self.deepspeed or _config_from_accelerate_launch()
         if given:
             setattr(self, ARGS_ATTRIBUTE, given)
+            # kept with the arguments, as transformers keeps its config: a ZeRO-3 one makes from_pretrained stream
+            self.infinity_config_reader = hf_meta_load.config_reader()(given)
             self.deepspeed = None  # transformers and accelerate: no DeepSpeed plugin, no HfDeepSpeedConfig
             logger.info("--deepspeed %s: the engine's config (infinity deepspeed); DeepSpeed itself is not used",
                         given if isinstance(given, str) else "(a dict)")
@@ -126,10 +132,16 @@ def _engine_trainer(module) -> None:
 def _config_without_deepspeed(module) -> None:
     """``HfDeepSpeedConfig(ds_config)`` (a script's own loop with a Hugging Face model) is accelerate's class of that
     name, which transformers' derives from where DeepSpeed is installed: it reads the config (``config``,
-    ``is_zero3()``, ``get_value(...)``) and, unlike transformers', registers nothing, so ``from_pretrained`` loads
-    the model as without DeepSpeed and ``deepspeed.initialize`` (the engine's) shards it."""
-    reader = importlib.import_module("accelerate.utils.deepspeed").HfDeepSpeedConfig
-    _set_name(module, "transformers.integrations", "HfDeepSpeedConfig", reader)
+    ``is_zero3()``, ``get_value(...)``) and registers a ZeRO-3 one with the engine's loader
+    (:func:`~infinity.deepspeed.hf_meta_load.config_reader`), not with transformers' ``zero.Init``."""
+    _set_name(module, "transformers.integrations", "HfDeepSpeedConfig", hf_meta_load.config_reader())
+
+
+def _streaming_from_pretrained(module) -> None:
+    """``from_pretrained`` under a ZeRO-3 config builds on the meta device (:mod:`~infinity.deepspeed.hf_meta_load`)."""
+    model_class = module.PreTrainedModel
+    original = model_class.__dict__["from_pretrained"].__func__
+    model_class.from_pretrained = classmethod(hf_meta_load.streaming_from_pretrained(original))
 
 
 def _set_name(module, package: str, name: str, value) -> None:
@@ -146,8 +158,18 @@ def _after_ours(module) -> None:
     _engine_trainer(sys.modules["transformers.trainer"])
 
 
+def _adapter_values_recorded(module) -> None:
+    """peft's new adapters over a base layer on the meta device keep the values they were drawn with, for the engine
+    (:mod:`~infinity.deepspeed.hf_meta_load`)."""
+    layer = module.BaseTunerLayer
+    layer._move_adapter_to_device_of_base_layer = hf_meta_load.adapter_values_recorded(
+        layer._move_adapter_to_device_of_base_layer)
+
+
 PATCHES = {"transformers.training_args": _take_deepspeed_argument, "transformers.trainer": _engine_trainer,
-           "transformers.integrations.deepspeed": _config_without_deepspeed, OURS: _after_ours}
+           "transformers.integrations.deepspeed": _config_without_deepspeed,
+           "transformers.modeling_utils": _streaming_from_pretrained,
+           "peft.tuners.tuners_utils": _adapter_values_recorded, OURS: _after_ours}
 
 
 def install() -> None:

@@ -38,6 +38,7 @@ from infinity.deepspeed.client_schedule import ClientSchedule
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from infinity.runtime.comm import process_group_backend
+from infinity.weights.pretrained import streamed_from
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         init_distributed()
     engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
                              lr_scheduler=client_schedule, monitors=monitors, client_optimizer=optimizer,
-                             gather_16bit_on_save=gather_16bit_on_save)
+                             gather_16bit_on_save=gather_16bit_on_save, weights=streamed_from(model))
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, OptimizerView(engine), loader, engine.lr_scheduler
 

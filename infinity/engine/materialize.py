@@ -46,6 +46,7 @@ from infinity.params.compute_shards import ComputeShards
 from infinity.params.sharded_param import ShardedParam
 from infinity.placement.layout import ParamSlot
 from infinity.runtime.comm import Collectives
+from infinity.weights.adapters import DRAWN_VALUES
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +278,13 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
             todo = [(n, p) for n, p in direct if id(p) not in done]
             if not todo:
                 continue
+            drawn = getattr(module, DRAWN_VALUES, None) if weights is not None else None
+            drawn = drawn if drawn is not None and all(name in drawn for name, _ in todo) else None
             if weights is None:
                 values = initializer.values(module, module_name, todo, original_data)
+            elif drawn is not None:  # a peft model's new adapters, drawn before they followed their base to meta
+                values = [drawn[name] for name, _ in todo]
+                delattr(module, DRAWN_VALUES)
             elif any(sharded_by_id[id(p)].slot.name in new_adapters for _, p in todo):
                 values = adapters.values(module_name, todo, original_data)
             else:  # each rank reads its own slices, nothing else
@@ -288,7 +294,7 @@ def write_initial_shards(model: torch.nn.Module, params: "list[ShardedParam]", o
                 if value is None:
                     shard = weights.read_shard(sharded.slot, comm.rank)
                 else:
-                    if comm.world_size > 1 and not original_data[id(param)].is_meta:
+                    if comm.world_size > 1 and (drawn is not None or not original_data[id(param)].is_meta):
                         value = value.contiguous()
                         comm.broadcast_from_first(value)  # every rank starts from rank 0's weights
                     shard = shard_values(value, sharded.slot, comm.rank)
@@ -350,3 +356,4 @@ def replace_meta_parameters(model: torch.nn.Module) -> dict[int, torch.Tensor]:
                 meta_of[id(new)] = param.data
             module._parameters[local_name] = replaced[id(param)]
     return meta_of
+

@@ -49,6 +49,7 @@ from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
+from infinity.weights.pretrained import streamed_from
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ def _weights_folder(model: nn.Module):
     """The folder to stream weights from when ``model`` was built on the meta device (None if it is real)."""
     if not any(p.is_meta for p in model.parameters()):
         return None
-    folder = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    folder = (streamed_from(model) or getattr(model, "name_or_path", None)
+              or getattr(getattr(model, "config", None), "_name_or_path", None))
     if not folder or not os.path.isdir(folder):
         raise ValueError(f"the model's parameters are on the meta device and its name_or_path ({folder!r}) is not a "
                          f"local model folder to stream weights from; build it with "

@@ -36,6 +36,9 @@ SAVED_COPY_PART = "modules_to_save"
 
 ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})
 """Name parts of the LoRA adapters' own parameters: in no base model's files."""
+DRAWN_VALUES = "infinity_drawn_values"
+"""The attribute of an adapter module holding its new parameters' values by name (fp32, on the host) where ``peft``
+drew them before moving them to their base layer's meta device; the engine starts from them in place of drawing."""
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

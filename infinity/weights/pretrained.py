@@ -34,6 +34,17 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+STREAMED_FROM = "infinity_streamed_from"
+"""The attribute marking a model built on the meta device to have its weights streamed from this folder when an
+engine is made around it (a ``from_pretrained`` under a ZeRO-3 config sets it); see :func:`streamed_from`."""
+
+
+def streamed_from(model: torch.nn.Module) -> str | None:
+    """The folder ``model`` is marked to be streamed from, or None. A ``peft`` model answers for its base."""
+    folder = getattr(model, STREAMED_FROM, None)
+    return folder if isinstance(folder, str) else None
+
+
 class WeightsError(CheckpointError):
     """Pretrained weights that do not fit the model: the message names the tensor and the file."""
 

@@ -36,12 +36,16 @@ SCRIPT = textwrap.dedent("""
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model"); parser.add_argument("out")
-    parser.add_argument("--save_at", type=int); parser.add_argument("--resume"); parser.add_argument("--dummy",
-                                                                                                    action="store_true")
+    parser.add_argument("--save_at", type=int); parser.add_argument("--resume")
+    parser.add_argument("--dummy", action="store_true"); parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
     accelerator = Accelerator()
     set_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model)
+    built_on_meta = next(model.parameters()).is_meta
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(3, 96, ({rows}, 12), generator=torch.Generator().manual_seed(1))
     rows = [{{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r}} for r in ids]
     loader = DataLoader(rows, batch_size=2, shuffle=False)
@@ -79,7 +83,7 @@ SCRIPT = textwrap.dedent("""
     if accelerator.is_main_process:
         with open(args.out + "/run.json", "w") as f:
             json.dump({{"losses": losses, "rates": rates, "type": accelerator.distributed_type.value,
-                       "engine": type(model).__module__}}, f)
+                       "engine": type(model).__module__, "meta": built_on_meta}}, f)
 """)
 YAML = """compute_environment: LOCAL_MACHINE
 deepspeed_config:
@@ -117,23 +121,28 @@ def launch(folder, launch_args: list[str], out: str, *script_args: str) -> dict:
     return json.loads((folder / out / "run.json").read_text())
 
 
-def weights(folder, out: str) -> dict:
-    return safetensors_torch.load_file(folder / out / "final" / "model.safetensors")
+def weights(folder, out: str, file: str = "model.safetensors") -> dict:
+    return safetensors_torch.load_file(folder / out / "final" / file)
+
+
+def stock_run(folder, out: str, *script_args: str) -> dict:
+    """The script under stock accelerate, no DeepSpeed, at the same accumulation."""
+    done = subprocess.run([sys.executable, str(folder / "train.py"), str(folder / "tiny"), str(folder / out),
+                           *script_args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((folder / out / "run.json").read_text())
 
 
 def test_an_unchanged_accelerate_script_with_a_deepspeed_yaml_trains_as_stock_accelerate_and_resumes_bitwise(folder):
     (folder / "ds.yaml").write_text(YAML.format(swap=folder / "swap"))
     run = launch(folder, ["--config_file", str(folder / "ds.yaml")], "ours", "--save_at", str(SAVE_AT))
     assert run["type"] == "DEEPSPEED" and run["engine"] == "infinity.deepspeed.engine"
+    assert run["meta"] is True  # zero3_init_flag: from_pretrained built on meta, the engine streamed the weights
     resumed = launch(folder, ["--config_file", str(folder / "ds.yaml")], "resumed", "--save_at", str(SAVE_AT),
                      "--resume", str(folder / "ours" / "state"))
 
-    # the reference: the same script under stock accelerate, no DeepSpeed, at the same accumulation
-    done = subprocess.run([sys.executable, str(folder / "train.py"), str(folder / "tiny"), str(folder / "stock")],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2", "CUDA_VISIBLE_DEVICES": ""})
-    assert done.returncode == 0, done.stderr[-3000:]
-    stock = json.loads((folder / "stock" / "run.json").read_text())
+    stock = stock_run(folder, "stock")
     assert stock["type"] == "NO" and len(run["losses"]) == len(stock["losses"]) == ROWS // 2
     assert run["rates"] == pytest.approx(stock["rates"], rel=1e-12) and max(stock["rates"]) == LR
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(stock["losses"]), rtol=1e-5, atol=0)
@@ -148,6 +157,20 @@ def test_an_unchanged_accelerate_script_with_a_deepspeed_yaml_trains_as_stock_ac
         assert torch.equal(value, ours[name]), name
 
 
+def test_a_lora_run_over_a_base_built_on_meta_trains_its_adapters_as_stock_accelerate(folder):
+    """peft draws the adapters from the script's random stream before they follow the base to the meta device; the
+    engine starts from those values, so the run is stock accelerate's over the base loaded whole."""
+    (folder / "ds.yaml").write_text(YAML.format(swap=folder / "swap"))
+    run = launch(folder, ["--config_file", str(folder / "ds.yaml")], "ours", "--lora")
+    stock = stock_run(folder, "stock", "--lora")
+    assert run["meta"] is True and stock["meta"] is False
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(stock["losses"]), rtol=1e-5, atol=0)
+    ours, reference = (weights(folder, out, "adapter_model.safetensors") for out in ("ours", "stock"))
+    assert ours.keys() == reference.keys() and any("lora_A" in name for name in ours)
+    for name, value in reference.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_the_json_configs_optimizer_and_scheduler_blocks_take_accelerates_dummy_optimizer_and_scheduler(folder):
     (folder / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
@@ -159,7 +182,7 @@ def test_the_json_configs_optimizer_and_scheduler_blocks_take_accelerates_dummy_
                               "stage3_gather_16bit_weights_on_model_save": True}}))
     run = launch(folder, ["--use_deepspeed", "--deepspeed_config_file", str(folder / "ds.json"), "--num_processes",
                           "1"], "ours", "--dummy")
-    assert run["engine"] == "infinity.deepspeed.engine"
+    assert run["engine"] == "infinity.deepspeed.engine" and run["meta"] is True  # a ZeRO-3 JSON: zero.Init by default
     expected = [deepspeed_warmup_decay(i // 2, peak=LR, warmup=2, total=8) for i in range(ROWS // 2)]
     assert run["rates"] == pytest.approx(expected, rel=1e-12, abs=0) and max(expected) == LR
     assert all(loss == loss for loss in run["losses"])

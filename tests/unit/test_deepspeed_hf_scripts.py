@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent("""
 
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
     model = AutoModelForCausalLM.from_pretrained({model!r})
+    built_on_meta = next(model.parameters()).is_meta  # as under DeepSpeed's zero.Init: never whole in a process
     g = torch.Generator().manual_seed(1)
     rows = [{{"input_ids": torch.randint(3, {vocab}, ({length},), generator=g).tolist()}} for _ in range({rows})]
 
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent("""
         engine = getattr(trainer, "engine", None)
         with open(args.output_dir + "/run.json", "w") as f:
             json.dump({{"trainer": type(trainer).__module__, "log": trainer.state.log_history,
-                       "deepspeed": args.deepspeed, "world": args.world_size,
+                       "deepspeed": args.deepspeed, "world": args.world_size, "meta": built_on_meta,
                        "tiers": engine and [engine.compute.tier.value, engine.optimizer.tier.value]}}, f)
 """)
 
@@ -86,6 +87,7 @@ def test_an_unchanged_trainer_script_with_its_deepspeed_json_trains_at_two_ranks
     run = json.loads((out / "run.json").read_text())
     assert run["trainer"] == "infinity.hf.trainer" and run["tiers"] == ["nvme", "nvme"] and run["world"] == 2
     assert run["deepspeed"] is None  # kept as the engine's config: accelerate set no DeepSpeed up
+    assert run["meta"] is True  # a ZeRO-3 JSON: from_pretrained built on meta, the engine streamed the weights
 
     # the reference: the stock Trainer in one process over both ranks' batches together
     stock = transformers.Trainer(model=tiny_llama(), train_dataset=rows(), data_collator=collate_rows,
@@ -211,6 +213,7 @@ LOOP_SCRIPT = textwrap.dedent("""
     ds_config = json.load(open({config!r}))
     dschf = HfDeepSpeedConfig(ds_config)  # keep this object alive
     model = AutoModelForCausalLM.from_pretrained({model!r})
+    built_on_meta = next(model.parameters()).is_meta
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config_params=ds_config)
     losses = []
@@ -221,7 +224,8 @@ LOOP_SCRIPT = textwrap.dedent("""
         losses.append(loss.item())
     state = {{name: value.tolist() for name, value in engine.full_state_dict().items()}}
     json.dump({{"losses": losses, "stage": dschf.config["zero_optimization"]["stage"],
-               "zero3_in_from_pretrained": is_deepspeed_zero3_enabled(), "state": state}}, open({out!r}, "w"))
+               "zero3_in_from_pretrained": is_deepspeed_zero3_enabled(), "meta": built_on_meta, "state": state}},
+              open({out!r}, "w"))
 """)
 
 
@@ -244,7 +248,7 @@ def test_a_script_with_its_own_loop_and_hf_deepspeed_config_trains_as_plain_pyto
                           text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert run["stage"] == 3 and run["zero3_in_from_pretrained"] is False
+    assert run["stage"] == 3 and run["zero3_in_from_pretrained"] is False and run["meta"] is True
 
     model = tiny_llama()  # the weights the folder holds
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
