@@ -10,6 +10,8 @@ shard in compute precision on its way to NVMe (``sub_group_size`` 2e7).
 
     .venv/bin/python benchmarks/bench_hf_load.py                # ~1.1B (TinyLlama's shape)
     .venv/bin/python benchmarks/bench_hf_load.py --layers 2     # a quick run
+    .venv/bin/python benchmarks/bench_hf_load.py --launched     # a script's own loop under `infinity deepspeed`:
+                                                                #   ZeRO-3 (built on meta) against stage 2 (whole)
 
 Everything goes under a fresh temporary folder (``--path`` to pick the
 filesystem), removed at the end. Needs ~20 GB free: 2.2 GB of weights, 2.2 GB
@@ -123,14 +125,78 @@ def measure(folder: str, nvme: str) -> dict:
             "bound_bytes": int(bound), "within_bound": load_growth <= bound and growth <= bound + grads_nbytes}
 
 
+def measure_launched(folder: str, nvme: str, stage: int) -> dict:
+    """Run by ``infinity deepspeed`` as a Hugging Face script with its own loop would be: ``HfDeepSpeedConfig``, then
+    ``from_pretrained``, then ``deepspeed.initialize``. At stage 3 the launcher builds the model on the meta device
+    and the engine streams it; at stage 2 the model is loaded whole first, as DeepSpeed loads it there."""
+    import deepspeed  # the launcher's alias: infinity.deepspeed
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from infinity.runtime.rss import peak_rss_bytes
+
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+              "zero_optimization": {"stage": stage, "sub_group_size": SUB_GROUP_SIZE,
+                                    "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}}}
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 - alive while the model loads, as transformers' docs keep it
+    before = _rss_bytes()
+    started = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    built_on_meta = next(model.parameters()).is_meta
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seconds = time.perf_counter() - started
+    peak = peak_rss_bytes()
+    grads_nbytes = engine.optimizer.grads.numel() * engine.optimizer.grads.element_size()
+    engine.close()
+    return {"stage": stage, "built_on_meta": built_on_meta, "load_s": round(seconds, 1), "rss_before_bytes": before,
+            "peak_rss_growth_bytes": peak - before, "grad_slices_nbytes": grads_nbytes}
+
+
+def launched(root: Path) -> int:
+    """The same script under ``infinity deepspeed`` at stage 3 (meta, streamed) and stage 2 (loaded whole), twice
+    each, alternating; the peak RSS growth of each and their ratio."""
+    runs = []
+    for stage in (3, 2, 3, 2):
+        (root / "swap").mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "infinity.cli", "deepspeed", "--no_local_rank", __file__,
+                               "--measure-launched", str(root / "model"), str(root / "swap"), str(stage)],
+                              capture_output=True, text=True)
+        shutil.rmtree(root / "swap", ignore_errors=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-5000:])
+            return proc.returncode
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    mib = 2**20
+    growth = {stage: [r["peak_rss_growth_bytes"] for r in runs if r["stage"] == stage] for stage in (3, 2)}
+    for r in runs:
+        print(f"  stage {r['stage']} ({'built on meta, streamed' if r['built_on_meta'] else 'loaded whole'}): "
+              f"from_pretrained + initialize in {r['load_s']} s, peak RSS grew {r['peak_rss_growth_bytes'] / mib:,.0f}"
+              f" MiB (gradient slices {r['grad_slices_nbytes'] / mib:,.0f} MiB of it)")
+    ratio = max(growth[3]) / min(growth[2])
+    print(f"  streamed / whole peak RSS growth: {ratio:.2f} (the worse streamed run over the better whole one)")
+    print(json.dumps({"runs": runs, "streamed_over_whole": round(ratio, 3)}))
+    return 0 if all(r["built_on_meta"] == (r["stage"] == 3) for r in runs) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=22, help="decoder layers (22: ~1.1B parameters)")
     ap.add_argument("--path", default=None, help="filesystem for the model and swap files (default: system temp)")
+    ap.add_argument("--launched", action="store_true",
+                    help="a Hugging Face script's own loop under `infinity deepspeed` (HfDeepSpeedConfig, "
+                         "from_pretrained, deepspeed.initialize): stage 3, built on meta and streamed, against "
+                         "stage 2, loaded whole")
     ap.add_argument("--measure", nargs=2, metavar=("FOLDER", "NVME"), help=argparse.SUPPRESS)
+    ap.add_argument("--measure-launched", nargs=3, metavar=("FOLDER", "NVME", "STAGE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(*args.measure)))
+        return 0
+    if args.measure_launched:
+        folder, nvme, stage = args.measure_launched
+        print(json.dumps(measure_launched(folder, nvme, int(stage))))
         return 0
     root = Path(tempfile.mkdtemp(prefix="bench-hf-load-", dir=args.path))
     try:
@@ -142,6 +208,8 @@ def main() -> int:
         written = write_random_model(root / "model", args.layers)
         print(f"wrote a random Llama of {written['params'] / 1e9:.2f}B parameters: {written['files']} file(s), "
               f"{written['nbytes'] / 1e9:.2f} GB bf16, in {time.perf_counter() - started:.0f} s", flush=True)
+        if args.launched:
+            return launched(root)
         (root / "swap").mkdir()
         proc = subprocess.run([sys.executable, __file__, "--measure", str(root / "model"), str(root / "swap")],
                               capture_output=True, text=True)

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     if not parsed.use_deepspeed or parsed.cpu:
         raise ValueError("the accelerate config (or flags) does not use DeepSpeed: `infinity accelerate launch` runs "
                          "DeepSpeed configs under the engine (distributed_type: DEEPSPEED, or --use_deepspeed); run "
-                         "others with `accelerate launch`")
+                         "others with `accelerate launch`. A script making its own DeepSpeedPlugin: `infinity "
+                         "deepspeed --no_local_rank SCRIPT`")
     if parsed.num_machines > 1:
         raise ValueError(f"num_machines {parsed.num_machines}: `infinity accelerate launch` starts the processes of "
                          "one machine")
