@@ -140,7 +140,8 @@ def measure_launched(folder: str, nvme: str, stage: int) -> dict:
               "zero_optimization": {"stage": stage, "sub_group_size": SUB_GROUP_SIZE,
                                     "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
                                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}}}
-    keep = HfDeepSpeedConfig(config)  # noqa: F841 - alive while the model loads, as transformers' docs keep it
+    dschf = HfDeepSpeedConfig(config)  # kept alive while the model loads, as transformers' docs keep it
+    assert dschf.is_zero3() == (stage == 3)
     before = _rss_bytes()
     started = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
