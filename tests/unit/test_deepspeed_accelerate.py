@@ -23,6 +23,9 @@ from unit.test_deepspeed_hf_scripts import ROWS as TRAINER_ROWS  # noqa: E402
 from unit.test_deepspeed_hf_scripts import rows as trainer_rows  # noqa: E402
 from unit.test_hf_trainer import logged, tiny_llama, training_args  # noqa: E402
 
+from infinity import cli  # noqa: E402
+from infinity.commands import deepspeed as deepspeed_command  # noqa: E402
+
 pytestmark = pytest.mark.device_independent  # processes started and scripts run: the distinct pass leaves it out
 
 LR, ROWS, SAVE_AT = 3e-3, 30, 8  # 15 micro-batches at accumulation 2: the last step has one
@@ -226,9 +229,33 @@ def test_a_trainer_script_launched_with_the_yaml_and_no_deepspeed_argument_train
      "num_machines 2"),
     (["--use_deepspeed", "--num_processes", "2"], "without a GPU"),
 ])
-def test_a_config_the_engine_does_not_run_is_refused_before_any_process_starts(tmp_path, launch_args, said):
+def test_a_config_the_engine_does_not_run_is_refused_before_any_process_starts(tmp_path, launch_args, said, capsys,
+                                                                               monkeypatch):
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('started')\n")
-    done = subprocess.run([sys.executable, "-m", "infinity.cli", "accelerate", "launch", *launch_args, str(script)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert done.returncode == 2 and said in done.stderr and "started" not in done.stderr + done.stdout, done.stderr
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU's rules, GPU box or not
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = []
+    monkeypatch.setattr(deepspeed_command, "run", lambda args: started.append(args) or 0)
+    code = cli.main(["accelerate", "launch", *launch_args, str(script)])
+    assert code == 2 and said in capsys.readouterr().err and not started
+
+
+def test_a_deepspeed_config_reaches_the_launcher_with_accelerates_variables(tmp_path, monkeypatch):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    started = []
+    monkeypatch.setattr(deepspeed_command, "run", lambda args: started.append((args, dict(os.environ))) or 0)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the command sets stays in this test
+    code = cli.main(["accelerate", "launch", "--use_deepspeed", "--deepspeed_config_file", str(tmp_path / "ds.json"),
+                     "--num_processes", "1", str(script), "--my_arg", "1"])
+    (args, environment), = started
+    assert code == 0 and args.script == str(script) and args.script_args == ["--my_arg", "1"]
+    assert args.no_local_rank and args.num_gpus == 1  # accelerate's launcher passes no --local_rank
+    assert environment["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert environment["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(tmp_path / "ds.json")
