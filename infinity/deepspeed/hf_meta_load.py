@@ -99,16 +99,18 @@ def _why_whole(cls, path, model_args, kwargs) -> str | None:
     if kwargs.get("use_safetensors") is False:
         return "use_safetensors=False"
     config = kwargs.get("config")
-    attributes = set(vars(config)) if config is not None and not isinstance(config, (str, os.PathLike)) else None
+    given_config = config is not None and not isinstance(config, (str, os.PathLike))
+    config_names = None  # the config class's attribute names, made once where an argument needs them
     for name, value in kwargs.items():
         if name in HONOURED or value is None or (isinstance(value, (dict, list, tuple)) and not value):
             continue  # honoured, or given as nothing
         if name == "adapter_kwargs" and ADAPTER_PATH not in value:
             continue  # Auto classes pass the Hub arguments for an adapter the folder does not hold
-        if attributes is None and name not in _config_attributes(cls):
-            return f"the argument {name}="
-        if attributes is not None:
+        if given_config:
             return f"the argument {name}= beside config="
+        config_names = _config_attributes(cls) if config_names is None else config_names
+        if name not in config_names:
+            return f"the argument {name}="
     return None
 
 

@@ -356,4 +356,3 @@ def replace_meta_parameters(model: torch.nn.Module) -> dict[int, torch.Tensor]:
                 meta_of[id(new)] = param.data
             module._parameters[local_name] = replaced[id(param)]
     return meta_of
-

@@ -259,4 +259,3 @@ def _all_finite(values: torch.Tensor) -> bool:
     tensor's size first: it bounded the streaming of a model's weights."""
     low, high = torch.aminmax(values)
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
