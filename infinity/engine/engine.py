@@ -4,6 +4,7 @@ behind ``infinity.initialize``. It owns every other object's lifetime.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -20,6 +21,7 @@ from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
+from infinity.engine.model_calls import ModelCallHooks
 from infinity.engine.passes import Passes
 from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
@@ -205,6 +207,8 @@ class Engine:
         self.cycle = StepCycle(config, reducer=self.reducer, optimizer=self.optimizer, comm=self.comm,
                                loss_scaler=self.loss_scaler, params=self.params)
         self.passes = Passes(self.params, self.prefetcher, self.hooks, self.cycle)
+        self._forward_contexts: contextlib.ExitStack | None = None  # while a forward of the whole model runs
+        self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
@@ -221,26 +225,63 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         """The model's own forward: its arguments (keyword or positional) and what it returns."""
+        args, kwargs = self._open_forward(args, kwargs)
+        try:
+            output = self.module(*args, **kwargs)
+        except BaseException:
+            self._close_forward(failed=True)
+            raise
+        self._close_forward(failed=False)
+        return output
+
+    def generate(self, *args, **kwargs):
+        """The model's own ``generate`` (a transformers model's, or peft's), each of its forwards one of the engine's.
+        With several ranks every rank runs as many forwards as the longest (``synced_gpus``, as transformers asks
+        under ZeRO-3): each forward gathers parameters from all of them."""
+        self._ensure_open()
+        if self.comm.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        return self.module.generate(*args, **kwargs)
+
+    @property
+    def forward_running(self) -> bool:
+        """A forward of the whole model is running (the engine's, or a call of the model itself:
+        :mod:`infinity.engine.model_calls`)."""
+        return self._forward_contexts is not None
+
+    def _open_forward(self, args, kwargs):
+        """Begin a forward of the whole model: its pass, the step's updates behind it, the fetch-on-use and matmul
+        modes. Returns the arguments on the compute device in the compute precision."""
         self._ensure_open()
         if self._transformers_forward:
             refuse_targets_as_mask(args)
         args, kwargs = cast_floating((args, kwargs), self.dtype, self.device)
-        start = time.perf_counter()
+        self._forward_start = time.perf_counter()
         self.passes.begin()
-        if torch.is_grad_enabled() and self.cycle.next_is_boundary:
-            self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
+        contexts = contextlib.ExitStack()
         try:
-            fetching = fetch_on_use(self._by_param, self.hooks, self.root_group,
-                                    updates_behind=self.optimizer.tail is not None)
-            with fetching, self._matmul_mode(), self.timeline.span("compute", "forward"):
-                output = self.module(*args, **kwargs)
+            if torch.is_grad_enabled() and self.cycle.next_is_boundary:
+                self._begin_overlapped_step()  # from the forward on, so optimizer states can be read ahead
+            contexts.enter_context(fetch_on_use(self._by_param, self.hooks, self.root_group,
+                                                updates_behind=self.optimizer.tail is not None))
+            contexts.enter_context(self._matmul_mode())
+            contexts.enter_context(self.timeline.span("compute", "forward"))
         except BaseException:
+            contexts.close()
             self.passes.end()
             raise
-        if not torch.is_grad_enabled():
-            self.passes.end()  # no backward follows
-        self.meter.add_compute(time.perf_counter() - start)
-        return output
+        self._forward_contexts = contexts
+        return args, kwargs
+
+    def _close_forward(self, *, failed: bool) -> None:
+        """End the forward :meth:`_open_forward` began; its pass ends too where no backward follows (it raised, or
+        it ran without grad)."""
+        contexts, self._forward_contexts = self._forward_contexts, None
+        contexts.close()
+        if failed or not torch.is_grad_enabled():
+            self.passes.end()
+        if not failed:
+            self.meter.add_compute(time.perf_counter() - self._forward_start)
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Back-propagate ``loss`` divided by ``gradient_accumulation_steps`` (``scale_wrt_gas=False``: as it is,
@@ -470,9 +511,10 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.hooks.remove, self.cycle.abandon_overlap, self.optimizer.drop_tail, self.copies.close,
-                     self._write_timeline, self.optimizer.close, self.reducer.close, self.compute.close,
-                     self.full_blocks.close, self.tiers.close, self.frozen.close):
+        for part in (self.model_calls.remove, self.hooks.remove, self.cycle.abandon_overlap,
+                     self.optimizer.drop_tail, self.copies.close, self._write_timeline, self.optimizer.close,
+                     self.reducer.close, self.compute.close, self.full_blocks.close, self.tiers.close,
+                     self.frozen.close):
             try:
                 part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it

@@ -180,17 +180,19 @@ class ShardedParam:
             # After this parameter's own read: compute waits for it now, so it goes ahead of the prefetches
             # this request issues (urgent reads are served in the order they were queued).
             self._prefetcher.fetch_requested(self)
-        if up_to_date:
-            return
-        own = self._finish_up()
-        # every rank reaches this collective in the same program order; prefetches only read locally
-        self._comm.all_gather_into(self.full, own)
-        self.stale = False
-        self.state = ParamState.FETCHED
-        if before is not ParamState.FETCHED:
-            if self._prefetcher is not None:
-                self._prefetcher.gathered(self)
-            logger.debug("%s: %s -> FETCHED", self.name, before.name)
+        if not up_to_date:
+            own = self._finish_up()
+            # every rank reaches this collective in the same program order; prefetches only read locally
+            self._comm.all_gather_into(self.full, own)
+            self.stale = False
+            self.state = ParamState.FETCHED
+            if before is not ParamState.FETCHED:
+                if self._prefetcher is not None:
+                    self._prefetcher.gathered(self)
+                logger.debug("%s: %s -> FETCHED", self.name, before.name)
+        if self._between_passes:
+            # a part of the model called outside a pass (one layer, say): whole until its release
+            self.param.data = self._view
 
     def prefetch(self) -> bool:
         """Start bringing up the shard of a released parameter that is not in device memory (an NVMe read, or

@@ -160,6 +160,17 @@ def test_saved_model_reloads_in_transformers_with_the_stock_runs_weights(runs):
         torch.testing.assert_close(value, stock_state[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_the_trained_model_generates_as_the_stock_runs(runs):
+    """``trainer.model.generate`` after training (the model itself, its parameters resting in their tiers) continues
+    the prompts as the stock run's model does."""
+    batch = collate(dataset(3, seed=5))
+    options = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "max_new_tokens": 6,
+               "do_sample": False, "pad_token_id": 0}
+    ours, stock = runs["ours"].model.generate(**options), runs["stock"].model.generate(**options)
+    assert ours.shape == (3, batch["input_ids"].shape[1] + 6)
+    assert torch.equal(ours, stock)
+
+
 def test_checkpoints_hold_our_shards_and_the_trainers_state_and_rotate(runs):
     out = runs["tmp"] / "ours"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-20"]  # limit 1
