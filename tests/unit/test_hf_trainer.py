@@ -285,6 +285,42 @@ def test_the_mixin_serves_a_subclass_and_evaluate_runs_before_train(tmp_path):
     trainer.engine.close()
 
 
+def mean_predicted_token(prediction):
+    """A ``compute_metrics`` over argmax predictions (``preprocess_logits_for_metrics``): their mean id where the
+    label is a token."""
+    predicted, labels = prediction
+    return {"mean_predicted_token": float(predicted[:, :-1][labels[:, 1:] != -100].mean())}
+
+
+def test_evaluation_during_training_and_the_best_model_at_the_end_are_the_stock_trainers(tmp_path):
+    """eval_strategy steps with compute_metrics, checkpoints every 5 steps and load_best_model_at_end: at lr 3e-2
+    the held-out loss is lowest at step 5, so both runs end holding checkpoint-5's weights."""
+    args = dict(max_steps=20, eval_strategy="steps", eval_steps=5, save_steps=5, save_total_limit=2,
+                load_best_model_at_end=True, learning_rate=3e-2)
+    runs = {}
+    for name, cls, extra in (("stock", transformers.Trainer, {}),
+                             ("ours", Trainer, {"infinity_config": nvme_config(tmp_path / "swap")})):
+        trainer = cls(model=tiny_llama(), args=training_args(tmp_path / name, **args), train_dataset=dataset(),
+                      eval_dataset=dataset(8, seed=2), data_collator=collate, compute_metrics=mean_predicted_token,
+                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1), **extra)
+        trainer.train()
+        runs[name] = trainer
+    stock, ours = runs["stock"], runs["ours"]
+    evaluations = {name: [(h["step"], h["eval_loss"], h["eval_mean_predicted_token"])
+                          for h in trainer.state.log_history if "eval_loss" in h] for name, trainer in runs.items()}
+    assert [e[0] for e in evaluations["ours"]] == [5, 10, 15, 20] == [e[0] for e in evaluations["stock"]]
+    torch.testing.assert_close(torch.tensor(evaluations["ours"]), torch.tensor(evaluations["stock"]), rtol=1e-5, atol=0)
+    assert stock.state.best_model_checkpoint.endswith("checkpoint-5")
+    assert os.path.basename(ours.state.best_model_checkpoint) == "checkpoint-5"
+    best_loss = evaluations["stock"][0][1]
+    assert min(e[1] for e in evaluations["stock"][1:]) > best_loss  # the last step is not the best
+    assert ours.evaluate()["eval_loss"] == pytest.approx(best_loss, rel=1e-5)
+    state = ours.engine.full_state_dict()
+    for name, value in stock.model.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    ours.engine.close()
+
+
 def test_an_epoch_that_ends_inside_an_accumulation_ends_with_a_short_step_as_the_stock_trainers(tmp_path):
     """10 rows, 2 a micro-batch, 4 micro-batches a step: each epoch is a step of 4 micro-batches and one of 1,
     whose loss the Trainer scales by its own count; parameters and states on NVMe, against the stock Trainer."""
