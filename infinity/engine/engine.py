@@ -22,6 +22,7 @@ from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.model_calls import ModelCallHooks
+from infinity.engine.model_state import StateDictHooks
 from infinity.engine.passes import Passes
 from infinity.engine.shards import EngineShards, ShardOwners
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
@@ -209,6 +210,7 @@ class Engine:
         self.passes = Passes(self.params, self.prefetcher, self.hooks, self.cycle)
         self._forward_contexts: contextlib.ExitStack | None = None  # while a forward of the whole model runs
         self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
+        self.model_state = StateDictHooks(self, self.groups)  # model.state_dict(): whole values, never empty ones
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
@@ -511,7 +513,7 @@ class Engine:
             return
         self._closed = True
         errors = []
-        for part in (self.model_calls.remove, self.hooks.remove, self.cycle.abandon_overlap,
+        for part in (self.model_calls.remove, self.model_state.remove, self.hooks.remove, self.cycle.abandon_overlap,
                      self.optimizer.drop_tail, self.copies.close, self._write_timeline, self.optimizer.close,
                      self.reducer.close, self.compute.close, self.full_blocks.close, self.tiers.close,
                      self.frozen.close):

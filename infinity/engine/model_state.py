@@ -1,0 +1,61 @@
+"""``model.state_dict()`` of a model the engine partitions gives whole values, never the empty tensors a released
+parameter holds between passes: a script's own ``model.save_pretrained(dir)``, ``torch.save(model.state_dict(), f)``
+or peft's ``save_pretrained`` writes the trained model, not a model of empty tensors (DeepSpeed's ZeRO-3 writes the
+empty ones, silently).
+
+With one rank each released parameter is read whole from its shards (its fp32 master; a frozen one's compute shard),
+in the dtype the model computes in. With several ranks a gather is collective, and scripts often save on one rank
+alone: there a state dict would hang or be empty, so it is refused, naming the collective forms.
+
+A state dict of the parameters themselves (``keep_vars=True``) is left as it is; so are the parameters a pass holds
+whole and those never released (one rank, shards on the device).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from infinity.params.hooks import FetchGroup
+from infinity.params.sharded_param import ShardedParam
+
+
+class StateDictHooks:
+    """A state-dict post-hook on each module that owns managed parameters: it fills their released entries."""
+
+    def __init__(self, owner, groups: dict[torch.nn.Module, FetchGroup]):
+        self._owner = weakref.ref(owner)
+        self._handles = []
+        for module, group in groups.items():
+            if group.always_fetched:
+                continue  # never released: its entries are whole
+            by_id = {id(sharded.param): sharded for sharded in group.params}
+            own = {name: by_id[id(param)] for name, param in module._parameters.items()
+                   if param is not None and id(param) in by_id}
+            self._handles.append(module.register_state_dict_post_hook(self._filler(own)))
+
+    def _filler(self, own: dict[str, ShardedParam]):
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            released = [(prefix + name, sharded) for name, sharded in own.items()
+                        if (prefix + name) in state_dict
+                        and state_dict[prefix + name] is not sharded.param  # keep_vars: the parameters themselves
+                        and state_dict[prefix + name].numel() == 0 < sharded.slot.numel]
+            owner = self._owner()
+            if not released or owner is None:
+                return
+            if owner.world_size > 1:
+                raise RuntimeError(
+                    f"state_dict() of a model partitioned over {owner.world_size} ranks: {released[0][0]} is empty "
+                    "here (each rank holds a slice). Gather it on every rank together: engine.full_state_dict(), "
+                    "engine.save_pretrained(dir) (rank 0 writes), engine.save_16bit_model(dir) under the DeepSpeed "
+                    "door, or accelerator.get_state_dict(model)")
+            whole = owner.whole_params()
+            for key, sharded in released:
+                state_dict[key] = whole.read(sharded.param).to(sharded.param.dtype)
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,96 @@
+"""``model.state_dict()`` of a partitioned model: whole values (one rank) or a refusal naming the collective forms
+(several ranks), never a state dict of empty tensors. Plain transformers and plain peft are the reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import infinity  # noqa: E402
+from helpers import run_ranks  # noqa: E402
+from test_hf_trainer import collate, dataset, tiny_llama  # noqa: E402
+from test_model_calls import all_released, config, plain_adamw  # noqa: E402
+
+
+def train_both(engine, reference, optimizer, steps, first=0):
+    """``steps`` optimizer steps of the engine and of the reference's plain AdamW over the same batches (two rows
+    each, from row ``2 * first``)."""
+    for step_batch in [collate(dataset(40)[i:i + 2]) for i in range(2 * first, 2 * (first + steps), 2)]:
+        out = engine(**step_batch)
+        engine.backward(out.loss)
+        engine.step()
+        reference(**step_batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def assert_state_close(state, expected, atol=5e-5):
+    assert set(state) == set(expected)
+    for name, value in expected.items():
+        assert state[name].shape == value.shape, name
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_models_own_state_dict_and_save_pretrained_hold_the_trained_weights(tmp_path):
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    with infinity.initialize(model, config(tmp_path / "swap", "nvme")) as engine:
+        optimizer = plain_adamw(reference)
+        train_both(engine, reference, optimizer, steps=3)
+        assert all_released(model)
+        assert_state_close(model.state_dict(), reference.state_dict())
+        kept = model.state_dict(keep_vars=True)  # the parameters themselves, as they are between passes
+        assert all(kept[name] is param for name, param in model.named_parameters())
+        model.save_pretrained(tmp_path / "saved")
+        torch.save(model.state_dict(), tmp_path / "state.pt")
+        assert all_released(model)  # nothing stays gathered
+        train_both(engine, reference, optimizer, steps=1, first=3)  # and the training goes on as the plain one
+        assert_state_close(engine.full_state_dict(), reference.state_dict())
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    saved = torch.load(tmp_path / "state.pt")
+    assert_state_close(loaded.state_dict(), saved)
+    assert not torch.equal(saved["model.layers.0.mlp.up_proj.weight"], reference.state_dict()[
+        "model.layers.0.mlp.up_proj.weight"])  # saved before the last step
+
+
+def test_a_peft_models_save_pretrained_writes_its_trained_adapters(tmp_path):
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(tiny_llama(), lora)
+    reference = copy.deepcopy(model)
+    with infinity.initialize(model, config(tmp_path / "swap", "nvme")) as engine:
+        train_both(engine, reference, plain_adamw(reference), steps=3)
+        model.save_pretrained(tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "plain")
+    ours = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "ours")
+    plain = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "plain")
+    adapters = {k: v for k, v in plain.state_dict().items() if "lora_" in k}
+    assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # trained
+    assert_state_close({k: v for k, v in ours.state_dict().items() if "lora_" in k}, adapters)
+
+
+def _state_dict_on_rank(rank, world_size, swap):
+    model = tiny_llama()
+    with infinity.initialize(model, config(f"{swap}/rank{rank}", "nvme")) as engine:
+        try:
+            model.state_dict()
+        except RuntimeError as err:
+            said = str(err)
+        else:
+            said = None
+        full = engine.full_state_dict()  # the collective form works on every rank
+    return said, {name: tuple(value.shape) for name, value in full.items()}
+
+
+def test_at_two_ranks_the_models_state_dict_is_refused_naming_the_collective_forms(tmp_path):
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    expected = {name: tuple(value.shape) for name, value in tiny_llama().state_dict().items()}
+    for said, shapes in run_ranks(_state_dict_on_rank, str(tmp_path)):
+        assert said is not None and "partitioned over 2 ranks" in said and "engine.full_state_dict()" in said
+        assert shapes == expected
