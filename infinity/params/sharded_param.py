@@ -131,6 +131,9 @@ class ShardedParam:
         """This rank's chunk of the full tensor: the shard lands here and is all-gathered in place (made once,
         like ``_view``; a slice at every fetch was a visible share of a small model's step)."""
         param.data = self._view
+        # The full element count under the name peft's trainable-parameter counts and the Trainer's (under ZeRO-3)
+        # read where a partitioned parameter's numel() is 0 between passes (DeepSpeed's name for it).
+        param.ds_numel = slot.numel
         if not self.aliased:
             self.full.untyped_storage().resize_(0)
         self._empty = torch.empty(0, dtype=dtype, device=tiers.device)

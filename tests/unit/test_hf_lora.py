@@ -501,3 +501,14 @@ def test_engine_save_pretrained_of_a_peft_model_writes_its_adapters_as_peft_does
                                               tmp_path / "adapter")
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+
+
+def test_peft_counts_the_trainable_parameters_of_a_partitioned_model_as_before(tmp_path):
+    """Between passes a released parameter's numel() is 0; peft's counts (print_trainable_parameters) read
+    ``ds_numel`` then, as under DeepSpeed."""
+    model = lora()
+    before = model.get_nb_trainable_parameters()
+    with infinity.initialize(model, nvme_config(tmp_path / "swap")):
+        assert all(p.numel() == 0 for p in model.parameters())
+        assert model.get_nb_trainable_parameters() == before
+    assert before[0] > 0
