@@ -216,14 +216,20 @@ class InfinityTrainerMixin:
         if refused:
             raise ValueError("infinity.hf.Trainer cannot honour: " + "; ".join(refused))
         model = kwargs.get("model")
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
-        weights = _weights_folder(model)
+        if not isinstance(model, (nn.Module, str)):
+            raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module, or a model name that a subclass "
+                             f"such as TRL's SFTTrainer loads), got {type(model).__name__}")
         if infinity_config is None:  # `infinity deepspeed train.py --deepspeed ds.json` (deepspeed.hf_scripts)
             infinity_config = getattr(targs, ARGS_ATTRIBUTE, None)
         # read once: its scheduler block is taken again when the run's length is known (create_scheduler)
         self._infinity_config = config_source(infinity_config)
         super().__init__(**kwargs)
+        # What the Trainer trains, as its __init__ left it: a subclass may load the model named (TRL's SFTTrainer
+        # takes a name) or wrap the one given (with peft_config=, a peft model, whose adapters are what a save writes).
+        model = self.model
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
+        weights = _weights_folder(model)
         _engine_logs_as_the_trainers(self.args)
         config = trainer_config(self._infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
