@@ -52,6 +52,18 @@ def plain_adamw(model):
                              weight_decay=0.0)
 
 
+def train_both(engine, reference, optimizer, steps, first=0):
+    """``steps`` optimizer steps of the engine and of the reference's plain AdamW over the same batches (two rows
+    each, from row ``2 * first``)."""
+    for step_batch in [collate(dataset(40)[i:i + 2]) for i in range(2 * first, 2 * (first + steps), 2)]:
+        out = engine(**step_batch)
+        engine.backward(out.loss)
+        engine.step()
+        reference(**step_batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def all_released(model) -> bool:
     return all(p.numel() == 0 for p in model.parameters())
 
@@ -96,16 +108,9 @@ def test_a_peft_models_generate_runs_through_the_engine_as_plain_peft(tmp_path):
                            task_type="CAUSAL_LM")
     model = peft.get_peft_model(tiny_llama(), lora)
     reference = copy.deepcopy(model)
-    optimizer = plain_adamw(reference)
     batch = prompts()
     with infinity.initialize(model, config(tmp_path, "nvme")) as engine:
-        for step_batch in [collate(dataset(40)[i:i + 2]) for i in range(0, 6, 2)]:
-            out = engine(**step_batch)
-            engine.backward(out.loss)
-            engine.step()
-            reference(**step_batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train_both(engine, reference, plain_adamw(reference), steps=3)
         trained = greedy(reference, batch)
         with reference.disable_adapter():
             assert not torch.equal(trained[0], greedy(reference, batch)[0])  # the adapters matter

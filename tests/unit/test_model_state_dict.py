@@ -13,20 +13,8 @@ peft = pytest.importorskip("peft")
 
 import infinity  # noqa: E402
 from helpers import run_ranks  # noqa: E402
-from test_hf_trainer import collate, dataset, tiny_llama  # noqa: E402
-from test_model_calls import all_released, config, plain_adamw  # noqa: E402
-
-
-def train_both(engine, reference, optimizer, steps, first=0):
-    """``steps`` optimizer steps of the engine and of the reference's plain AdamW over the same batches (two rows
-    each, from row ``2 * first``)."""
-    for step_batch in [collate(dataset(40)[i:i + 2]) for i in range(2 * first, 2 * (first + steps), 2)]:
-        out = engine(**step_batch)
-        engine.backward(out.loss)
-        engine.step()
-        reference(**step_batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+from test_hf_trainer import tiny_llama  # noqa: E402
+from test_model_calls import all_released, config, plain_adamw, train_both  # noqa: E402
 
 
 def assert_state_close(state, expected, atol=5e-5):
