@@ -26,6 +26,10 @@ class StateDictHooks:
 
     def __init__(self, owner, groups: dict[torch.nn.Module, FetchGroup]):
         self._owner = weakref.ref(owner)
+        # The state dict being filled and what was read into it: a tied parameter (a head sharing the embedding)
+        # is an entry of each module owning it, and is read once, both entries one tensor as in a plain state dict.
+        self._filling: weakref.ref | None = None
+        self._read: dict[int, torch.Tensor] = {}
         self._handles = []
         for module, group in groups.items():
             if group.always_fetched:
@@ -50,10 +54,19 @@ class StateDictHooks:
                     "here (each rank holds a slice). Gather it on every rank together: engine.full_state_dict(), "
                     "engine.save_pretrained(dir) (rank 0 writes), engine.save_16bit_model(dir) under the DeepSpeed "
                     "door, or accelerator.get_state_dict(model)")
+            if self._filling is None or self._filling() is not state_dict:
+                self._filling, self._read = weakref.ref(state_dict, self._forget), {}  # a new state_dict() call
             whole = owner.whole_params()
             for key, sharded in released:
-                state_dict[key] = whole.read(sharded.param).to(sharded.param.dtype)
+                if id(sharded) not in self._read:
+                    self._read[id(sharded)] = whole.read(sharded.param).to(sharded.param.dtype)
+                state_dict[key] = self._read[id(sharded)]
         return hook
+
+    def _forget(self, filled: weakref.ref) -> None:
+        """The state dict was dropped: so are the values read into it (they are a whole model's)."""
+        if self._filling is filled:
+            self._filling, self._read = None, {}
 
     def remove(self) -> None:
         for handle in self._handles:

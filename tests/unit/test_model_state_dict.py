@@ -82,3 +82,20 @@ def test_at_two_ranks_the_models_state_dict_is_refused_naming_the_collective_for
     for said, shapes in run_ranks(_state_dict_on_rank, str(tmp_path)):
         assert said is not None and "partitioned over 2 ranks" in said and "engine.full_state_dict()" in said
         assert shapes == expected
+
+
+def test_a_tied_head_is_read_once_and_both_entries_are_one_tensor_as_in_a_plain_state_dict(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    expected = copy.deepcopy(model).state_dict()
+    # what torch gives a tied head: both entries over one storage
+    assert expected["lm_head.weight"].data_ptr() == expected["model.embed_tokens.weight"].data_ptr()
+    with infinity.initialize(model, config(tmp_path, "nvme")):
+        state = model.state_dict()
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        assert_state_close(state, expected)
+        model.save_pretrained(tmp_path / "saved")
+    assert_state_close(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict(), expected)
