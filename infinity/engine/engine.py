@@ -209,6 +209,7 @@ class Engine:
                                loss_scaler=self.loss_scaler, params=self.params)
         self.passes = Passes(self.params, self.prefetcher, self.hooks, self.cycle)
         self._forward_contexts: contextlib.ExitStack | None = None  # while a forward of the whole model runs
+        self._forward_start = 0.0  # when it began (perf_counter), for the step's compute seconds
         self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
         self.model_state = StateDictHooks(self, self.groups)  # model.state_dict(): whole values, never empty ones
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,

@@ -40,10 +40,9 @@ class ModelCallHooks:
 
     def __init__(self, owner, model: torch.nn.Module):
         self._owner = weakref.ref(owner)
-        self._chain = whole_model_modules(model)
         self._opened_by: int | None = None  # the chain position of the module whose call opened the forward
         self._handles = []
-        for position, module in enumerate(self._chain):
+        for position, module in enumerate(whole_model_modules(model)):
             # first of the module's pre-hooks (its own fetch hook comes after the pass has begun) and last of its
             # forward hooks (after its fetch group's release)
             self._handles.append(module.register_forward_pre_hook(self._before(position), with_kwargs=True,
