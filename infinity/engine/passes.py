@@ -39,8 +39,9 @@ class Passes:
         for sharded in self._params:
             sharded.enter_pass()
         if self._prefetcher is not None:
-            step_goes_on = torch.is_grad_enabled() and not self._cycle.next_is_boundary
-            self._prefetcher.begin_pass(self._kept, step_goes_on=step_goes_on)
+            training = torch.is_grad_enabled()  # a backward follows
+            self._prefetcher.begin_pass(self._kept, training=training,
+                                        step_goes_on=training and not self._cycle.next_is_boundary)
         self._kept = []
 
     def begin_backward(self) -> None:

@@ -17,9 +17,13 @@ use is within ``max_reuse_distance``, as FSDP2's ``reshard_after_backward=False`
 does for gradient accumulation. The step's updates make the shards new, and
 every parameter kept so is released by the pass that ends the step.
 
+A forward without grad (an evaluation, each forward of ``generate``) fetches
+only a training pass's first part: it follows a plan of its own, the last
+such pass's, so that training and evaluation taking turns leave each its plan.
+
 When the order changes (a data-dependent branch, adapters switched on or off)
 the pass stops prefetching, fetches on demand, and its trace becomes the plan
-for the next pass: no error, no deadlock, one log line.
+for the next pass of its kind: no error, no deadlock, one log line.
 
 With several ranks, whether a parameter stays gathered decides whether a rank
 joins its next all-gather, so every rank must decide alike. A prefetch only
@@ -58,11 +62,11 @@ class Prefetcher:
         self._max_reuse_distance = zero.max_reuse_distance
         self._device = device_stats
         self._reserve_nbytes = reserve_nbytes  # kept free in the memory budget for fetches on demand
-        self.plan: list[ShardedParam] = []    # the last complete pass's requests
-        self._next_use: list[int] = []        # for each plan position, the position of that parameter's next request
-        self._numel_before: list[int] = []    # elements requested before each plan position
-        self._plan_numel = 0                  # elements requested in the whole plan
-        self._first_use: dict[int, int] = {}  # id(param) -> its first position in the plan
+        # one plan per kind of pass: a forward without grad (evaluation, generation) fetches only the forward's
+        # part, and following it must not cost the training passes after it their plan
+        self._plans = {True: FetchPlan([]), False: FetchPlan([])}  # by "a backward follows" (grad enabled)
+        self._training = True                 # the running pass's kind
+        self._plan = self._plans[True]        # and its plan
         self._next_pass_follows = False       # this pass's step goes on: the next pass follows the same plan
         self._trace: list[ShardedParam] = []  # this pass's requests so far
         self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
@@ -84,16 +88,20 @@ class Prefetcher:
         self._gathered_at_pass_start = 0
 
     # -- a pass ------------------------------------------------------------------
-    def begin_pass(self, kept: list[ShardedParam] = (), *, step_goes_on: bool = False) -> None:
+    def begin_pass(self, kept: list[ShardedParam] = (), *, training: bool = True, step_goes_on: bool = False) -> None:
         """``kept``: what the last pass kept gathered for this one (:meth:`end_pass`); given back like anything
-        else held by choice when a fetch on demand finds no room. ``step_goes_on``: a backward follows and is not
-        the step's last, so no update comes before the next pass and what it uses early may stay gathered."""
+        else held by choice when a fetch on demand finds no room. ``training``: a backward follows the forward (grad
+        is enabled); such a pass follows the plan of the last one like it, a forward alone that of the last forward
+        alone. ``step_goes_on``: a backward follows and is not the step's last, so no update comes before the next
+        pass and what it uses early may stay gathered."""
         self._held = [p for p in kept if p.state is not ParamState.RELEASED]
         if self._least_over_ranks is not None:
             self._agree_on_room()
         self._trace = []
         self._last_request = {}
-        self._on_plan = bool(self.plan)
+        self._training = training
+        self._plan = self._plans[training]
+        self._on_plan = bool(self._plan.params)
         self._issued_upto = 0
         self._next_pass_follows = step_goes_on
 
@@ -107,13 +115,13 @@ class Prefetcher:
         gathered for the next pass of the same step (released and kept for that pass's use, up to date); the
         caller frees every other."""
         kept = []
-        if self._trace != self.plan:
-            if self.plan:
+        if self._trace != self._plan.params:
+            if self._plan.params:
                 self.order_changes += 1
                 logger.info("the order of parameter fetches changed (pass of %d requests, plan of %d): "
                             "fetching on demand this pass and following the new order from the next",
-                            len(self._trace), len(self.plan))
-            self._adopt(self._trace)
+                            len(self._trace), len(self._plan.params))
+            self._plan = self._plans[self._training] = FetchPlan(self._trace)
         elif self._next_pass_follows:
             kept = [p for p in dict.fromkeys(self._held)  # once each (a parameter kept twice is listed twice)
                     if p.holders == 0 and p.state is ParamState.FETCHED and not p.stale
@@ -124,20 +132,10 @@ class Prefetcher:
         self._next_pass_follows = False
         return kept
 
-    def _adopt(self, trace: list[ShardedParam]) -> None:
-        self.plan = list(trace)
-        self._numel_before, total = [], 0
-        for p in self.plan:
-            self._numel_before.append(total)
-            total += p.slot.numel
-        self._plan_numel = total
-        self._next_use = [len(self.plan)] * len(self.plan)
-        last_seen: dict[int, int] = {}
-        for i in range(len(self.plan) - 1, -1, -1):
-            key = id(self.plan[i])
-            self._next_use[i] = last_seen.get(key, len(self.plan))
-            last_seen[key] = i
-        self._first_use = last_seen  # walked backwards: each parameter's first position
+    @property
+    def plan(self) -> list[ShardedParam]:
+        """The requests of the last complete pass of the running (or last) pass's kind."""
+        return self._plan.params
 
     # -- what a ShardedParam tells and asks ----------------------------------------
     def fetch_requested(self, param: ShardedParam) -> None:
@@ -148,7 +146,7 @@ class Prefetcher:
         if not self._on_plan:
             return
         self._advance_reads()
-        if position >= len(self.plan) or self.plan[position] is not param:
+        if position >= len(self._plan.params) or self._plan.params[position] is not param:
             self._on_plan = False  # off the plan: on demand until the pass ends
             return
         self._prefetch_after(position)
@@ -159,15 +157,16 @@ class Prefetcher:
             return False
         position = len(self._trace) - 1
         last = self._last_request.get(id(param))
-        if last is None or position >= len(self.plan):
+        if last is None or position >= len(self._plan.params):
             return False
-        nxt = self._next_use[last]  # on the plan, the trace so far is the plan's prefix
-        after_now = self._numel_before[position] + self.plan[position].slot.numel  # elements up to this request
-        if nxt < len(self.plan):
-            distance = self._numel_before[nxt] - after_now
+        plan = self._plan
+        nxt = plan.next_use[last]  # on the plan, the trace so far is the plan's prefix
+        after_now = plan.numel_before[position] + plan.params[position].slot.numel  # elements up to this request
+        if nxt < len(plan.params):
+            distance = plan.numel_before[nxt] - after_now
         elif self._next_pass_follows:
             # no use left in this pass: the next pass (same plan, same shards) uses it after the rest of this one
-            distance = self._plan_numel - after_now + self._numel_before[self._first_use[id(param)]]
+            distance = plan.numel - after_now + plan.numel_before[plan.first_use[id(param)]]
         else:
             return False
         keep = distance <= self._max_reuse_distance and self._may_keep(param.full_nbytes)
@@ -213,10 +212,11 @@ class Prefetcher:
     # -- internals ----------------------------------------------------------------
     def _prefetch_after(self, position: int) -> None:
         start = max(position + 1, self._issued_upto)
-        ahead_numel = self._numel_before[start] - self._numel_before[position + 1] if start < len(self.plan) else 0
+        plan = self._plan
+        ahead_numel = plan.numel_before[start] - plan.numel_before[position + 1] if start < len(plan.params) else 0
         i = start
-        while i < len(self.plan):
-            p = self.plan[i]
+        while i < len(plan.params):
+            p = plan.params[i]
             numel = p.slot.numel
             if ahead_numel + numel > self._bucket_numel and i > position + 1:
                 break
@@ -271,3 +271,23 @@ class Prefetcher:
     def _live_numel(self) -> int:
         # device bytes are all gathered parameters (and resident shards when params stay on the device)
         return self._device.live_nbytes // self._itemsize
+
+
+class FetchPlan:
+    """One pass's fetch requests in order, and what following them asks of each position."""
+
+    def __init__(self, trace: list[ShardedParam]):
+        self.params = list(trace)
+        self.numel_before: list[int] = []     # elements requested before each position
+        total = 0
+        for p in self.params:
+            self.numel_before.append(total)
+            total += p.slot.numel
+        self.numel = total                    # elements requested in the whole plan
+        self.next_use = [len(self.params)] * len(self.params)  # each position's parameter's next position
+        last_seen: dict[int, int] = {}
+        for i in range(len(self.params) - 1, -1, -1):
+            key = id(self.params[i])
+            self.next_use[i] = last_seen.get(key, len(self.params))
+            last_seen[key] = i
+        self.first_use = last_seen            # id(param) -> its first position (walked backwards)

@@ -3,12 +3,14 @@ read now, and urgent reads are served in the order they were queued."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import infinity
 import infinity.params.compute_shards
-from helpers import TinyGPT, engine_config, gpt_batches
+from helpers import TinyGPT, engine_config, gpt_batches, reference_train
 
 
 @pytest.mark.parametrize("distinct", [False, True], ids=["one-memory", "distinct-device"])
@@ -40,3 +42,35 @@ def test_the_first_read_of_a_forward_is_its_first_parameter(tmp_path, monkeypatc
         engine.close()
     assert len(reads) > 1
     assert reads[0] == fetched[0], (reads[:5], fetched[:5])
+
+
+def test_evaluation_between_training_steps_leaves_the_training_plan(tmp_path):
+    """A forward without grad follows a plan of its own: training and evaluation taking turns change no plan (each
+    training pass after an evaluation follows the training plan to its end), and training is plain AdamW's."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    batches = gpt_batches(6, batch=2)
+    held_out = gpt_batches(1, batch=2, seed=9)[0]
+    config = engine_config(param="nvme", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-3)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+    losses, prefetched = [], []
+    try:
+        for i, (x, y) in enumerate(batches):
+            if i >= 3:  # the training plan is learned (pass 1) and followed (pass 2); evaluate before each of the rest
+                with torch.no_grad():
+                    engine(*held_out)
+            before = engine.prefetcher.prefetched
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            prefetched.append(engine.prefetcher.prefetched - before)
+        order_changes = engine.prefetcher.order_changes
+        training_plan = list(engine.prefetcher.plan)
+    finally:
+        engine.close()
+    ref_losses, _ = reference_train(model, batches, steps=len(batches), accum=1, clip=0.0, lr=1e-3)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert order_changes == 0
+    assert len(set(training_plan)) == len(engine.params) and len(training_plan) > len(engine.params)  # and backward
+    assert all(n > 0 for n in prefetched[1:]), prefetched
