@@ -18,6 +18,7 @@ from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
 from infinity.engine.adapter_init import check_adapter_init
+from infinity.engine.adapter_merge import AdapterMergeHooks
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
@@ -212,6 +213,7 @@ class Engine:
         self._forward_start = 0.0  # when it began (perf_counter), for the step's compute seconds
         self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
         self.model_state = StateDictHooks(self, self.groups)  # model.state_dict(): whole values, never empty ones
+        AdapterMergeHooks(self, model, set(self._by_param))  # peft's merge_and_unload(): with each layer whole
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
