@@ -12,7 +12,7 @@ model then computes, saves (``model.state_dict()``, :mod:`infinity.engine.model_
 ``peft``'s does.
 
 With several ranks a gather is collective, and scripts often merge on one rank alone: there a merge is refused
-before anything changes, naming ``infinity.hf.save_merged`` (collective; it writes the merged model).
+before anything changes, naming ``infinity.hf.merge.save_merged`` (collective; it writes the merged model).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class AdapterMergeHooks:
             if owner.world_size > 1:
                 raise RuntimeError(
                     f"{name}.{method}() of a model partitioned over {owner.world_size} ranks: its weights are "
-                    "sliced over the ranks. Write the merged model with infinity.hf.save_merged(engine, model, "
+                    "sliced over the ranks. Write the merged model with infinity.hf.merge.save_merged(engine, model, "
                     "out_dir) on every rank together (rank 0 writes), or `infinity train --merge-lora`")
             with owner.gathered_parameters(params, modifier_rank=0):  # collective; one rank here
                 return original(*args, **kwargs)
