@@ -1,6 +1,6 @@
 """peft's ``merge_and_unload()``, ``merge_adapter()`` and ``unmerge_adapter()`` on a partitioned model merge the trained
-adapters as plain peft does (never a silent merge of empty tensors), or, at several ranks, are refused naming the
-collective form. Plain peft over the same training is the reference."""
+adapters as plain peft does, never a silent merge of empty tensors (at two ranks they are refused:
+test_model_state_dict). Plain peft over the same training is the reference."""
 
 from __future__ import annotations
 
@@ -13,16 +13,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import infinity  # noqa: E402
-from helpers import run_ranks  # noqa: E402
 from test_hf_trainer import collate, dataset, tiny_llama  # noqa: E402
 from test_model_calls import all_released, config, plain_adamw, train_both  # noqa: E402
-from test_model_state_dict import assert_state_close  # noqa: E402
-
-
-def lora_model():
-    lora = peft.LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                           task_type="CAUSAL_LM")  # scaling 4: a merge that forgets it shows
-    return peft.get_peft_model(tiny_llama(), lora)
+from test_model_state_dict import assert_state_close, lora_model  # noqa: E402
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
@@ -65,20 +58,3 @@ def test_merge_adapter_then_unmerge_computes_and_trains_on_as_plain_peft(tmp_pat
         reference.unmerge_adapter()
         train_both(engine, reference, optimizer, steps=2, first=2)
         assert_state_close(engine.full_state_dict(), reference.state_dict())
-
-
-def _merge_on_rank(rank, world_size, swap):
-    model = lora_model()
-    with infinity.initialize(model, config(f"{swap}/rank{rank}", "nvme")):
-        try:
-            model.merge_and_unload()
-        except RuntimeError as err:
-            return str(err)
-    return None
-
-
-def test_at_two_ranks_a_merge_is_refused_naming_save_merged(tmp_path):
-    for rank in range(2):
-        (tmp_path / f"rank{rank}").mkdir()
-    for said in run_ranks(_merge_on_rank, str(tmp_path)):
-        assert said is not None and "partitioned over 2 ranks" in said and "save_merged" in said, said

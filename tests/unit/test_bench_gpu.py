@@ -23,6 +23,14 @@ if _thp is None:
     os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
 
 @pytest.fixture(autouse=True)
+def _hand_made_machine_figures(monkeypatch):
+    """The rows' predictions from figures made here: what is asserted of them is bytes and work, never seconds, and
+    measuring this machine (what ``bench_gpu.py`` does where none are cached) would take half a minute."""
+    from test_step_time import figures
+    monkeypatch.setattr(bench_gpu, "machine_figures", lambda: figures(device="cpu", copy_path="host copy"))
+
+
+@pytest.fixture(autouse=True)
 def _distinct_device_mode_only_in_the_test(monkeypatch):
     """main() with --allow-cpu sets INFINITY_DISTINCT_DEVICE=1 in the environment: restored after each test."""
     monkeypatch.setenv("INFINITY_DISTINCT_DEVICE", os.environ.get("INFINITY_DISTINCT_DEVICE", "0"))

@@ -62,25 +62,33 @@ def test_a_peft_models_save_pretrained_writes_its_trained_adapters(tmp_path):
     assert_state_close({k: v for k, v in ours.state_dict().items() if "lora_" in k}, adapters)
 
 
-def _state_dict_on_rank(rank, world_size, swap):
-    model = tiny_llama()
+def lora_model():
+    lora = peft.LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                           task_type="CAUSAL_LM")  # scaling 4: a merge that forgets it shows
+    return peft.get_peft_model(tiny_llama(), lora)
+
+
+def _refusals_on_rank(rank, world_size, swap):
+    torch.manual_seed(0)  # every rank's adapters alike
+    model = lora_model()
+    said = {}
     with infinity.initialize(model, config(f"{swap}/rank{rank}", "nvme")) as engine:
-        try:
-            model.state_dict()
-        except RuntimeError as err:
-            said = str(err)
-        else:
-            said = None
+        for what, call in (("state_dict", model.state_dict), ("merge", model.merge_and_unload)):
+            try:
+                call()
+            except RuntimeError as err:
+                said[what] = str(err)
         full = engine.full_state_dict()  # the collective form works on every rank
     return said, {name: tuple(value.shape) for name, value in full.items()}
 
 
-def test_at_two_ranks_the_models_state_dict_is_refused_naming_the_collective_forms(tmp_path):
+def test_at_two_ranks_the_models_state_dict_and_a_peft_merge_are_refused_naming_the_collective_forms(tmp_path):
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()
-    expected = {name: tuple(value.shape) for name, value in tiny_llama().state_dict().items()}
-    for said, shapes in run_ranks(_state_dict_on_rank, str(tmp_path)):
-        assert said is not None and "partitioned over 2 ranks" in said and "engine.full_state_dict()" in said
+    expected = {name: tuple(value.shape) for name, value in lora_model().state_dict().items()}
+    for said, shapes in run_ranks(_refusals_on_rank, str(tmp_path)):
+        assert "partitioned over 2 ranks" in said["state_dict"] and "engine.full_state_dict()" in said["state_dict"]
+        assert "partitioned over 2 ranks" in said["merge"] and "save_merged" in said["merge"]
         assert shapes == expected
 
 
