@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import itertools
 import os
 import random
@@ -263,7 +264,8 @@ def _rank_entry(rank: int, world_size: int, port: int, fn, args, result_dir: str
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # a rank left waiting in a collective fails the test in minutes, not gloo's default half hour
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))

@@ -9,6 +9,13 @@ it; under ``torch.no_grad()`` (as ``generate`` and evaluation run) it ends with 
 backward through ``engine.backward`` follows, as after ``engine(...)``. A call of a part of the model (one layer)
 fetches and releases that part, as :meth:`ShardedParam.fetch` does between passes.
 
+With several ranks each forward gathers from all of them, so a rank whose ``generate`` is done must keep running
+forwards until every rank is (transformers' ``synced_gpus``). transformers turns it on by itself under its own ZeRO-3
+flag or for a module FSDP manages, which it recognizes by ``_is_fsdp_managed_module``: the modules that hold the whole
+model carry that mark while the engine runs over several ranks, so a script's ``model.generate(...)`` does not hang
+when the ranks stop at different lengths (transformers reads the mark nowhere else but to keep every rank running
+every layer, as a speech model's layer drop does).
+
 The hooks hold the engine through a weak reference: the model does not keep a closed-over engine alive.
 """
 
@@ -17,6 +24,10 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+
+SYNCED_CALLS_MARK = "_is_fsdp_managed_module"
+"""What transformers reads to run ``generate`` with ``synced_gpus`` (FSDP's mark of a module it manages)."""
 
 
 def whole_model_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -42,7 +53,11 @@ class ModelCallHooks:
         self._owner = weakref.ref(owner)
         self._opened_by: int | None = None  # the chain position of the module whose call opened the forward
         self._handles = []
+        self._marked: list[torch.nn.Module] = []  # carry SYNCED_CALLS_MARK for the engine
         for position, module in enumerate(whole_model_modules(model)):
+            if owner.world_size > 1 and not getattr(module, SYNCED_CALLS_MARK, False):
+                setattr(module, SYNCED_CALLS_MARK, True)
+                self._marked.append(module)
             # first of the module's pre-hooks (its own fetch hook comes after the pass has begun) and last of its
             # forward hooks (after its fetch group's release)
             self._handles.append(module.register_forward_pre_hook(self._before(position), with_kwargs=True,
@@ -82,3 +97,6 @@ class ModelCallHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._marked:
+            delattr(module, SYNCED_CALLS_MARK)
+        self._marked.clear()

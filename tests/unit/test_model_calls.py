@@ -195,13 +195,15 @@ def _generate_on_rank(rank, world_size, swap, max_new_tokens):
     options = {"max_new_tokens": max_new_tokens[rank], "do_sample": False, "pad_token_id": 0}
     with infinity.initialize(model, config(f"{swap}/rank{rank}", "nvme")) as engine:
         ours = engine.generate(**batch, **options)  # synced_gpus: with two ranks, as transformers asks under ZeRO-3
-    return ours, reference.generate(**batch, **options)
+        own = model.generate(**batch, **options)  # a script's own call, without synced_gpus
+    return ours, own, reference.generate(**batch, **options)
 
 
 def test_generate_at_two_ranks_with_different_lengths_matches_each_ranks_plain_model(tmp_path):
     for rank in range(2):
         (tmp_path / f"rank{rank}").mkdir()
     results = run_ranks(_generate_on_rank, str(tmp_path), (3, 9))
-    for rank, (ours, theirs) in enumerate(results):
+    for rank, (ours, own, theirs) in enumerate(results):
         assert ours.shape[1] == theirs.shape[1] == prompts((4 + rank, 6))["input_ids"].shape[1] + (3, 9)[rank]
         assert torch.equal(ours, theirs), f"rank {rank}"
+        assert torch.equal(own, theirs), f"rank {rank}: model.generate"
