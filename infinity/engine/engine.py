@@ -19,6 +19,7 @@ from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
 from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.adapter_merge import AdapterMergeHooks
+from infinity.engine.adapter_save import AdapterSaveHook
 from infinity.engine.casting import cast_buffers, cast_floating
 from infinity.engine.gathered import WholeParams, register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
@@ -54,8 +55,9 @@ from infinity.runtime.comm import Collectives, rank_in
 from infinity.runtime.cpu_matmul import run_matmul_mode
 from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
-from infinity.weights.save_model import save_model
+from infinity.weights.adapters import is_peft_model
 from infinity.weights.pretrained import open_for_model
+from infinity.weights.save_model import save_model
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +216,8 @@ class Engine:
         self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
         self.model_state = StateDictHooks(self, self.groups)  # model.state_dict(): whole values, never empty ones
         AdapterMergeHooks(self, model, set(self._by_param))  # peft's merge_and_unload(): with each layer whole
+        if is_peft_model(model):
+            AdapterSaveHook(self, model, set(self._by_param))  # peft's save_pretrained(): reads only what it writes
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:

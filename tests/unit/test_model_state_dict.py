@@ -10,8 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+from safetensors import torch as safetensors_torch  # noqa: E402
 
 import infinity  # noqa: E402
+from infinity.engine.gathered import WholeParams  # noqa: E402
 from helpers import run_ranks  # noqa: E402
 from test_hf_trainer import tiny_llama  # noqa: E402
 from test_model_calls import all_released, config, plain_adamw, train_both  # noqa: E402
@@ -46,20 +48,30 @@ def test_the_models_own_state_dict_and_save_pretrained_hold_the_trained_weights(
         "model.layers.0.mlp.up_proj.weight"])  # saved before the last step
 
 
-def test_a_peft_models_save_pretrained_writes_its_trained_adapters(tmp_path):
+@pytest.mark.parametrize("options", [{}, {"modules_to_save": ["lm_head"], "bias": "all"}], ids=["lora", "and-more"])
+def test_a_peft_models_save_pretrained_writes_its_trained_adapters_reading_only_them(tmp_path, monkeypatch, options):
+    """peft's own save_pretrained writes what plain peft's does after the same training, and of the partitioned
+    parameters reads whole only those it writes (not the frozen base)."""
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                           task_type="CAUSAL_LM")
+                           task_type="CAUSAL_LM", **options)
     model = peft.get_peft_model(tiny_llama(), lora)
     reference = copy.deepcopy(model)
+    read = []
     with infinity.initialize(model, config(tmp_path / "swap", "nvme")) as engine:
         train_both(engine, reference, plain_adamw(reference), steps=3)
+        whole_read = WholeParams.read
+        names = {id(param): name for name, param in model.named_parameters()}
+        monkeypatch.setattr(WholeParams, "read", lambda self, param, *a: read.append(names[id(param)])
+                            or whole_read(self, param, *a))
         model.save_pretrained(tmp_path / "ours")
     reference.save_pretrained(tmp_path / "plain")
-    ours = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "ours")
-    plain = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "plain")
-    adapters = {k: v for k, v in plain.state_dict().items() if "lora_" in k}
-    assert adapters and all(v.abs().sum() > 0 for k, v in adapters.items() if "lora_B" in k)  # trained
-    assert_state_close({k: v for k, v in ours.state_dict().items() if "lora_" in k}, adapters)
+    ours = safetensors_torch.load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    plain = safetensors_torch.load_file(tmp_path / "plain" / "adapter_model.safetensors")
+    assert any(key.endswith("lora_B.weight") for key in plain)
+    assert all(value.abs().sum() > 0 for key, value in plain.items() if "lora_B" in key)  # trained
+    assert_state_close(ours, plain)
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert read and set(read) <= trainable, sorted(set(read) - trainable)
 
 
 def lora_model():
