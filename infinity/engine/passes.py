@@ -1,11 +1,13 @@
 """Passes: one micro-batch's forward and backward (or a forward alone without grad), and what lies between them.
 
 At a pass's start every parameter's ``.data`` becomes the view of its full tensor that fetches fill, and the
-prefetcher learns whether a backward follows that is not its step's last. At its end everything gathered is
-released but what the prefetcher keeps for the next pass of the same step (no update comes in between: the
-first layers the next forward needs, :mod:`infinity.params.prefetcher`), and user code runs until the next one,
-seeing a released parameter's ``.data`` empty. A step's update marks what was kept stale, which frees it, so the
-pass that ends a step keeps nothing.
+prefetcher learns whether an update may come before the next pass: only after a backward that is its step's last.
+At its end everything gathered is released but what the prefetcher keeps for the next pass (no update comes in
+between: the first layers the next forward needs, :mod:`infinity.params.prefetcher`; after a forward without grad,
+as much of the model as the live-parameter budget and the memory's room allow), and user code runs until the next
+one, seeing a released parameter's ``.data`` empty. A step's update marks what was kept stale, which frees it, so
+the pass that ends a step keeps nothing; so does writing the shards outside a pass (a checkpoint loaded, a
+gathered block modified).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class Passes:
             sharded.enter_pass()
         if self._prefetcher is not None:
             training = torch.is_grad_enabled()  # a backward follows
+            # A forward alone changes no shard, so what the next pass uses early may stay gathered for it, as between
+            # the micro-batches of one step (an evaluation's batches, generate's tokens).
             self._prefetcher.begin_pass(self._kept, training=training,
-                                        step_goes_on=training and not self._cycle.next_is_boundary)
+                                        step_goes_on=not (training and self._cycle.next_is_boundary))
         self._kept = []
 
     def begin_backward(self) -> None:

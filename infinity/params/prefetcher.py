@@ -15,7 +15,10 @@ follows the same plan, and what its forward fetches first (the first layers,
 which the backward used last) is kept gathered across the two when its next
 use is within ``max_reuse_distance``, as FSDP2's ``reshard_after_backward=False``
 does for gradient accumulation. The step's updates make the shards new, and
-every parameter kept so is released by the pass that ends the step.
+every parameter kept so is released by the pass that ends the step. A forward
+without grad changes no shard either: an evaluation's batches and generate's
+tokens keep, from one forward to the next, what the live-parameter budget and
+the memory's room allow, instead of fetching the model again for each.
 
 A forward without grad (an evaluation, each forward of ``generate``) fetches
 only a training pass's first part: it follows a plan of its own, the last
@@ -92,8 +95,8 @@ class Prefetcher:
         """``kept``: what the last pass kept gathered for this one (:meth:`end_pass`); given back like anything
         else held by choice when a fetch on demand finds no room. ``training``: a backward follows the forward (grad
         is enabled); such a pass follows the plan of the last one like it, a forward alone that of the last forward
-        alone. ``step_goes_on``: a backward follows and is not the step's last, so no update comes before the next
-        pass and what it uses early may stay gathered."""
+        alone. ``step_goes_on``: no update comes before the next pass (a forward alone, or one whose backward is not
+        its step's last), so what the next pass uses early may stay gathered."""
         self._held = [p for p in kept if p.state is not ParamState.RELEASED]
         if self._least_over_ranks is not None:
             self._agree_on_room()

@@ -53,18 +53,16 @@ def test_evaluation_between_training_steps_leaves_the_training_plan(tmp_path):
     held_out = gpt_batches(1, batch=2, seed=9)[0]
     config = engine_config(param="nvme", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=1e-3)
     engine = infinity.initialize(copy.deepcopy(model), config)
-    losses, prefetched = [], []
+    losses = []
     try:
         for i, (x, y) in enumerate(batches):
             if i >= 3:  # the training plan is learned (pass 1) and followed (pass 2); evaluate before each of the rest
                 with torch.no_grad():
                     engine(*held_out)
-            before = engine.prefetcher.prefetched
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-            prefetched.append(engine.prefetcher.prefetched - before)
         order_changes = engine.prefetcher.order_changes
         training_plan = list(engine.prefetcher.plan)
     finally:
@@ -73,4 +71,3 @@ def test_evaluation_between_training_steps_leaves_the_training_plan(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert order_changes == 0
     assert len(set(training_plan)) == len(engine.params) and len(training_plan) > len(engine.params)  # and backward
-    assert all(n > 0 for n in prefetched[1:]), prefetched

@@ -68,6 +68,15 @@ def all_released(model) -> bool:
     return all(p.numel() == 0 for p in model.parameters())
 
 
+def nothing_held(engine, model) -> bool:
+    """After a training step nothing stays gathered: not what a forward without grad kept for the next (within the
+    live-parameter budget), nor what an interrupted call left."""
+    out = engine(**collate(dataset(2, seed=7)))
+    engine.backward(out.loss)
+    engine.step()
+    return all_released(model)
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_generate_and_evaluation_by_the_model_itself_match_the_plain_model_through_training(tmp_path, tier):
     """Between training steps the script evaluates with ``model(**batch)`` and generates with ``model.generate``
@@ -79,7 +88,6 @@ def test_generate_and_evaluation_by_the_model_itself_match_the_plain_model_throu
         assert all_released(model)  # parameters rest in their tier between passes
         assert_same_generation(greedy(model, batch), greedy(reference, batch))
         assert_same_generation(greedy(engine, batch), greedy(reference, batch))
-        assert all_released(model)
         optimizer = plain_adamw(reference)
         for step_batch in [collate(dataset(40)[i:i + 2]) for i in range(0, 8, 2)]:
             out = engine(**step_batch)
@@ -95,10 +103,62 @@ def test_generate_and_evaluation_by_the_model_itself_match_the_plain_model_throu
             torch.testing.assert_close(evaluated.logits, reference_evaluated.logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(evaluated.loss, reference_evaluated.loss, rtol=1e-5, atol=1e-6)
         assert_same_generation(greedy(model, batch), greedy(reference, batch))
-        assert all_released(model)
         state = engine.full_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def nvme_reads(engine) -> int:
+    return engine.tiers.snapshot()["nvme"]["bytes_read"]
+
+
+def test_generates_forwards_keep_the_model_gathered_from_one_to_the_next(tmp_path):
+    """The parameters rest on NVMe. One forward without grad reads the model once; generate's eight forwards after it
+    read it once more in all, not eight times (each keeps what the next uses, within the live-parameter budget), and
+    give the plain model's tokens. With a budget of a fifth of the model most of it is read at every forward."""
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    batch = prompts()
+    numel = sum(p.numel() for p in model.parameters())
+    reads = {}
+    for budget in (None, numel // 5):
+        options = {} if budget is None else {"stage3_max_live_parameters": budget}
+        swap = tmp_path / f"swap-{budget}"
+        with infinity.initialize(copy.deepcopy(model),
+                                 engine_config(param="nvme", optimizer="cpu", nvme_path=str(swap), accum=1,
+                                               clip=0.0, lr=LR, **options)) as engine:
+            start = nvme_reads(engine)
+            with torch.no_grad():
+                engine(**batch)  # its order becomes the plan of forwards without grad
+            one = nvme_reads(engine) - start
+            assert_same_generation(greedy(engine, batch), greedy(reference, batch))
+            reads[budget] = (nvme_reads(engine) - start - one) / one
+    assert reads[None] <= 1.0, reads
+    assert reads[numel // 5] >= 4.0, reads
+
+
+def test_what_forwards_kept_gathered_is_never_older_than_the_shards(tmp_path):
+    """After forwards without grad (which keep the model gathered), a weight written through gathered_parameters and a
+    checkpoint loaded are what the next forward computes with, as the plain model does."""
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    held_out = collate(dataset(4, seed=2))
+    with infinity.initialize(model, config(tmp_path / "swap", "nvme")) as engine:
+        optimizer = plain_adamw(reference)
+        train_both(engine, reference, optimizer, steps=1)
+        engine.save_checkpoint(tmp_path / "ckpt", tag="one")
+        saved = copy.deepcopy(reference)
+        with torch.no_grad():
+            for _ in range(2):
+                engine(**held_out)  # the second keeps the model gathered for a next
+            weight = model.model.layers[0].mlp.up_proj.weight
+            with engine.gathered_parameters([weight], modifier_rank=0):
+                weight.data.mul_(-1)
+            reference.model.layers[0].mlp.up_proj.weight.mul_(-1)
+            torch.testing.assert_close(engine(**held_out).logits, reference(**held_out).logits, rtol=1e-5, atol=1e-5)
+            engine(**held_out)
+            engine.load_checkpoint(tmp_path / "ckpt", tag="one")
+            torch.testing.assert_close(engine(**held_out).logits, saved(**held_out).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_a_peft_models_generate_runs_through_the_engine_as_plain_peft(tmp_path):
@@ -116,7 +176,7 @@ def test_a_peft_models_generate_runs_through_the_engine_as_plain_peft(tmp_path):
             assert not torch.equal(trained[0], greedy(reference, batch)[0])  # the adapters matter
         assert_same_generation(greedy(model, batch), trained)
         assert_same_generation(greedy(engine, batch), trained)
-        assert all_released(model)
+        assert nothing_held(engine, model)
 
 
 def test_the_models_own_call_with_gradients_is_a_training_forward(tmp_path):
@@ -184,7 +244,7 @@ def test_an_interrupted_or_failed_call_leaves_the_engine_usable(tmp_path):
         reference(**step_batch).loss.backward()
         optimizer.step()
         assert_same_generation(greedy(model, batch), greedy(reference, batch))
-        assert all_released(model)
+        assert nothing_held(engine, model)
 
 
 def _generate_on_rank(rank, world_size, swap, max_new_tokens):
