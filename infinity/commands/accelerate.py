@@ -56,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
     parsed.deepspeed_fields_from_accelerate_config = ",".join(fields)
     _, environment = accelerate_launch.prepare_deepspeed_cmd_env(parsed)
     os.environ.update(environment)  # the processes inherit the ACCELERATE_* variables
+    # accelerate's launcher passes the offload devices on but not their NVMe paths, so its plugin fills them with
+    # "none", and the swap files would go to a folder of that name in the working directory: the paths the config
+    # file (or the flags) gave are passed on too
+    for part in ("optimizer", "param"):
+        path = getattr(parsed, f"offload_{part}_nvme_path", None)
+        if path not in (None, "none"):
+            os.environ.setdefault(f"ACCELERATE_DEEPSPEED_OFFLOAD_{part.upper()}_NVME_PATH", str(path))
     processes = int(parsed.num_processes) if parsed.num_processes else None
     return deepspeed_command.run(argparse.Namespace(
         num_gpus=processes, include=None, exclude=None, num_nodes=1, master_addr=None, master_port=None,

@@ -80,8 +80,7 @@ class OffloadParamConfig:
         if not isinstance(self.compute_from_master, bool):
             raise ValueError(f"config key offload_param.compute_from_master must be true or false, "
                              f"got {self.compute_from_master!r}")
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_param.device is 'nvme' but offload_param.nvme_path is not set")
+        _require_nvme_path("offload_param", self)
         _require_positive("offload_param.buffer_count", self.buffer_count)
         _require_positive("offload_param.buffer_size", self.buffer_size)
         _require_non_negative("offload_param.max_in_cpu", self.max_in_cpu)
@@ -144,8 +143,7 @@ class OffloadOptimizerConfig:
                 f"config key zero_optimization.offload_optimizer.ratio is {self.ratio} but offload_optimizer.device "
                 f"is {self.device.value!r}: a ratio splits an offloaded optimizer ('cpu' or 'nvme'); 'auto' picks the "
                 f"split from zero_optimization.device_memory_budget instead")
-        if self.device == "nvme" and not self.nvme_path:
-            raise ValueError("offload_optimizer.device is 'nvme' but offload_optimizer.nvme_path is not set")
+        _require_nvme_path("offload_optimizer", self)
         if isinstance(self.buffer_count, bool) or not isinstance(self.buffer_count, int) or self.buffer_count < 2:
             raise ValueError(f"config key offload_optimizer.buffer_count must be at least 2 (one buffer is updated while "
                              f"another is read or written), got {self.buffer_count!r}")
@@ -302,6 +300,23 @@ def _require_offload_device(where: str, block, choices=OFFLOAD_DEVICES) -> None:
     """``block.device`` is one of ``choices``; held as the :class:`OffloadDevice` member."""
     _require_choice(f"{where}.device", block.device, choices)
     object.__setattr__(block, "device", OffloadDevice(block.device))
+
+
+UNSET_NVME_PATH = "none"
+"""The NVMe path accelerate's DeepSpeed plugin fills in where it was given none (its launcher does not pass a config
+file's paths on): never a folder to swap into."""
+
+
+def _require_nvme_path(where: str, block) -> None:
+    """An NVMe path where ``block.device`` swaps to NVMe; accelerate's ``"none"`` is no path (dropped elsewhere)."""
+    if block.nvme_path == UNSET_NVME_PATH:
+        if block.device == "nvme":
+            raise ValueError(f"{where}.device is 'nvme' but {where}.nvme_path is 'none' (what accelerate's DeepSpeed "
+                             f"plugin fills in where it was given no path): set {where}.nvme_path to the folder for "
+                             f"the swap files ({where}_nvme_path in an accelerate config)")
+        object.__setattr__(block, "nvme_path", None)
+    if block.device == "nvme" and not block.nvme_path:
+        raise ValueError(f"{where}.device is 'nvme' but {where}.nvme_path is not set")
 
 
 def _require_choice(key: str, value, choices) -> None:

@@ -201,3 +201,16 @@ def test_device_memory_budget_is_bytes_or_a_fraction(value, parsed):
 def test_bad_split_keys_are_rejected_by_name(raw, named):
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         InfinityConfig.from_deepspeed(raw)
+
+
+@pytest.mark.parametrize("part", ["offload_param", "offload_optimizer"])
+def test_accelerates_none_nvme_path_is_no_path(part, tmp_path):
+    """accelerate's DeepSpeed plugin fills an NVMe path it was not given with "none": with device nvme that is refused
+    by name before any work (no folder "none" is made); where nothing swaps to NVMe it is no path."""
+    with pytest.raises(ValueError, match=rf"{part}\.nvme_path is 'none'"):
+        InfinityConfig.from_deepspeed({"zero_optimization": {part: {"device": "nvme", "nvme_path": "none"}}})
+    zero = InfinityConfig.from_deepspeed({"zero_optimization": {part: {"device": "cpu", "nvme_path": "none"}}}).zero
+    assert getattr(zero, part).nvme_path is None
+    auto = {"device": "auto", "nvme_path": "none"}
+    zero = InfinityConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": auto}}).zero
+    assert zero.offload_optimizer.nvme_path is None and zero.offload_optimizer.offloaded_tier.value == "host"

@@ -85,8 +85,12 @@ SCRIPT = textwrap.dedent("""
                               save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))
     if accelerator.is_main_process:
         with open(args.out + "/run.json", "w") as f:
+            plugin = accelerator.state.deepspeed_plugin
+            zero = plugin.deepspeed_config.get("zero_optimization", {{}}) if plugin else {{}}
             json.dump({{"losses": losses, "rates": rates, "type": accelerator.distributed_type.value,
-                       "engine": type(model).__module__, "meta": built_on_meta}}, f)
+                       "engine": type(model).__module__, "meta": built_on_meta,
+                       "nvme_paths": [zero.get(part, {{}}).get("nvme_path") for part in
+                                      ("offload_param", "offload_optimizer")]}}, f)
 """)
 YAML = """compute_environment: LOCAL_MACHINE
 deepspeed_config:
@@ -119,7 +123,8 @@ def launch(folder, launch_args: list[str], out: str, *script_args: str) -> dict:
     """``infinity accelerate launch ARGS train.py`` on the CPU (GPU box or not); the script's run.json."""
     done = subprocess.run([sys.executable, "-m", "infinity.cli", "accelerate", "launch", *launch_args,
                            str(folder / "train.py"), str(folder / "tiny"), str(folder / out), *script_args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+                          cwd=folder)  # where a relative path would land
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((folder / out / "run.json").read_text())
 
@@ -142,6 +147,8 @@ def test_an_unchanged_accelerate_script_with_a_deepspeed_yaml_trains_as_stock_ac
     run = launch(folder, ["--config_file", str(folder / "ds.yaml")], "ours", "--save_at", str(SAVE_AT))
     assert run["type"] == "DEEPSPEED" and run["engine"] == "infinity.deepspeed.engine"
     assert run["meta"] is True  # zero3_init_flag: from_pretrained built on meta, the engine streamed the weights
+    # the yaml's NVMe paths reach the script (accelerate's launcher alone passes "none": a folder of that name here)
+    assert run["nvme_paths"] == [str(folder / "swap")] * 2 and not (folder / "none").exists()
     resumed = launch(folder, ["--config_file", str(folder / "ds.yaml")], "resumed", "--save_at", str(SAVE_AT),
                      "--resume", str(folder / "ours" / "state"))
 
