@@ -91,7 +91,7 @@ def test_train_hf_model_with_its_tokenizer_and_save_pretrained(tmp_path, capsys)
     config.write_text(json.dumps(HF_DS_CONFIG))
     rc = main(["train", "--hf-model", str(model_dir), "--data", str(data), "--steps", "3", "--micro-batch", "2",
                "--seq-len", "32", "--precision", "fp32", "--config", str(config), "--save-pretrained", str(out),
-               "--save-dir", str(tmp_path / "ckpt"), "--json"])
+               "--save-dir", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run"), "--json"])
     captured = capsys.readouterr()
     printed = captured.out
     assert rc == 0, captured.err
