@@ -144,8 +144,7 @@ def test_what_forwards_kept_gathered_is_never_older_than_the_shards(tmp_path):
     reference = copy.deepcopy(model)
     held_out = collate(dataset(4, seed=2))
     with infinity.initialize(model, config(tmp_path / "swap", "nvme")) as engine:
-        optimizer = plain_adamw(reference)
-        train_both(engine, reference, optimizer, steps=1)
+        train_both(engine, reference, plain_adamw(reference), steps=1)
         engine.save_checkpoint(tmp_path / "ckpt", tag="one")
         saved = copy.deepcopy(reference)
         with torch.no_grad():
