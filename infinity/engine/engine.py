@@ -183,9 +183,9 @@ class Engine:
                                           step_undo=self.overlap_step and self._step_may_be_undone())
         # The user's values (or meta tensors), before each .data becomes a view of a full tensor.
         original_data = {id(p): meta_data.get(id(p), p.data) for _, p in named}
-        self.prefetcher = prefetcher_for(self.config.zero, self.compute, self.copies, self.layout, self.dtype,
-                                         self.tiers.stats["device"], reserve, self.comm)
         self.full_blocks = full_blocks_for(placement, self.tiers.stats["device"])
+        self.prefetcher = prefetcher_for(self.config.zero, self.compute, self.copies, self.layout, self.dtype,
+                                         self.tiers.stats["device"], reserve, self.comm, self.full_blocks)
         self.params: list[ShardedParam] = []
         self._by_param: dict[int, ShardedParam] = {}
         path = FetchPath(self.compute, self.comm, self.tiers, self.copies, self._read_pool, self.full_blocks,

@@ -9,6 +9,7 @@ import torch
 
 from infinity.config.sections import OffloadParamConfig, ZeroConfig
 from infinity.params.compute_shards import ComputeShards
+from infinity.params.gathered_blocks import FreshBlocks, ReusedBlocks
 from infinity.params.prefetcher import Prefetcher
 from infinity.params.sharded_param import needs_copy_up, needs_swap_in
 from infinity.placement.copies import Copies
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def prefetcher_for(zero: ZeroConfig, compute: ComputeShards, copies: Copies, layout: ShardLayout, dtype: torch.dtype,
-                   device_stats: TierStats, reserve_nbytes: int, comm: Collectives) -> Prefetcher | None:
+                   device_stats: TierStats, reserve_nbytes: int, comm: Collectives,
+                   blocks: FreshBlocks | ReusedBlocks) -> Prefetcher | None:
     """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
     for prefetching or reuse; else every parameter is fetched on demand. With several ranks in ``comm`` it keeps
     the same parameters gathered on every rank (:meth:`Collectives.least_over_ranks`)."""
@@ -32,7 +34,8 @@ def prefetcher_for(zero: ZeroConfig, compute: ComputeShards, copies: Copies, lay
         return None
     return Prefetcher(zero, itemsize=torch.empty((), dtype=dtype).element_size(), device_stats=device_stats,
                       reserve_nbytes=reserve_nbytes,
-                      least_over_ranks=comm.least_over_ranks if comm.world_size > 1 else None)
+                      least_over_ranks=comm.least_over_ranks if comm.world_size > 1 else None,
+                      cached_nbytes=lambda: blocks.kept_nbytes)
 
 
 def read_pool_for(placement: Placement, offload_param: OffloadParamConfig, layout: ShardLayout, dtype: torch.dtype,

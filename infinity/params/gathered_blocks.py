@@ -46,6 +46,10 @@ class FreshBlocks:
         storage.resize_(0)
         self._stats.free(nbytes, GATHERED)
 
+    @property
+    def kept_nbytes(self) -> int:
+        return 0  # nothing kept: the allocator (a GPU's caching one) keeps its own, outside the tier's count
+
     def close(self) -> None:
         pass
 

@@ -54,17 +54,21 @@ logger = logging.getLogger(__name__)
 
 class Prefetcher:
     def __init__(self, zero: ZeroConfig, *, itemsize: int, device_stats: TierStats, reserve_nbytes: int = 0,
-                 least_over_ranks: Callable[[int], int] | None = None):
+                 least_over_ranks: Callable[[int], int] | None = None, cached_nbytes: Callable[[], int] = lambda: 0):
         """``zero`` gives how far ahead to fetch (``prefetch_bucket_size``), the live-parameter budget
         (``max_live_parameters``) and how close a next use keeps a parameter gathered (``max_reuse_distance``),
         all in elements. ``least_over_ranks``: with several ranks, the least of a value over them (a collective
-        every rank calls at the same point); keeps are then decided alike on every rank."""
+        every rank calls at the same point); keeps are then decided alike on every rank. ``cached_nbytes``: the
+        bytes of released full tensors kept for reuse (:class:`~infinity.params.gathered_blocks.ReusedBlocks`):
+        the device tier counts them, but they are neither gathered parameters nor room taken (an allocation that
+        needs them gets them back first)."""
         self._itemsize = itemsize             # bytes of a full tensor's element
         self._bucket_numel = zero.prefetch_bucket_size
         self._max_live_numel = zero.max_live_parameters
         self._max_reuse_distance = zero.max_reuse_distance
         self._device = device_stats
         self._reserve_nbytes = reserve_nbytes  # kept free in the memory budget for fetches on demand
+        self._cached_nbytes = cached_nbytes
         # one plan per kind of pass: a forward without grad (evaluation, generation) fetches only the forward's
         # part, and following it must not cost the training passes after it their plan
         self._plans = {True: FetchPlan([]), False: FetchPlan([])}  # by "a backward follows" (grad enabled)
@@ -264,16 +268,22 @@ class Prefetcher:
     def _agree_on_room(self) -> None:
         """The least room of the ranks' memory budgets, now (a collective: every rank begins each pass)."""
         self._gathered_at_pass_start = self._gathered_numel
-        self._pass_room_nbytes = self._least_over_ranks(self._device.room_nbytes())
+        self._pass_room_nbytes = self._least_over_ranks(self._room_nbytes())
 
     def _room_for(self, nbytes: int) -> bool:
         """Keeping ``nbytes`` more gathered leaves the reserve free in the memory budget (where there is one)."""
-        room = self._device.room_nbytes()
+        room = self._room_nbytes()
         return room is None or room - nbytes >= self._reserve_nbytes
 
+    def _room_nbytes(self) -> int | None:
+        """The memory budget's room for gathered parameters (None: no budget): blocks kept for reuse count as room."""
+        room = self._device.room_nbytes()
+        return None if room is None else room + self._cached_nbytes()
+
     def _live_numel(self) -> int:
-        # device bytes are all gathered parameters (and resident shards when params stay on the device)
-        return self._device.live_nbytes // self._itemsize
+        # device bytes are gathered parameters (and resident shards when params stay on the device), but for the
+        # released blocks kept for reuse
+        return (self._device.live_nbytes - self._cached_nbytes()) // self._itemsize
 
 
 class FetchPlan:
