@@ -89,7 +89,6 @@ def timed(fn) -> tuple[float, object]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
     model = llama(args)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g)

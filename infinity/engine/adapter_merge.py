@@ -36,8 +36,8 @@ class AdapterMergeHooks:
     """Each adapter layer's ``merge``/``unmerge``, wrapped on the instance to run with its parameters whole. They stay
     when the engine closes: a merge then is refused (its parameters are gone), not silently empty."""
 
-    def __init__(self, owner, model: torch.nn.Module, managed: set[int]):
-        """``managed``: the ids of the parameters the engine partitions."""
+    def __init__(self, owner, model: torch.nn.Module, managed):
+        """``managed``: the ids of the parameters the engine partitions (a container of them)."""
         self._owner = weakref.ref(owner)  # the model does not keep a closed-over engine alive
         for name, module in model.named_modules():
             if not is_adapter_layer(module):

@@ -27,11 +27,11 @@ logger = logging.getLogger(__name__)
 class AdapterSaveHook:
     """``save_pretrained`` of a ``peft`` model, wrapped on the instance to pass peft the entries it keeps, whole."""
 
-    def __init__(self, owner, peft_model: torch.nn.Module, managed: set[int]):
-        """``managed``: the ids of the parameters the engine partitions."""
+    def __init__(self, owner, peft_model: torch.nn.Module, managed):
+        """``managed``: the ids of the parameters the engine partitions (a container of them)."""
         self._owner = weakref.ref(owner)  # the model does not keep a closed-over engine alive
         self._model = weakref.ref(peft_model)
-        self._managed = managed
+        self._managed = frozenset(managed)  # the ids alone: the model's method must not keep the engine's parts alive
         original = peft_model.save_pretrained
         peft_model.__dict__["save_pretrained"] = functools.wraps(original)(self._saving(original))
 
@@ -53,7 +53,7 @@ class AdapterSaveHook:
         for key, value in entries.items():
             if id(value) in self._managed and value.numel() == 0:
                 if id(value) not in read:
-                    read[id(value)] = whole.read(value).to(value.dtype)
+                    read[id(value)] = whole.read_as_computed(value)
                 values[key] = read[id(value)]
             else:
                 values[key] = value.detach()

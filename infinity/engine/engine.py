@@ -215,9 +215,9 @@ class Engine:
         self._forward_start = 0.0  # when it began (perf_counter), for the step's compute seconds
         self.model_calls = ModelCallHooks(self, model)  # model.generate(...), model(...): forwards of the engine
         self.model_state = StateDictHooks(self, self.groups)  # model.state_dict(): whole values, never empty ones
-        AdapterMergeHooks(self, model, set(self._by_param))  # peft's merge_and_unload(): with each layer whole
+        AdapterMergeHooks(self, model, self._by_param)  # peft's merge_and_unload(): with each layer whole
         if is_peft_model(model):
-            AdapterSaveHook(self, model, set(self._by_param))  # peft's save_pretrained(): reads only what it writes
+            AdapterSaveHook(self, model, self._by_param)  # peft's save_pretrained(): reads only what it writes
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:

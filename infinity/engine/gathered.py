@@ -82,6 +82,10 @@ class WholeParams:
         finally:
             gatherer.close()
 
+    def read_as_computed(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s full value in the dtype the model computes in: what a state dict of the model holds."""
+        return self.read(param).to(param.dtype)
+
     def write(self, param: torch.nn.Parameter, value: torch.Tensor, state: str = "master") -> None:
         """Make ``value`` (every rank's the same) ``param``'s full fp32 master and compute shard (``state``: that
         optimizer state alone, after the first step)."""

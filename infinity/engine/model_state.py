@@ -59,7 +59,7 @@ class StateDictHooks:
             whole = owner.whole_params()
             for key, sharded in released:
                 if id(sharded) not in self._read:
-                    self._read[id(sharded)] = whole.read(sharded.param).to(sharded.param.dtype)
+                    self._read[id(sharded)] = whole.read_as_computed(sharded.param)
                 state_dict[key] = self._read[id(sharded)]
         return hook
 

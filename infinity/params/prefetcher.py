@@ -72,8 +72,7 @@ class Prefetcher:
         # one plan per kind of pass: a forward without grad (evaluation, generation) fetches only the forward's
         # part, and following it must not cost the training passes after it their plan
         self._plans = {True: FetchPlan([]), False: FetchPlan([])}  # by "a backward follows" (grad enabled)
-        self._training = True                 # the running pass's kind
-        self._plan = self._plans[True]        # and its plan
+        self._training = True                 # the running pass's kind: it follows self._plans[self._training]
         self._next_pass_follows = False       # this pass's step goes on: the next pass follows the same plan
         self._trace: list[ShardedParam] = []  # this pass's requests so far
         self._last_request: dict[int, int] = {}  # id(param) -> its latest position in this pass
@@ -107,7 +106,6 @@ class Prefetcher:
         self._trace = []
         self._last_request = {}
         self._training = training
-        self._plan = self._plans[training]
         self._on_plan = bool(self._plan.params)
         self._issued_upto = 0
         self._next_pass_follows = step_goes_on
@@ -128,7 +126,7 @@ class Prefetcher:
                 logger.info("the order of parameter fetches changed (pass of %d requests, plan of %d): "
                             "fetching on demand this pass and following the new order from the next",
                             len(self._trace), len(self._plan.params))
-            self._plan = self._plans[self._training] = FetchPlan(self._trace)
+            self._plans[self._training] = FetchPlan(self._trace)
         elif self._next_pass_follows:
             kept = [p for p in dict.fromkeys(self._held)  # once each (a parameter kept twice is listed twice)
                     if p.holders == 0 and p.state is ParamState.FETCHED and not p.stale
@@ -143,6 +141,10 @@ class Prefetcher:
     def plan(self) -> list[ShardedParam]:
         """The requests of the last complete pass of the running (or last) pass's kind."""
         return self._plan.params
+
+    @property
+    def _plan(self) -> "FetchPlan":
+        return self._plans[self._training]
 
     # -- what a ShardedParam tells and asks ----------------------------------------
     def fetch_requested(self, param: ShardedParam) -> None:
