@@ -11,22 +11,19 @@ import time
 
 import torch
 
-from infinity.checkpoint import load_checkpoint, save_checkpoint
 from infinity.checkpoint.frozen import FrozenDigest
 from infinity.checkpoint.save_dir_lock import release_save_dir
-from infinity.checkpoint.shard_source import ShardSource
-from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.config.schema import InfinityConfig
 from infinity.engine.adapter_init import check_adapter_init
 from infinity.engine.adapter_merge import AdapterMergeHooks
 from infinity.engine.adapter_save import AdapterSaveHook
 from infinity.engine.casting import cast_buffers, cast_floating
-from infinity.engine.gathered import WholeParams, register
+from infinity.engine.gathered import register
 from infinity.engine.materialize import Initializer, ParamInit, replace_meta_parameters, write_initial_shards
 from infinity.engine.model_calls import ModelCallHooks
 from infinity.engine.model_state import StateDictHooks
 from infinity.engine.passes import Passes
-from infinity.engine.shards import EngineShards, ShardOwners
+from infinity.engine.state_verbs import StateVerbs
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
@@ -57,7 +54,6 @@ from infinity.runtime.trace import Timeline
 from infinity.tiling import tile_model
 from infinity.weights.adapters import is_peft_model
 from infinity.weights.pretrained import open_for_model
-from infinity.weights.save_model import save_model
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +79,9 @@ def initialize(model: torch.nn.Module, config: "InfinityConfig | dict | str | No
                   param_init=param_init, step_shape=step_shape, param_groups=param_groups)
 
 
-class Engine:
-    """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+class Engine(StateVerbs):
+    """A model under ZeRO-3 with offload: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``; saving
+    and loading are :class:`~infinity.engine.state_verbs.StateVerbs`'."""
 
     def __init__(self, model: torch.nn.Module, config: InfinityConfig, *, process_group=None, weights=None,
                  param_init: ParamInit | None = None, step_shape: StepShape | None = None, param_groups=None):
@@ -444,70 +441,6 @@ class Engine:
     def _last_counters(self) -> dict:
         """The counters at the last step's end (tests read the writes that finished after it)."""
         return self.meter.last_counters
-
-    def whole_params(self) -> WholeParams:
-        """Parameters' full values outside a forward: read, written, or whole in their ``.data`` for a block
-        (:mod:`infinity.engine.gathered`). Every verb is collective."""
-        self._ensure_open()
-        if self.passes.running or self.backward_pending:
-            raise RuntimeError("parameters cannot be gathered between a forward and its step(): call it before the "
-                               "forward or after step()")
-        return WholeParams(self.shard_source(), self._by_param, self.device)
-
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """A block in which each of ``params`` is whole in its ``.data``; on exit with a ``modifier_rank``, that
-        rank's values are every rank's (DeepSpeed's ``zero.GatheredParameters``). Collective."""
-        return self.whole_params().gathered(list(params), modifier_rank)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
-        return gather_full_state_dict(self.shard_source())
-
-    def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
-        """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
-        Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`.
-
-        A ``peft`` model writes its adapters, as ``peft_model.save_pretrained`` does (``adapter_config.json``,
-        ``adapter_model.safetensors``; :func:`infinity.hf.merge.save_merged` writes the base with them merged)."""
-        self._ensure_open()
-        return save_model(self.shard_source(), self.module, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes)
-
-    # -- checkpoints ---------------------------------------------------------------
-    def shard_source(self) -> ShardSource:
-        """This rank's shards, buffers, counters and scalars as checkpoints, state dicts and exports see them
-        (:mod:`infinity.checkpoint.shard_source`); made afresh for each use."""
-        self.optimizer.land_tail()  # the last step's updates behind the forward write the shards it reads
-        owners = ShardOwners(module=self.module, params=self.params, layout=self.layout, compute=self.compute,
-                             optimizer=self.optimizer, tiers=self.tiers, comm=self.comm, config=self.config,
-                             tiling_plan=self.tiling_plan, loss_scaler=self.loss_scaler, frozen=self.frozen)
-        return EngineShards(owners, self)
-
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
-                        exclude_frozen_parameters: bool = False) -> str:
-        """Write this rank's shards and the run's state under ``save_dir/tag`` atomically; returns the tag.
-
-        ``exclude_frozen_parameters`` (DeepSpeed's name): leave out the frozen parameters (a LoRA base); the
-        checkpoint then loads into a run built from the same base at the same world size."""
-        self._ensure_open()
-        self._cancel_unused_overlap()
-        tag = save_checkpoint(self.shard_source(), save_dir, tag=tag, client_state=client_state,
-                              exclude_frozen_parameters=exclude_frozen_parameters)
-        self._save_dirs.add(str(save_dir))  # rank 0 holds it now (one live run saves there), until close()
-        return tag
-
-    def load_checkpoint(self, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
-                        counters: bool = True) -> dict:
-        """Restore a checkpoint written by :meth:`save_checkpoint`; returns its ``client_state``.
-        ``optimizer_states=False``: the model's values alone (the run's moments and optimizer step stay);
-        ``counters=False``: the run's step counters and RNG states stay too."""
-        self._ensure_open()
-        self._cancel_unused_overlap()
-        self.optimizer.drop_tail()  # what the last step's updates behind the forward left is replaced (or failed)
-        client_state = load_checkpoint(self.shard_source(), load_dir, tag=tag, optimizer_states=optimizer_states,
-                                       counters=counters)
-        self.cycle.loaded_checkpoint()
-        self._apply_lr_schedule()
-        return client_state
 
     # -- teardown ----------------------------------------------------------------
     def _ensure_open(self) -> None:
