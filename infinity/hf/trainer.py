@@ -23,7 +23,9 @@ crossings with the optimizer are ours:
   (:mod:`infinity.hf.trainer_logs`), and ``--log_level info`` shows the engine's placement;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
-  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both.
+  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both;
+* ``train()`` never writes over an earlier run's checkpoints in ``output_dir`` unless it resumes from them or
+  ``overwrite_output_dir=True`` says to (:mod:`infinity.hf.output_dir`).
 
 What the stock Trainer offers and the engine cannot honour is refused by name at construction
 (:func:`refusals`). :class:`InfinityTrainerMixin` gives the same to any subclass of ``transformers.Trainer``
@@ -45,6 +47,7 @@ from torch import nn
 
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
+from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
 from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
@@ -199,10 +202,11 @@ class InfinityTrainerMixin:
 
     ``infinity_config=`` (keyword): a DeepSpeed-style dict, a JSON path or an ``InfinityConfig``
     (:mod:`infinity.hf.trainer_config`); without it, ``args.infinity_config``, which the arguments' ``deepspeed``
-    value becomes under ``infinity deepspeed``. ``trainer.engine`` is the engine.
+    value becomes under ``infinity deepspeed``. ``overwrite_output_dir=True`` (keyword): ``train()`` may write over
+    an earlier run's checkpoints in ``output_dir`` (:mod:`infinity.hf.output_dir`). ``trainer.engine`` is the engine.
     """
 
-    def __init__(self, *args, infinity_config=None, **kwargs):
+    def __init__(self, *args, infinity_config=None, overwrite_output_dir: bool = False, **kwargs):
         if int(transformers.__version__.split(".")[0]) < MIN_TRANSFORMERS_MAJOR:
             raise ValueError(f"infinity.hf.Trainer needs transformers >= {MIN_TRANSFORMERS_MAJOR} (it takes over "
                              f"hooks of that training loop), found {transformers.__version__}: "
@@ -223,6 +227,7 @@ class InfinityTrainerMixin:
             infinity_config = getattr(targs, ARGS_ATTRIBUTE, None)
         # read once: its scheduler block is taken again when the run's length is known (create_scheduler)
         self._infinity_config = config_source(infinity_config)
+        self._overwrite_output_dir = overwrite_asked(targs, overwrite_output_dir)
         super().__init__(**kwargs)
         # What the Trainer trains, as its __init__ left it: a subclass may load the model named (TRL's SFTTrainer
         # takes a name) or wrap the one given (with peft_config=, a peft model, whose adapters are what a save writes).
@@ -250,6 +255,14 @@ class InfinityTrainerMixin:
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         return [{"params": [p for name, p in trainable if name in decay], "weight_decay": self.args.weight_decay},
                 {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
+
+    def train(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
+        """The stock ``train``, refused before its first step where its saves would write over an earlier run's
+        checkpoints in ``output_dir`` (:func:`~infinity.hf.output_dir.refuse_earlier_checkpoints`)."""
+        if trial is None:  # a hyperparameter search's trial saves into a folder of its own (run-<id>)
+            refuse_earlier_checkpoints(self.args, resume_from_checkpoint, overwrite=self._overwrite_output_dir,
+                                       comm=self.engine.comm)
+        return super().train(resume_from_checkpoint, trial, *args, **kwargs)
 
     # -- the model and its optimizer -------------------------------------------------------
     def _move_model_to_device(self, model, device):

@@ -196,6 +196,47 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(runs):
     assert logged(again, "grad_norm") == logged(runs["ours"], "grad_norm")
 
 
+def file_bytes(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_second_run_into_an_output_dir_with_checkpoints_is_refused_before_a_step_unless_asked(runs, tmp_path,
+                                                                                                 monkeypatch):
+    """The stock Trainer would replace the first run's checkpoint-20 with its own (and rotate the others away)."""
+    out = runs["tmp"] / "ours"
+    before = file_bytes(out)
+    again = Trainer(model=tiny_llama(), args=training_args(out), train_dataset=runs["data"], data_collator=collate,
+                    infinity_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match=rf"output_dir '{out}' holds an earlier run's checkpoints \(checkpoint-20\)"
+                                         r".*resume_from_checkpoint=True.*overwrite_output_dir=True"):
+        again.train()
+    assert again.engine.global_step == 0 and again.state.global_step == 0
+    assert file_bytes(out) == before  # nothing written, nothing rotated away
+    again.engine.close()
+    # Asked to, it writes there as the stock Trainer does: by the keyword, or the variable for a script run unchanged.
+    short = dict(max_steps=2, save_steps=2, save_total_limit=None)
+    for overwrite, env in ((True, None), (False, "1")):
+        target = tmp_path / f"kw{overwrite}"
+        target.mkdir()
+        (target / "checkpoint-7").mkdir()
+        if env is not None:
+            monkeypatch.setenv("INFINITY_OVERWRITE_OUTPUT_DIR", env)
+        trainer = Trainer(model=tiny_llama(), args=training_args(target, **short), train_dataset=runs["data"],
+                          data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}},
+                          overwrite_output_dir=overwrite)
+        trainer.train()
+        trainer.engine.close()
+        assert trainer.state.global_step == 2 and (target / "checkpoint-2" / "latest").is_file()
+    monkeypatch.delenv("INFINITY_OVERWRITE_OUTPUT_DIR")
+    # A run that saves no checkpoints writes over none: it goes ahead.
+    quiet = Trainer(model=tiny_llama(), args=training_args(out, max_steps=1, save_strategy="no"),
+                    train_dataset=runs["data"], data_collator=collate,
+                    infinity_config={"zero_optimization": {"stage": 3}})
+    quiet.train()
+    quiet.engine.close()
+    assert quiet.state.global_step == 1 and file_bytes(out) == before
+
+
 def test_weight_decay_spares_biases_and_norms_as_the_stock_trainers_does(tmp_path):
     """weight_decay=0.1 on the parameters get_decay_parameter_names names, none on the RMSNorm weights; parameters
     and optimizer states on NVMe, against the stock Trainer (its losses, gradient norms and final parameters)."""
