@@ -274,7 +274,7 @@ class Engine(StateVerbs):
             contexts.enter_context(self.timeline.span("compute", "forward"))
         except BaseException:
             contexts.close()
-            self.passes.end()
+            self.passes.end(completed=False)
             raise
         self._forward_contexts = contexts
         return args, kwargs
@@ -285,7 +285,7 @@ class Engine(StateVerbs):
         contexts, self._forward_contexts = self._forward_contexts, None
         contexts.close()
         if failed or not torch.is_grad_enabled():
-            self.passes.end()
+            self.passes.end(completed=not failed)
         if not failed:
             self.meter.add_compute(time.perf_counter() - self._forward_start)
 
@@ -304,18 +304,19 @@ class Engine(StateVerbs):
         if self.cycle.next_is_boundary:
             self._begin_overlapped_step()
         self.passes.begin_backward()
-        begun = False
+        begun = completed = False
         try:
             self.cycle.begin_backward()  # refuses (changing nothing) a second backward of the step's last micro-batch
             begun = True
             with self._matmul_mode(), self.timeline.span("compute", "backward"):
                 (loss.float() * scale).backward()
+            completed = True
         except BaseException as err:
             if begun:
                 self.cycle.abort_backward(err)
             raise
         finally:
-            self.passes.end()
+            self.passes.end(completed=completed)
         self.meter.add_compute(time.perf_counter() - start)
         self.cycle.end_backward()
 

@@ -54,10 +54,11 @@ class Passes:
         if self._prefetcher is not None and self.running:
             self._prefetcher.begin_backward(step_goes_on=not self._cycle.next_is_boundary)
 
-    def end(self) -> None:
-        """The backward is over (or the forward, without grad, or either raised): release all but what the
-        prefetcher keeps for the next pass."""
-        self._kept = self._prefetcher.end_pass() if self.running and self._prefetcher is not None else []
+    def end(self, *, completed: bool = True) -> None:
+        """The backward is over (or the forward, without grad, or either raised: not ``completed``): release all but
+        what the prefetcher keeps for the next pass (nothing after a pass that raised)."""
+        running = self.running and self._prefetcher is not None
+        self._kept = self._prefetcher.end_pass(completed=completed) if running else []
         self.release_all(keep=self._kept)
         self.running = False
         self.leave()

@@ -115,12 +115,15 @@ class Prefetcher:
         forced since the forward began)."""
         self._next_pass_follows = step_goes_on
 
-    def end_pass(self) -> list[ShardedParam]:
+    def end_pass(self, *, completed: bool = True) -> list[ShardedParam]:
         """The pass is over: its trace becomes the plan where the order changed. Returns the parameters kept
         gathered for the next pass of the same step (released and kept for that pass's use, up to date); the
-        caller frees every other."""
+        caller frees every other. A pass that did not complete (it raised: an interrupted ``generate``) keeps
+        nothing, and its partial trace is no plan."""
         kept = []
-        if self._trace != self._plan.params:
+        if not completed:
+            pass  # what it fetched is released; the plans stay as the last whole passes left them
+        elif self._trace != self._plan.params:
             if self._plan.params:
                 self.order_changes += 1
                 logger.info("the order of parameter fetches changed (pass of %d requests, plan of %d): "

@@ -71,3 +71,43 @@ def test_evaluation_between_training_steps_leaves_the_training_plan(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert order_changes == 0
     assert len(set(training_plan)) == len(engine.params) and len(training_plan) > len(engine.params)  # and backward
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "training"])
+def test_a_pass_that_raises_midway_leaves_its_plan_and_keeps_nothing(tmp_path, grad):
+    """An interrupted pass (Ctrl-C in generate) fetched only a prefix of the model: its trace is no plan, so the
+    next whole pass follows the old one without an order change, and it computes plain PyTorch's loss."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    x, y = gpt_batches(1, batch=2)[0]
+    # lr 0: the training steps leave the model as plain PyTorch's
+    config = engine_config(param="nvme", optimizer="cpu", nvme_path=str(tmp_path), accum=1, clip=0.0, lr=0.0)
+    engine = infinity.initialize(copy.deepcopy(model), config)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    try:
+        with torch.set_grad_enabled(grad):
+            for _ in range(2):  # the plan is learned, then followed
+                loss = engine(x, y)
+                if grad:
+                    engine.backward(loss)
+                    engine.step()
+            plan = list(engine.prefetcher.plan)
+            hook = engine.module.blocks[1].register_forward_pre_hook(interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                engine(x, y)
+            hook.remove()
+            kept = sum(p.state is not infinity.params.sharded_param.ParamState.RELEASED for p in engine.params
+                       if not p.persistent)
+            loss = engine(x, y)
+        order_changes = engine.prefetcher.order_changes
+        same_plan = list(engine.prefetcher.plan) == plan
+    finally:
+        engine.close()
+    with torch.no_grad():
+        expected = model(x, y)
+    assert kept == 0
+    assert order_changes == 0 and same_plan
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
