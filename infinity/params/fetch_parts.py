@@ -8,6 +8,7 @@ import logging
 import torch
 
 from infinity.config.sections import OffloadParamConfig, ZeroConfig
+from infinity.config.tier_names import Tier
 from infinity.params.compute_shards import ComputeShards
 from infinity.params.gathered_blocks import FreshBlocks, ReusedBlocks
 from infinity.params.prefetcher import Prefetcher
@@ -27,10 +28,15 @@ def prefetcher_for(zero: ZeroConfig, compute: ComputeShards, copies: Copies, lay
                    device_stats: TierStats, reserve_nbytes: int, comm: Collectives,
                    blocks: FreshBlocks | ReusedBlocks) -> Prefetcher | None:
     """A prefetcher when some shard's fetch can start early (a swap-in or a copy up) and the config asks
-    for prefetching or reuse; else every parameter is fetched on demand. With several ranks in ``comm`` it keeps
-    the same parameters gathered on every rank (:meth:`Collectives.least_over_ranks`)."""
+    for prefetching or reuse, or, with one memory, when a fetch copies (a shard in the host tier, or several ranks'
+    all-gather) and the config asks for reuse: there it keeps what is used again soon gathered instead of copying
+    it again (an evaluation's or generate's forwards, a step's micro-batches). Else every parameter is fetched on
+    demand. With several ranks in ``comm`` it keeps the same parameters gathered on every rank
+    (:meth:`Collectives.least_over_ranks`)."""
     starts_early = any(needs_swap_in(compute, slot) or needs_copy_up(compute, copies, slot) for slot in layout.slots)
-    if not starts_early or not (zero.prefetch_bucket_size or zero.max_reuse_distance):
+    fetch_copies = not copies.distinct and (comm.world_size > 1 or compute.tier != Tier.DEVICE)
+    if not ((starts_early and (zero.prefetch_bucket_size or zero.max_reuse_distance))
+            or (fetch_copies and zero.max_reuse_distance)):
         return None
     return Prefetcher(zero, itemsize=torch.empty((), dtype=dtype).element_size(), device_stats=device_stats,
                       reserve_nbytes=reserve_nbytes,
