@@ -8,9 +8,11 @@ import itertools
 import os
 import random
 import socket
+import sys
 import tempfile
 import threading
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -259,26 +261,67 @@ def free_port() -> int:
 
 # -- running ranks as processes --------------------------------------------------
 
-def _rank_entry(rank: int, world_size: int, port: int, fn, args, result_dir: str):
+RANK_PRELOAD = ["torch", "torch.distributed", "numpy", "safetensors.torch", "infinity.engine.engine", "infinity.kernels",
+                "helpers", "transformers", "peft", "transformers.models.llama.modeling_llama"]
+"""What multiprocessing's forkserver imports once for the session: a rank forked from it starts in milliseconds,
+where a spawned one imported torch (and a Hugging Face test's transformers) again, 3-8 s on two cores."""
+
+
+def _rank_entry(rank: int, world_size: int, port: int, fn, args, result_dir: str, environ: dict, path: list):
+    import numpy as np
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as a spawned rank would start: the test's environment and import path now (the forkserver kept those of its
+    # start), and random states of its own (every fork would otherwise share the server's)
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.path[:] = path
+    random.seed()
+    np.random.seed()
     torch.set_num_threads(1)
-    # a rank left waiting in a collective fails the test in minutes, not gloo's default half hour
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
     try:
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+        # a rank left waiting in a collective fails the test in minutes, not gloo's default half hour
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
+        try:
+            result = fn(rank, world_size, *args)
+            torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(result_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
 
 
 def run_ranks(fn, *args, world_size: int = 2):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return each rank's result."""
-    import torch.multiprocessing as mp
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return each rank's result. A rank that
+    raises fails the call with its traceback, and the other ranks are stopped."""
+    import multiprocessing
+    from multiprocessing.connection import wait
 
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)  # taken when the server starts (the session's first ranks)
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.spawn(_rank_entry, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+        port = free_port()
+        ranks = [ctx.Process(target=_rank_entry,
+                             args=(rank, world_size, port, fn, args, result_dir, dict(os.environ), list(sys.path)))
+                 for rank in range(world_size)]
+        for p in ranks:
+            p.start()
+        running = list(ranks)
+        while running:
+            wait([p.sentinel for p in running])
+            failed = [p for p in running if p.exitcode not in (None, 0)]
+            if failed:
+                for p in running:
+                    p.terminate()  # the others may wait in a collective for the failed one
+                for p in running:
+                    p.join()
+                errors = [os.path.join(result_dir, f"rank{r}.error") for r in range(world_size)]
+                said = [f"rank {r}: {open(e).read()}" for r, e in enumerate(errors) if os.path.exists(e)]
+                raise RuntimeError(f"rank {ranks.index(failed[0])} of {world_size} exited with code "
+                                   f"{failed[0].exitcode}\n" + "\n".join(said))
+            running = [p for p in running if p.exitcode is None]
         return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
