@@ -24,7 +24,7 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's own folder n
 
 def checkpoints_in(output_dir) -> list[str]:
     """The Trainer's checkpoint folders in ``output_dir``, by step."""
-    if not os.path.isdir(output_dir):
+    if not output_dir or not os.path.isdir(output_dir):
         return []
     found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
              if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
@@ -43,8 +43,7 @@ def refuse_earlier_checkpoints(args, resume_from_checkpoint, *, overwrite: bool,
     saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
     found = checkpoints_in(args.output_dir) if saves and not resume_from_checkpoint and not overwrite else []
     flag = torch.tensor([1.0 if found else 0.0])
-    if comm.world_size > 1:
-        comm.all_reduce_max(flag)  # a rank that sees none refuses with the one that does
+    comm.all_reduce_max(flag)  # a rank that sees none refuses with the one that does (one rank: as it is)
     if not flag.item():
         return
     listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
