@@ -261,8 +261,8 @@ def free_port() -> int:
 
 # -- running ranks as processes --------------------------------------------------
 
-RANK_PRELOAD = ["torch", "torch.distributed", "numpy", "safetensors.torch", "infinity.engine.engine", "infinity.kernels",
-                "helpers", "transformers", "peft", "transformers.models.llama.modeling_llama"]
+RANK_PRELOAD = ["torch", "torch.distributed", "numpy", "safetensors.torch", "infinity.engine.engine",
+                "infinity.kernels", "helpers", "transformers", "peft", "transformers.models.llama.modeling_llama"]
 """What multiprocessing's forkserver imports once for the session: a rank forked from it starts in milliseconds,
 where a spawned one imported torch (and a Hugging Face test's transformers) again, 3-8 s on two cores."""
 
