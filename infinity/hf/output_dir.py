@@ -11,24 +11,22 @@ transformers 4 gave it, honoured there too), or ``INFINITY_OVERWRITE_OUTPUT_DIR=
 from __future__ import annotations
 
 import os
-import re
 
 import torch
+from transformers.trainer_utils import sort_checkpoints  # optional extra: reached only through infinity.hf.Trainer
 
 from infinity.runtime.comm import Collectives
 
 OVERWRITE_ENV = "INFINITY_OVERWRITE_OUTPUT_DIR"
 """Set to 1: a Trainer run writes into an ``output_dir`` holding checkpoints, as the stock Trainer does."""
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's own folder names
 
 
 def checkpoints_in(output_dir) -> list[str]:
-    """The Trainer's checkpoint folders in ``output_dir``, by step."""
-    if not output_dir or not os.path.isdir(output_dir):
+    """The Trainer's checkpoint folders in ``output_dir``, by step: the ones its saves replace and its rotation
+    deletes (transformers' own list)."""
+    if not output_dir:
         return []
-    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
-             if (m := _CHECKPOINT_RE.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return [name for _, name in sorted(found)]
+    return [os.path.basename(path) for path in sort_checkpoints(str(output_dir))]
 
 
 def overwrite_asked(args, overwrite_output_dir: bool) -> bool:
@@ -47,10 +45,9 @@ def refuse_earlier_checkpoints(args, resume_from_checkpoint, *, overwrite: bool,
     if not flag.item():
         return
     listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    seen = f"holds an earlier run's checkpoints ({listed})" if found else "holds an earlier run's checkpoints on " \
-                                                                          "another rank"
+    where = f" ({listed})" if found else " on another rank"
     raise ValueError(
-        f"output_dir {str(args.output_dir)!r} {seen}, which this run's saves would replace or rotate away: resume "
-        f"from them with trainer.train(resume_from_checkpoint=True), choose another output_dir, remove them, or "
-        f"pass Trainer(..., overwrite_output_dir=True) ({OVERWRITE_ENV}=1 for a script run unchanged) to write "
-        f"there anyway")
+        f"output_dir {str(args.output_dir)!r} holds an earlier run's checkpoints{where}, which this run's saves would "
+        f"replace or rotate away: resume from them with trainer.train(resume_from_checkpoint=True), choose another "
+        f"output_dir, remove them, or pass Trainer(..., overwrite_output_dir=True) ({OVERWRITE_ENV}=1 for a script "
+        f"run unchanged) to write there anyway")
