@@ -20,7 +20,7 @@ from infinity.weights.save_model import save_model
 
 class StateVerbs:
     """``whole_params``, ``gathered_parameters``, ``full_state_dict``, ``save_pretrained``, ``save_checkpoint`` and
-    ``load_checkpoint``: each is collective, and refused while the engine is closed."""
+    ``load_checkpoint``: each is collective."""
 
     def whole_params(self) -> WholeParams:
         """Parameters' full values outside a forward: read, written, or whole in their ``.data`` for a block
