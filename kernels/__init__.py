@@ -6,7 +6,8 @@ pass: fp32 master and moments in place, fp32/bf16/fp16 gradients, and the
 low-precision parameter copy written in the same pass.
 
     adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
-              weight_decay, adamw=True, bias_correction=True, param_out=None)
+              weight_decay, adamw=True, bias_correction=True, param_out=None,
+              grad_sq_norm=False)      -> grad's squared norm, summed in the same pass, when asked
     adam_step_reference(...)   same signature; always the torch implementation
     backend()                  "cpp" or "torch": what adam_step uses
     adam_step_on_device(...)   same signature, states in device memory: adam_step

@@ -52,7 +52,8 @@ def adam_step(
     bias_correction: bool = True,
     param_out: torch.Tensor | None = None,
     num_threads: int | None = None,
-) -> None:
+    grad_sq_norm: bool = False,
+) -> float | None:
     """One Adam (``adamw=False``) or AdamW step, fused into one pass over memory.
 
     ``param``, ``exp_avg`` and ``exp_avg_sq`` are fp32 and updated in place;
@@ -68,6 +69,11 @@ def adam_step(
     starts for it, which inherit its CPU affinity); None takes
     ``torch.get_num_threads()``. The torch backend ignores it.
 
+    ``grad_sq_norm``: also return ``grad``'s squared L2 norm in fp64, summed
+    in the same pass (each block of it just before the step reads it), the
+    same bits as ``sq_norm_fp64(grad)``; None where the kernel is not used
+    (``backend()`` is "torch", as ``sq_norm_fp64``): the caller sums it.
+
     Raises ``ValueError`` naming the argument for a wrong dtype, device,
     numel, layout, overlap or hyperparameter.
     """
@@ -77,10 +83,13 @@ def adam_step(
     )  # fmt: skip
     check_tensors(param, grad, exp_avg, exp_avg_sq, param_out)
     threads = check_num_threads(num_threads)
-    if backend() == "cpp":
-        extension.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out, threads=threads)
-    else:
+    if backend() != "cpp":
         reference.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out)
+        return None
+    sq_norm = _sq_norm_out(grad_sq_norm)
+    extension.adam_update(constants, param, grad, exp_avg, exp_avg_sq, param_out, threads=threads,
+                          grad_sq_norm=sq_norm)
+    return None if sq_norm is None else float(sq_norm)
 
 
 @torch.no_grad()
@@ -164,7 +173,8 @@ def adam_step_compact(
     exp_avg_sq_scale: torch.Tensor | None = None,
     param_out: torch.Tensor | None = None,
     num_threads: int | None = None,
-) -> None:
+    grad_sq_norm: bool = False,
+) -> float | None:
     """One Adam/AdamW step on optimizer states in ``state_dtype``'s form, in one pass.
 
     ``state_dtype`` (forms in ``compact.py``; ``compact.state_layout`` gives the tensors):
@@ -185,16 +195,18 @@ def adam_step_compact(
     ``seed`` (an int in [0, 2**64)) and ``step`` choose the random bits of stochastic
     rounding, a hash of (seed, step, element index): the same inputs give the same
     bits on both backends and in a resumed run. Give tensors that are stepped
-    separately different seeds. ``num_threads`` as for ``adam_step``.
+    separately different seeds. ``num_threads`` and ``grad_sq_norm`` as for
+    ``adam_step``.
 
     Raises ``ValueError`` naming the argument for a wrong dtype, device, numel,
     layout, overlap, state dtype, seed or hyperparameter.
     """
-    _compact_step(
+    return _compact_step(
         False, master, grad, exp_avg, exp_avg_sq, state_dtype=state_dtype, step=step, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, seed=seed, adamw=adamw,
         bias_correction=bias_correction, exp_avg_scale=exp_avg_scale,
         exp_avg_sq_scale=exp_avg_sq_scale, param_out=param_out, num_threads=num_threads,
+        grad_sq_norm=grad_sq_norm,
     )  # fmt: skip
 
 
@@ -233,8 +245,8 @@ def adam_step_compact_reference(
 def _compact_step(
     use_reference: bool,
     master, grad, exp_avg, exp_avg_sq, *, state_dtype, step, lr, beta1, beta2, eps, weight_decay,
-    seed, adamw, bias_correction, exp_avg_scale, exp_avg_sq_scale, param_out, num_threads,
-) -> None:  # fmt: skip
+    seed, adamw, bias_correction, exp_avg_scale, exp_avg_sq_scale, param_out, num_threads, grad_sq_norm=False,
+) -> float | None:  # fmt: skip
     compact.check_state_dtype(state_dtype)
     seed = compact.check_seed(seed)
     constants = AdamConstants.for_step(
@@ -244,20 +256,28 @@ def _compact_step(
     check_compact_tensors(state_dtype, master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
     threads = check_num_threads(num_threads)
     kernel = not use_reference and backend() == "cpp"
+    sq_norm = _sq_norm_out(grad_sq_norm) if kernel else None
     if state_dtype == "fp32":
         if kernel:
-            extension.adam_update(constants, master, grad, exp_avg, exp_avg_sq, param_out, threads=threads)
+            extension.adam_update(constants, master, grad, exp_avg, exp_avg_sq, param_out, threads=threads,
+                                  grad_sq_norm=sq_norm)
         else:
             reference.adam_update(constants, master, grad, exp_avg, exp_avg_sq, param_out)
-        return
+        return None if sq_norm is None else float(sq_norm)
     if param_out is not None and param_out.dtype == master.dtype and param_out.data_ptr() == master.data_ptr():
         param_out = None  # it is the master, which the step writes anyway
     keys = compact.step_keys(seed, step)
     states = (master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out)
     if kernel:
-        extension.adam_update_compact(constants, state_dtype, keys, *states, threads=threads)
+        extension.adam_update_compact(constants, state_dtype, keys, *states, threads=threads, grad_sq_norm=sq_norm)
     else:
         reference_compact.adam_update_compact(constants, state_dtype, keys, *states)
+    return None if sq_norm is None else float(sq_norm)
+
+
+def _sq_norm_out(wanted: bool) -> torch.Tensor | None:
+    """The one-element fp64 tensor the kernel writes the gradient's squared norm to, where it is wanted."""
+    return torch.zeros(1, dtype=torch.float64) if wanted else None
 
 
 def check_num_threads(num_threads: object) -> int:

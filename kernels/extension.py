@@ -207,14 +207,16 @@ def adam_update(
     *,
     isa: str = "auto",
     threads: int = 0,
+    grad_sq_norm: torch.Tensor | None = None,
 ) -> None:
     """Applies one step in place with the C++ kernel (which must be loaded), on ``threads`` threads (0: torch's
-    count; ``csrc/chunks.h``)."""
+    count; ``csrc/chunks.h``). ``grad_sq_norm``, a one-element fp64 tensor, receives the gradient's squared norm,
+    taken in the same pass (``csrc/sq_norm.h``: the bits of ``sq_norm_fp64``)."""
     c = constants
     KERNEL.ops().adam_step(
         param, grad, exp_avg, exp_avg_sq, param_out,
         c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
-        c.bias_correction2_sqrt, c.neg_step_size, c.eps, ISA_CODES[isa], threads,
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, ISA_CODES[isa], threads, grad_sq_norm,
     )  # fmt: skip
 
 
@@ -254,17 +256,18 @@ def adam_update_compact(
     *,
     isa: str = "auto",
     threads: int = 0,
+    grad_sq_norm: torch.Tensor | None = None,
 ) -> None:
     """Applies one step in place on compact states ("bf16" or "int8") with the C++ kernel.
 
-    Its bodies are "generic", "avx2" and "avx512" ("auto": the best this CPU runs); ``threads`` as for
-    :func:`adam_update`.
+    Its bodies are "generic", "avx2" and "avx512" ("auto": the best this CPU runs); ``threads`` and
+    ``grad_sq_norm`` as for :func:`adam_update`.
     """
     c = constants
     KERNEL.ops().adam_step_compact(
         master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out,
         state_dtype == "int8", c.decoupled, c.decay, c.l2, c.lerp_weight, c.beta2, c.beta2_complement,
-        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1], ISA_CODES[isa], threads,
+        c.bias_correction2_sqrt, c.neg_step_size, c.eps, keys[0], keys[1], ISA_CODES[isa], threads, grad_sq_norm,
     )  # fmt: skip
 
 

@@ -407,11 +407,11 @@ def slow_step_tail(monkeypatch) -> dict:
     seen = {"waited": 0, "tail_updates": 0}
     update, wait_for = OverlappedStep._update, StepTail.wait_for
 
-    def slow_update(self, group):
+    def slow_update(self, group, **kwargs):
         if threading.current_thread().name == "infinity-step-tail":
             time.sleep(0.02)
             seen["tail_updates"] += 1
-        update(self, group)
+        update(self, group, **kwargs)
 
     def counting_wait_for(self, slot_index):
         if not self.delivered(slot_index):

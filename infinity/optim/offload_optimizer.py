@@ -174,6 +174,14 @@ class OffloadOptimizer:
         """The device's Adam steps ``group`` (its states rest in device memory)."""
         return self._placement.stepped_on_device(group.index)
 
+    def takes_norm_in_update(self, group: SubGroup, grad_coef: float) -> bool:
+        """Whether ``group``'s update can also sum its gradients' squares, in the same pass: the fused CPU kernel
+        reading the slices themselves. Not where the device steps it, where its gradients rest on NVMe (their
+        norm is taken as they are written), or where the update reads a scaled copy (``grad_coef`` != 1: the
+        norm is the slices')."""
+        return (grad_coef == 1.0 and kernels.backend() == "cpp" and not self.stepped_on_device(group)
+                and not self._grads.on_nvme(group) and kernels.norm.takes(self._grads.slices))
+
     @property
     def resident_numel(self) -> int:
         """Elements whose states rest in memory (all of them unless the tier is NVMe)."""
@@ -225,11 +233,14 @@ class OffloadOptimizer:
         self._grads.scale(grad_coef)
 
     def _update(self, group: SubGroup, states: dict[str, torch.Tensor], scratch: "torch.Tensor | None",
-                at: UpdateAt, *, grad_coef: float = 1.0, staging: StagingSet | None = None) -> list[IOHandle]:
+                at: UpdateAt, *, grad_coef: float = 1.0, staging: StagingSet | None = None,
+                sq_norms: "dict[int, float] | None" = None) -> list[IOHandle]:
         """Adam over one sub-group, once its gradient slices have landed (read from NVMe into ``staging`` where
         they rest there); the new compute shards go straight to their flat buffer when it is in the optimizer's
         memory, else through a scratch buffer to their tier. ``grad_coef`` scales the gradients on the way in
-        (the slices themselves are left as they are). Returns the NVMe writes still in flight."""
+        (the slices themselves are left as they are). ``sq_norms``, where :meth:`takes_norm_in_update`: the
+        kernel also sums the gradients' squares as it reads them, into ``sq_norms[group.index]``. Returns the NVMe
+        writes still in flight."""
         cfg = self.config
         states = group_states(self.state_dtype, group, states)
         if staging is not None and self._grads.on_nvme(group):
@@ -245,15 +256,21 @@ class OffloadOptimizer:
         on_device = self.stepped_on_device(group)
         if not on_device:
             hyper["num_threads"] = self.host_cores.threads  # the fused CPU kernel's team
+        if sq_norms is not None:
+            hyper["grad_sq_norm"] = True
         adam = self._device_adam if on_device else self._adam
         with self.span(f"sub-group {group.index}"):
             if self.state_dtype == "fp32":
-                adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
+                sq_norm = adam(states["master"], grads, states["exp_avg"], states["exp_avg_sq"], **hyper)
             else:  # the compact form read, updated and written back in the kernel's one pass
-                kernels.adam_step_compact(states["master"], grads, states["exp_avg"], states["exp_avg_sq"],
-                                          state_dtype=self.state_dtype, seed=self._seed(group),
-                                          exp_avg_scale=states.get("exp_avg_scale"),
-                                          exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
+                sq_norm = kernels.adam_step_compact(states["master"], grads, states["exp_avg"], states["exp_avg_sq"],
+                                                    state_dtype=self.state_dtype, seed=self._seed(group),
+                                                    exp_avg_scale=states.get("exp_avg_scale"),
+                                                    exp_avg_sq_scale=states.get("exp_avg_sq_scale"), **hyper)
+        if sq_norms is not None:
+            if sq_norm is None:
+                raise RuntimeError(f"internal error: sub-group {group.index}'s update took no gradient norm")
+            sq_norms[group.index] = sq_norm
         return self.delivery.updated(group, out, states["master"])
 
     def span(self, name: str):
@@ -396,17 +413,20 @@ class OffloadOptimizer:
                                                          owner="gradient scratch")
         return torch.mul(grads, grad_coef, out=self._grad_scratch[tier][:grads.numel()])
 
-    def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt) -> None:
-        """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand."""
+    def update_in_memory(self, group: SubGroup, check: StepCheck, at: UpdateAt, *,
+                         sq_norms: "dict[int, float] | None" = None) -> None:
+        """The overlapped step's update of an in-memory sub-group, undoable when the step may not stand;
+        ``sq_norms`` as for :meth:`_update`."""
         if check.needs_norm:
             self._undo_of(group).save(group)
-        self._update_in_memory(group, at, grad_coef=check.grad_coef)
+        self._update_in_memory(group, at, grad_coef=check.grad_coef, sq_norms=sq_norms)
 
-    def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt) -> None:
+    def update_staged(self, group: SubGroup, staging: StagingSet, check: StepCheck, at: UpdateAt, *,
+                      sq_norms: "dict[int, float] | None" = None) -> None:
         """The overlapped step's update of a swapped sub-group whose states are in ``staging``; when the step
-        may not stand, the new states go to the other side of its keys."""
+        may not stand, the new states go to the other side of its keys. ``sq_norms`` as for :meth:`_update`."""
         staging.writes.extend(self._update(group, staging.states, staging.compute, at, grad_coef=check.grad_coef,
-                                           staging=staging))
+                                           staging=staging, sq_norms=sq_norms))
         self._write_states(group, staging, other_side=check.needs_norm)
 
     def _write_states(self, group: SubGroup, staging: StagingSet, *, other_side: bool) -> None:
@@ -419,9 +439,11 @@ class OffloadOptimizer:
         self.delivery.written_from(group, staging, master=staging.states["master"][:group.numel],
                                    compute=staging.compute[:group.numel], speculative=other_side)
 
-    def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0) -> None:
+    def _update_in_memory(self, group: SubGroup, at: UpdateAt, *, grad_coef: float = 1.0,
+                          sq_norms: "dict[int, float] | None" = None) -> None:
         """One sub-group's update with the states in memory (compute shards may still go to NVMe)."""
-        for handle in self._update(group, self.memory_of(group).views(group), None, at, grad_coef=grad_coef):
+        for handle in self._update(group, self.memory_of(group).views(group), None, at, grad_coef=grad_coef,
+                                   sq_norms=sq_norms):
             handle.wait()
 
     def read_states(self, group: SubGroup, staging: StagingSet, *, step: int, urgent: bool = True,

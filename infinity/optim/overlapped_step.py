@@ -26,7 +26,9 @@ stops speculating as soon as the squared norm of the sub-groups seen so far
 already exceeds the clipping threshold. Every sub-group's squared gradient norm is taken here, as it
 becomes final, so the global norm costs no pass over the gradients after
 backward; the non-overlapped step sums the same per-sub-group terms in the
-same order, which keeps the two bitwise equal.
+same order, which keeps the two bitwise equal. A sub-group updated now by the fused CPU kernel has its
+norm summed by that kernel as it reads the gradients (the same bits), so it costs no pass of its own
+either: the update runs before its norm is known, and a step that clips undoes it with the others.
 """
 
 from __future__ import annotations
@@ -250,19 +252,31 @@ class OverlappedStep:
 
     def _arrive(self, group: SubGroup) -> None:
         self._in_backward = True
+        if (self._speculating and self._can_undo(group)
+                and self._optimizer.takes_norm_in_update(group, self.check.grad_coef)):
+            # the kernel sums the gradients' squares as it reads them for the update: the norm costs no pass of
+            # its own (the same bits as the pass below). A step found to clip here undoes this update too.
+            self._update(group, sq_norms=self.sq_norms)
+            self.speculated.append(group)
+            self._stop_speculating_if_rejected()
+            return
         # the wait for the sub-group's last gradients to land, then a pass over them: the worker's, on the trace
         with self._optimizer.span(f"sub-group {group.index} norm"):
             self.sq_norms[group.index] = self._grads.sub_group_sq_norm(group)
-        if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
-            self._speculating = False  # the step will clip or overflow: updating more would only be undone
-            logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "
-                         "the rest wait for it", len(self.sq_norms))
-            self._read_next_ahead()  # no set is needed for updates now: fill them all
+        self._stop_speculating_if_rejected()
         if not self._speculating or not self._can_undo(group):
             self.deferred.append(group)
             return
         self._update(group)
         self.speculated.append(group)
+
+    def _stop_speculating_if_rejected(self) -> None:
+        """Stop speculating once the norm of the sub-groups seen so far says the step clips or overflows."""
+        if self._speculating and self.check.needs_norm and self.check.surely_rejected(sum(self.sq_norms.values())):
+            self._speculating = False  # the step will clip or overflow: updating more would only be undone
+            logger.debug("overlapped step: the norm already exceeds the threshold after %d sub-groups; "
+                         "the rest wait for it", len(self.sq_norms))
+            self._read_next_ahead()  # no set is needed for updates now: fill them all
 
     def _can_undo(self, group: SubGroup) -> bool:
         """Whether ``group`` may be updated before the check's outcome is known."""
@@ -276,10 +290,11 @@ class OverlappedStep:
         except BaseException as err:  # handed to the main thread by finish()
             self._error = self._error or err
 
-    def _update(self, group: SubGroup) -> None:
+    def _update(self, group: SubGroup, *, sq_norms: "dict[int, float] | None" = None) -> None:
+        """Update ``group``; ``sq_norms`` as for :meth:`OffloadOptimizer.update_in_memory`."""
         optimizer = self._optimizer
         if optimizer.in_memory(group):
-            optimizer.update_in_memory(group, self.check, self.at())
+            optimizer.update_in_memory(group, self.check, self.at(), sq_norms=sq_norms)
             return
         entry = self._read_ahead.pop(group.index, None)
         if entry is None:
@@ -294,7 +309,7 @@ class OverlappedStep:
             staging, reads = entry
         for handle in reads:
             handle.wait()
-        optimizer.update_staged(group, staging, self.check, self.at())
+        optimizer.update_staged(group, staging, self.check, self.at(), sq_norms=sq_norms)
         self._free_sets.append(staging)
         self._read_next_ahead()
 

@@ -48,11 +48,11 @@ __all__ = ["FORMAT", "MachineFigures", "adam_measure_numel", "cache_path", "load
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 5
+FORMAT = 6
 """The cache file's format; a file of another format is measured again (2: the disk's write is an overwrite; 3: a
 half-precision matmul on a CPU without units for it is timed as the engine computes it, through fp32; 4: the CPU
 Adam is timed beyond the cache, with the gradient norm the step takes before each update; 5: the engine's host-side
-work per released tensor)."""
+work per released tensor; 6: that norm summed by the Adam kernel in its own pass, as the step now takes it)."""
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -362,9 +362,9 @@ def adam_measure_numel() -> int:
 
 def measure_cpu_adam(state_dtype: str, *, numel: int | None = None, budget_s: float = 0.4,
                      host_cores: HostCores | None = None) -> float:
-    """Elements a second of one sub-group's host update as the offloaded step makes it: the squared gradient norm
-    (the C++ kernel's, as :func:`infinity.grads.norm.sq_norm_fp64` takes it of each sub-group before its update), then
-    the fused CPU Adam over ``state_dtype`` states, bf16 gradients and parameter copy; over ``numel`` elements
+    """Elements a second of one sub-group's host update as the offloaded step makes it: the fused CPU Adam over
+    ``state_dtype`` states, bf16 gradients and parameter copy, summing the gradients' squares in the same pass (as
+    :meth:`~infinity.optim.overlapped_step.OverlappedStep` takes each sub-group's norm); over ``numel`` elements
     (default :func:`adam_measure_numel`: beyond the cache). With ``host_cores``, on a thread bound as the engine
     binds its updating threads, with that team."""
     numel = adam_measure_numel() if numel is None else numel
@@ -380,15 +380,15 @@ def measure_cpu_adam(state_dtype: str, *, numel: int | None = None, budget_s: fl
 
     def run():
         counter[0] += 1
-        kernels.sq_norm_fp64(grad, num_threads=threads)  # as infinity.grads.norm takes it of host gradients
         if state_dtype == "fp32":
             kernels.adam_step(state["master"], grad, state["exp_avg"], state["exp_avg_sq"], step=counter[0],
-                              param_out=param_out, num_threads=threads, **hyper)
+                              param_out=param_out, num_threads=threads, grad_sq_norm=True, **hyper)
         else:
             kernels.adam_step_compact(state["master"], grad, state["exp_avg"], state["exp_avg_sq"],
                                       state_dtype=state_dtype, step=counter[0], seed=0, param_out=param_out,
                                       exp_avg_scale=state.get("exp_avg_scale"),
-                                      exp_avg_sq_scale=state.get("exp_avg_sq_scale"), num_threads=threads, **hyper)
+                                      exp_avg_sq_scale=state.get("exp_avg_sq_scale"), num_threads=threads,
+                                      grad_sq_norm=True, **hyper)
 
     def rate() -> float:
         return _best_rate(run, numel, budget_s=budget_s)

@@ -38,6 +38,7 @@
 
 #include "chunks.h"
 #include "isa.h"
+#include "sq_norm.h"
 
 namespace infinity_kernels {
 namespace {
@@ -396,7 +397,7 @@ __attribute__((noinline)) void span_avx512(const Hyper& h, float* p, const G* g,
 
 template <Op K, Decay D, class G, class O>
 void run_parallel(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v, O* out,
-                  int64_t n, int64_t threads) {
+                  int64_t n, int64_t threads, double* grad_sq_norm) {
   bool stream = false;
   if constexpr (!std::is_same_v<O, NoOut>) {
     stream = n * static_cast<int64_t>(sizeof(O)) >= kStreamMinBytes;
@@ -410,20 +411,25 @@ void run_parallel(Isa isa, const Hyper& h, float* p, const G* g, float* m, float
       default: run_span<K, Generic, D>(h, p, g, m, v, out, begin, end, stream); return;
     }
   };
+  if (grad_sq_norm != nullptr) {
+    // each norm block summed just before the update reads it: one pass over the gradients, not two
+    *grad_sq_norm = sq_sum_beside(g, n, threads, span);
+    return;
+  }
   run_in_chunks(n, threads, kChunks, span);
 }
 
 template <Op K, Decay D, class G>
 void with_out(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v,
-              const c10::optional<at::Tensor>& out, int64_t n, int64_t threads) {
+              const c10::optional<at::Tensor>& out, int64_t n, int64_t threads, double* sq) {
   if (!out.has_value()) {
     NoOut none;
-    return run_parallel<K, D>(isa, h, p, g, m, v, &none, n, threads);
+    return run_parallel<K, D>(isa, h, p, g, m, v, &none, n, threads, sq);
   }
   switch (out->scalar_type()) {
-    case at::kFloat: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<float>(), n, threads);
-    case at::kBFloat16: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<BF16>(), n, threads);
-    case at::kHalf: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<F16>(), n, threads);
+    case at::kFloat: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<float>(), n, threads, sq);
+    case at::kBFloat16: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<BF16>(), n, threads, sq);
+    case at::kHalf: return run_parallel<K, D>(isa, h, p, g, m, v, out->data_ptr<F16>(), n, threads, sq);
     default: TORCH_CHECK(false, "param_out must be float32, bfloat16 or float16");
   }
 }
@@ -431,15 +437,15 @@ void with_out(Isa isa, const Hyper& h, float* p, const G* g, float* m, float* v,
 template <Op K, Decay D>
 void with_grad(Isa isa, const Hyper& h, const at::Tensor& param, const at::Tensor& grad,
                const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-               const c10::optional<at::Tensor>& out, int64_t threads) {
+               const c10::optional<at::Tensor>& out, int64_t threads, double* sq) {
   float* p = param.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t n = param.numel();
   switch (grad.scalar_type()) {
-    case at::kFloat: return with_out<K, D>(isa, h, p, grad.data_ptr<float>(), m, v, out, n, threads);
-    case at::kBFloat16: return with_out<K, D>(isa, h, p, grad.data_ptr<BF16>(), m, v, out, n, threads);
-    case at::kHalf: return with_out<K, D>(isa, h, p, grad.data_ptr<F16>(), m, v, out, n, threads);
+    case at::kFloat: return with_out<K, D>(isa, h, p, grad.data_ptr<float>(), m, v, out, n, threads, sq);
+    case at::kBFloat16: return with_out<K, D>(isa, h, p, grad.data_ptr<BF16>(), m, v, out, n, threads, sq);
+    case at::kHalf: return with_out<K, D>(isa, h, p, grad.data_ptr<F16>(), m, v, out, n, threads, sq);
     default: TORCH_CHECK(false, "grad must be float32, bfloat16 or float16");
   }
 }
@@ -455,23 +461,25 @@ void check(const at::Tensor& t, const char* name, int64_t n, bool fp32) {
 template <Op K>
 void run_op(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
-            const Hyper& h, bool decoupled, int64_t isa_code, int64_t threads) {
+            const Hyper& h, bool decoupled, int64_t isa_code, int64_t threads,
+            const c10::optional<at::Tensor>& grad_sq_norm) {
   const int64_t n = param.numel();
   check(param, "param", n, true);
   check(grad, "grad", n, false);
   check(exp_avg, "exp_avg", n, true);
   check(exp_avg_sq, "exp_avg_sq", n, true);
   if (param_out.has_value()) check(*param_out, "param_out", n, false);
+  double* sq = sq_norm_out(grad_sq_norm);
   if (n == 0) return;
   const Isa isa = resolve_isa(isa_code, Isa::kAvx512, "fused Adam");
   if constexpr (K == Op::kTouch) {
-    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
+    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads, sq);
   } else if (h.l2 != 0.0 && !decoupled) {
-    with_grad<K, Decay::kL2>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
+    with_grad<K, Decay::kL2>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads, sq);
   } else if (h.decay != 1.0 && decoupled) {
-    with_grad<K, Decay::kDecoupled>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
+    with_grad<K, Decay::kDecoupled>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads, sq);
   } else {
-    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads);
+    with_grad<K, Decay::kNone>(isa, h, param, grad, exp_avg, exp_avg_sq, param_out, threads, sq);
   }
 }
 
@@ -479,17 +487,17 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
                bool decoupled, double decay, double l2, double lerp_weight, double beta2,
                double beta2_complement, double bias_correction2_sqrt, double neg_step_size,
-               double eps, int64_t isa, int64_t threads) {
+               double eps, int64_t isa, int64_t threads, const c10::optional<at::Tensor>& grad_sq_norm) {
   const Hyper h{decay, l2, lerp_weight, beta2, beta2_complement, bias_correction2_sqrt,
                 neg_step_size, eps};
-  run_op<Op::kAdam>(param, grad, exp_avg, exp_avg_sq, param_out, h, decoupled, isa, threads);
+  run_op<Op::kAdam>(param, grad, exp_avg, exp_avg_sq, param_out, h, decoupled, isa, threads, grad_sq_norm);
 }
 
 void touch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
            const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& param_out,
            int64_t isa, int64_t threads) {
   const Hyper h{1.0, 0.0, 0.1, 0.0, 0.0, 1.0, /*neg_step_size: the zero factor*/ 0.0, 0.0};
-  run_op<Op::kTouch>(param, grad, exp_avg, exp_avg_sq, param_out, h, false, isa, threads);
+  run_op<Op::kTouch>(param, grad, exp_avg, exp_avg_sq, param_out, h, false, isa, threads, c10::nullopt);
 }
 
 std::string best_isa_name() { return isa_name(best_isa()); }
@@ -501,7 +509,7 @@ TORCH_LIBRARY(infinity_kernels, m) {
       "adam_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? param_out, bool decoupled, float decay, float l2, float lerp_weight, "
       "float beta2, float beta2_complement, float bias_correction2_sqrt, float neg_step_size, "
-      "float eps, int isa, int threads=0) -> ()",
+      "float eps, int isa, int threads=0, Tensor(e!)? grad_sq_norm=None) -> ()",
       &adam_step);
   m.def(
       "touch(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "

@@ -45,6 +45,7 @@
 
 #include "chunks.h"
 #include "isa.h"
+#include "sq_norm.h"
 
 namespace infinity_kernels {
 namespace {
@@ -416,33 +417,38 @@ void run_span(Isa isa, const Consts& c, const Buffers& b, const G* g, O* out, in
 
 template <Op K, Decay D, class G, class O>
 void run_parallel(Isa isa, const Consts& c, const Buffers& b, const G* g, O* out, int64_t n,
-                  int64_t threads) {
+                  int64_t threads, double* grad_sq_norm) {
   auto span = [&](int64_t begin, int64_t end) { run_span<K, D>(isa, c, b, g, out, begin, end); };
+  if (grad_sq_norm != nullptr) {
+    // each norm block summed just before the update reads it: one pass over the gradients, not two
+    *grad_sq_norm = sq_sum_beside(g, n, threads, span);
+    return;
+  }
   run_in_chunks(n, threads, kChunks, span);
 }
 
 template <Op K, Decay D, class G>
 void with_out(Isa isa, const Consts& c, const Buffers& b, const G* g, const c10::optional<at::Tensor>& out,
-              int64_t n, int64_t threads) {
+              int64_t n, int64_t threads, double* sq) {
   if (!out.has_value()) {
     NoOut* none = nullptr;
-    return run_parallel<K, D>(isa, c, b, g, none, n, threads);
+    return run_parallel<K, D>(isa, c, b, g, none, n, threads, sq);
   }
   switch (out->scalar_type()) {
-    case at::kFloat: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<float>(), n, threads);
-    case at::kBFloat16: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<BF16>(), n, threads);
-    case at::kHalf: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<F16>(), n, threads);
+    case at::kFloat: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<float>(), n, threads, sq);
+    case at::kBFloat16: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<BF16>(), n, threads, sq);
+    case at::kHalf: return run_parallel<K, D>(isa, c, b, g, out->data_ptr<F16>(), n, threads, sq);
     default: TORCH_CHECK(false, "param_out must be float32, bfloat16 or float16");
   }
 }
 
 template <Op K, Decay D>
 void with_grad(Isa isa, const Consts& c, const Buffers& b, const at::Tensor& grad,
-               const c10::optional<at::Tensor>& out, int64_t n, int64_t threads) {
+               const c10::optional<at::Tensor>& out, int64_t n, int64_t threads, double* sq) {
   switch (grad.scalar_type()) {
-    case at::kFloat: return with_out<K, D>(isa, c, b, grad.data_ptr<float>(), out, n, threads);
-    case at::kBFloat16: return with_out<K, D>(isa, c, b, grad.data_ptr<BF16>(), out, n, threads);
-    case at::kHalf: return with_out<K, D>(isa, c, b, grad.data_ptr<F16>(), out, n, threads);
+    case at::kFloat: return with_out<K, D>(isa, c, b, grad.data_ptr<float>(), out, n, threads, sq);
+    case at::kBFloat16: return with_out<K, D>(isa, c, b, grad.data_ptr<BF16>(), out, n, threads, sq);
+    case at::kHalf: return with_out<K, D>(isa, c, b, grad.data_ptr<F16>(), out, n, threads, sq);
     default: TORCH_CHECK(false, "grad must be float32, bfloat16 or float16");
   }
 }
@@ -460,7 +466,7 @@ void run_op(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& 
             const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& exp_avg_scale,
             const c10::optional<at::Tensor>& exp_avg_sq_scale,
             const c10::optional<at::Tensor>& param_out, const Consts& c, Decay decay, Isa isa,
-            int64_t threads) {
+            int64_t threads, const c10::optional<at::Tensor>& grad_sq_norm) {
   constexpr bool kInt8 = K == Op::kInt8 || K == Op::kTouchInt8;
   const int64_t n = master.numel();
   check(master, "master", n, at::kBFloat16);
@@ -481,11 +487,12 @@ void run_op(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& 
   if (param_out.has_value()) {
     TORCH_CHECK(param_out->is_contiguous() && param_out->numel() == n, "bad param_out");
   }
+  double* sq = sq_norm_out(grad_sq_norm);
   if (n == 0) return;
   switch (decay) {
-    case Decay::kL2: return with_grad<K, Decay::kL2>(isa, c, b, grad, param_out, n, threads);
-    case Decay::kDecoupled: return with_grad<K, Decay::kDecoupled>(isa, c, b, grad, param_out, n, threads);
-    default: return with_grad<K, Decay::kNone>(isa, c, b, grad, param_out, n, threads);
+    case Decay::kL2: return with_grad<K, Decay::kL2>(isa, c, b, grad, param_out, n, threads, sq);
+    case Decay::kDecoupled: return with_grad<K, Decay::kDecoupled>(isa, c, b, grad, param_out, n, threads, sq);
+    default: return with_grad<K, Decay::kNone>(isa, c, b, grad, param_out, n, threads, sq);
   }
 }
 
@@ -495,7 +502,8 @@ void adam_step_compact(const at::Tensor& master, const at::Tensor& grad, const a
                        const c10::optional<at::Tensor>& param_out, bool int8, bool decoupled,
                        double decay, double l2, double lerp_weight, double beta2,
                        double beta2_complement, double bias_correction2_sqrt, double neg_step_size,
-                       double eps, int64_t k0, int64_t k1, int64_t isa_code, int64_t threads) {
+                       double eps, int64_t k0, int64_t k1, int64_t isa_code, int64_t threads,
+                       const c10::optional<at::Tensor>& grad_sq_norm) {
   Consts c;
   const float w = static_cast<float>(lerp_weight);
   c.base_is_avg = std::fabs(w) < 0.5f;
@@ -518,10 +526,10 @@ void adam_step_compact(const at::Tensor& master, const at::Tensor& grad, const a
   const Isa isa = resolve_isa(isa_code, Isa::kAvx512, "compact-state Adam");
   if (int8) {
     run_op<Op::kInt8>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa,
-                      threads);
+                      threads, grad_sq_norm);
   } else {
     run_op<Op::kBf16>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c, d, isa,
-                      threads);
+                      threads, grad_sq_norm);
   }
 }
 
@@ -533,10 +541,10 @@ void touch_compact(const at::Tensor& master, const at::Tensor& grad, const at::T
   c.k0 = static_cast<uint32_t>(zero);
   if (int8) {
     run_op<Op::kTouchInt8>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c,
-                           Decay::kNone, Isa::kGeneric, threads);
+                           Decay::kNone, Isa::kGeneric, threads, c10::nullopt);
   } else {
     run_op<Op::kTouchBf16>(master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param_out, c,
-                           Decay::kNone, Isa::kGeneric, threads);
+                           Decay::kNone, Isa::kGeneric, threads, c10::nullopt);
   }
 }
 
@@ -547,7 +555,8 @@ TORCH_LIBRARY_FRAGMENT(infinity_kernels, m) {
       "adam_step_compact(Tensor(a!) master, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? exp_avg_scale, Tensor(e!)? exp_avg_sq_scale, Tensor(f!)? param_out, bool int8, "
       "bool decoupled, float decay, float l2, float lerp_weight, float beta2, float beta2_complement, "
-      "float bias_correction2_sqrt, float neg_step_size, float eps, int k0, int k1, int isa=0, int threads=0) -> ()",
+      "float bias_correction2_sqrt, float neg_step_size, float eps, int k0, int k1, int isa=0, int threads=0, "
+      "Tensor(g!)? grad_sq_norm=None) -> ()",
       &adam_step_compact);
   m.def(
       "touch_compact(Tensor(a!) master, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "

@@ -6,13 +6,7 @@
 // In torch ops that was ~150 calls per 19M elements, each taking the GIL from
 // backward's hooks: 14-29 ms per sub-group on two cores, against 3 ms here.
 //
-// Numerics. A square of an fp32 (or narrower) value is exact in fp64 and never
-// overflows, so the sum is finite exactly when every value is. The tensor is
-// cut into blocks of kBlock elements; each block is summed by kLanes
-// independent fp64 accumulators (element i into lane i % kLanes, which the
-// compiler keeps in vector registers), the lanes are added in order, and the
-// block sums are added in block order. No step depends on the thread count or
-// on which thread ran a block: the same tensor always gives the same bits.
+// Numerics: sq_norm.h (the Adam kernels take the same sums beside their update).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,48 +18,26 @@
 #include <vector>
 
 #include "chunks.h"
+#include "sq_norm.h"
 
 namespace infinity_kernels {
 namespace {
 
-constexpr int64_t kBlock = 1 << 16;
-constexpr int kLanes = 16;
 // Blocks are handed to threads a few at a time (chunks.h); fewer than 8 are summed on the calling thread.
 constexpr ChunkShape kBlockChunks{/*unit=*/1, /*min_chunk=*/1, /*max_chunk=*/64, /*grain=*/8};
 
 template <class T>
-double block_sq_sum(const T* x, int64_t n) {
-  double lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double v = static_cast<double>(static_cast<float>(x[i + j]));
-      lanes[j] += v * v;
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
-    const double v = static_cast<double>(static_cast<float>(x[i]));
-    lanes[j] += v * v;
-  }
-  double total = 0.0;
-  for (int j = 0; j < kLanes; ++j) total += lanes[j];
-  return total;
-}
-
-template <class T>
 double sq_sum(const T* x, int64_t n, int64_t threads) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
   std::vector<double> sums(blocks, 0.0);
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t start = b * kBlock;
-      sums[b] = block_sq_sum(x + start, std::min(kBlock, n - start));
+      const int64_t start = b * kNormBlock;
+      sums[b] = block_sq_sum(x + start, std::min(kNormBlock, n - start));
     }
   };
   run_in_chunks(blocks, threads, kBlockChunks, run);
-  double total = 0.0;
-  for (double s : sums) total += s;
-  return total;
+  return sum_in_order(sums);
 }
 
 double sq_norm_fp64(const at::Tensor& values, int64_t threads) {

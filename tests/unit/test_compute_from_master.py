@@ -98,9 +98,9 @@ def test_late_storage_and_worker_never_change_what_is_read(gpt, tmp_path, monkey
     delay_storage(monkeypatch)
     update = infinity.optim.overlapped_step.OverlappedStep._update
 
-    def late(self, group):
+    def late(self, group, **kwargs):
         time.sleep(random.uniform(0, 0.003))
-        update(self, group)
+        update(self, group, **kwargs)
 
     monkeypatch.setattr(infinity.optim.overlapped_step.OverlappedStep, "_update", late)
     for seed in range(3):

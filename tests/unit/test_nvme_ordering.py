@@ -47,9 +47,9 @@ def late_worker(monkeypatch):
     """The overlapped step's worker starts each sub-group after a random pause."""
     original = infinity.optim.overlapped_step.OverlappedStep._update
 
-    def late(self, group):
+    def late(self, group, **kwargs):
         time.sleep(random.uniform(0, 0.003))
-        original(self, group)
+        original(self, group, **kwargs)
 
     monkeypatch.setattr(infinity.optim.overlapped_step.OverlappedStep, "_update", late)
 

@@ -181,7 +181,7 @@ def test_each_kernel_sees_only_its_own_memory_and_device_gradients_never_cross(g
     def recorded(which, kernel):
         def step(*tensors, **kwargs):
             handed[which].extend(span(t) for t in tensors)
-            kernel(*tensors, **kwargs)
+            return kernel(*tensors, **kwargs)
         return step
 
     engine.optimizer._adam = recorded("host", host_kernel)

@@ -69,10 +69,10 @@ def test_without_clipping_the_updates_backward_did_not_reach_run_behind_the_forw
     seen = slow_step_tail(monkeypatch)
     update = OverlappedStep._update
 
-    def slow_worker(self, group):
+    def slow_worker(self, group, **kwargs):
         if threading.current_thread().name == "infinity-optimizer":
             time.sleep(0.02)  # behind backward, as the host's Adam is behind a GPU's
-        update(self, group)
+        update(self, group, **kwargs)
 
     monkeypatch.setattr(OverlappedStep, "_update", slow_worker)
     on_losses, on_state, on_metrics = _train(model, batches, tmp_path, param=param, optimizer=optimizer,
@@ -126,10 +126,10 @@ def test_a_failed_update_behind_the_forward_is_raised_and_a_checkpoint_goes_on(t
                            lr=3e-3)
     update = OverlappedStep._update
 
-    def failing_update(self, group):
+    def failing_update(self, group, **kwargs):
         if threading.current_thread().name == "infinity-step-tail":
             raise OSError(5, "Input/output error (injected)")
-        update(self, group)
+        update(self, group, **kwargs)
 
     with infinity.initialize(copy.deepcopy(model), config) as engine:
         train_batches(engine, batches[:1])

@@ -356,22 +356,25 @@ def test_the_cpu_adam_figure_is_taken_beyond_the_cache_within_the_memory(monkeyp
     assert mf.adam_measure_numel() == (4 << 30) // 256  # 16 Mi: what 256 MiB holds at 16 B an element
 
 
-def test_the_cpu_adam_figure_includes_the_norm_the_step_takes_first(monkeypatch):
-    """The offloaded step takes each sub-group's squared gradient norm before its update (the worker's time on
-    the trace): the figure is of both, over the same gradients."""
+def test_the_cpu_adam_figure_is_of_the_update_that_sums_the_norm(monkeypatch):
+    """The overlapped step's updates sum each sub-group's squared gradient norm in their own pass (the worker's
+    time on the trace): the figure is of that update, over bf16 gradients."""
     if kernels.backend() != "cpp":
         pytest.skip("the C++ kernel is not built here: the norm is summed in torch ops")
     seen = []
-    real = kernels.sq_norm_fp64
+    for name in ("adam_step", "adam_step_compact"):
+        real = getattr(kernels, name)
 
-    def counted(values, **kw):
-        seen.append((values.numel(), values.dtype))
-        return real(values, **kw)
+        def counted(master, grad, *args, _real=real, **kw):
+            seen.append((grad.numel(), grad.dtype, kw.get("grad_sq_norm")))
+            return _real(master, grad, *args, **kw)
 
-    monkeypatch.setattr(mf.kernels, "sq_norm_fp64", counted)
-    assert mf.measure_cpu_adam("fp32", numel=1 << 12, budget_s=0.0) > 0
-    assert seen and all(s == (1 << 12, mf.torch.bfloat16) for s in seen)  # the bf16 gradients the kernel reads
-    assert len(seen) >= 4  # the warm-up and at least three timed calls, each with its norm
+        monkeypatch.setattr(mf.kernels, name, counted)
+    for state_dtype in ("fp32", "int8"):
+        seen.clear()
+        assert mf.measure_cpu_adam(state_dtype, numel=1 << 12, budget_s=0.0) > 0
+        assert len(seen) >= 4, state_dtype  # the warm-up and at least three timed calls
+        assert all(s == (1 << 12, mf.torch.bfloat16, True) for s in seen), state_dtype
 
 
 DOCUMENTED_KEYS = {
