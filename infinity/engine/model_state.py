@@ -8,7 +8,8 @@ in the dtype the model computes in. With several ranks a gather is collective, a
 alone: there a state dict would hang or be empty, so it is refused, naming the collective forms.
 
 A state dict of the parameters themselves (``keep_vars=True``) is left as it is; so are the parameters a pass holds
-whole and those never released (one rank, shards on the device).
+whole and those never released (one rank, shards on the device). Either way the last step's updates that finish
+behind the next forward are made first, so the values are the trained ones, as after ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -32,12 +33,21 @@ class StateDictHooks:
         self._read: dict[int, torch.Tensor] = {}
         self._handles = []
         for module, group in groups.items():
+            self._handles.append(module.register_state_dict_pre_hook(self._landing))
             if group.always_fetched:
                 continue  # never released: its entries are whole
             by_id = {id(sharded.param): sharded for sharded in group.params}
             own = {name: by_id[id(param)] for name, param in module._parameters.items()
                    if param is not None and id(param) in by_id}
             self._handles.append(module.register_state_dict_post_hook(self._filler(own)))
+
+    def _landing(self, module, prefix, keep_vars) -> None:
+        """Before a module's entries are taken: wait for the last step's updates behind the forward. A parameter
+        held whole (never released, or kept gathered) is its own entry, and those updates write it in place: taken
+        before them, a state dict would hold the step before (or values changing while it is saved)."""
+        owner = self._owner()
+        if owner is not None:
+            owner.finish_step()
 
     def _filler(self, own: dict[str, ShardedParam]):
         def hook(module, state_dict, prefix, local_metadata) -> None:

@@ -14,9 +14,9 @@ from safetensors import torch as safetensors_torch  # noqa: E402
 
 import infinity  # noqa: E402
 from infinity.engine.gathered import WholeParams  # noqa: E402
-from helpers import run_ranks  # noqa: E402
-from test_hf_trainer import tiny_llama  # noqa: E402
-from test_model_calls import all_released, config, plain_adamw, train_both  # noqa: E402
+from helpers import engine_config, run_ranks, slow_step_tail  # noqa: E402
+from test_hf_trainer import collate, dataset, tiny_llama  # noqa: E402
+from test_model_calls import LR, all_released, config, plain_adamw, train_both  # noqa: E402
 
 
 def assert_state_close(state, expected, atol=5e-5):
@@ -119,3 +119,32 @@ def test_a_tied_head_is_read_once_and_both_entries_are_one_tensor_as_in_a_plain_
         assert_state_close(state, expected)
         model.save_pretrained(tmp_path / "saved")
     assert_state_close(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict(), expected)
+
+
+def test_a_state_dict_taken_right_after_step_holds_the_updates_that_finish_behind_the_forward(tmp_path, monkeypatch):
+    """With every parameter held whole between passes (on the device, one rank) and a step
+    that clips (so all its updates are made behind the next forward, slowed here), ``model.state_dict()`` and the
+    script's own ``model.save_pretrained`` right after ``engine.step()`` hold that step's updates, as plain
+    PyTorch's model does after ``optimizer.step()``. (Found by ``trainer.model.state_dict()`` after
+    ``Trainer.train()`` on a tiny tied Llama, one step behind the stock Trainer's.)"""
+    seen = slow_step_tail(monkeypatch)
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    settings = engine_config(param="none", optimizer="none", nvme_path=None, accum=1, clip=0.01, lr=LR,
+                             weight_decay=0.0)
+    optimizer = plain_adamw(reference)
+    with infinity.initialize(model, settings) as engine:
+        for first in range(2):
+            batch = collate(dataset(40)[2 * first:2 * first + 2])
+            engine.backward(engine(**batch).loss)
+            engine.step()
+            reference(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert not all_released(model)  # held whole: the state dict reads the parameters themselves
+            assert_state_close(model.state_dict(), reference.state_dict())
+        model.save_pretrained(tmp_path / "saved")
+    assert seen["tail_updates"] > 0  # the updates were behind the forward when the state dict was taken
+    assert_state_close(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict(),
+                       reference.state_dict())
