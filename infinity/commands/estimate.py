@@ -216,6 +216,8 @@ def _of_model(args: argparse.Namespace, model, weight_decay: float) -> dict:
 
 def _hidden_size(args: argparse.Namespace) -> int | None:
     """The model's hidden size (for the config's ``"auto"`` bucket sizes, as train fills them)."""
+    if args.preset is not None:
+        return get_preset(args.preset).d_model
     if args.hf_model is None:
         return None
     return read_hf_model_config(args.hf_model, weights=False)["hidden_size"]

@@ -173,7 +173,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         model_seq, hf_vocab_size = hf_config["max_position_embeddings"], hf_config["vocab_size"]
         hidden_size = hf_config.get("hidden_size")
     elif preset is not None:
-        model_seq = get_preset(preset).seq_len  # unknown preset: error listing the presets
+        preset_shape = get_preset(preset)  # unknown preset: error listing the presets
+        model_seq, hidden_size = preset_shape.seq_len, preset_shape.d_model  # (d_model: the "auto" bucket sizes)
         preset = preset.lower()
     else:
         check_model_file(args.model)

@@ -90,6 +90,23 @@ def test_auto_in_a_deepspeed_config_is_filled_from_the_run(tmp_path):
     assert plan.precision == hardware.resolve_precision("auto").precision
 
 
+def test_auto_bucket_sizes_are_filled_from_a_presets_width(tmp_path, capsys):
+    """The ZeRO bucket keys of Hugging Face's DeepSpeed configs are "auto"; `infinity train --preset` and
+    `infinity estimate --preset` fill them from the preset's d_model by the Trainer's formulas, as they do for
+    --hf-model (they were refused, the message saying `infinity train` fills them)."""
+    cfg = _config(tmp_path, {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                   "stage3_prefetch_bucket_size": "auto",
+                                                   "stage3_param_persistence_threshold": "auto"}})
+    hidden = 128  # preset tiny's d_model (infinity/models/gpt.py PRESETS)
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--preset", "tiny", "--config", cfg]))
+    assert plan.config.zero.prefetch_bucket_size == int(0.9 * hidden * hidden)
+    assert plan.config.zero.param_persistence_threshold == 10 * hidden
+    assert main(["estimate", "--preset", "tiny", "--config", cfg, "--json"]) == 0
+    setting = json.loads(capsys.readouterr().out)["estimate"]["setting"]
+    assert setting["prefetch_bucket_size"] == int(0.9 * hidden * hidden)
+    assert setting["param_persistence_threshold"] == 10 * hidden
+
+
 def test_a_model_file_with_a_syntax_error_names_its_line(no_work, capsys, tmp_path):
     f = tmp_path / "broken.py"
     f.write_text("def build_model():\n    return (\n")
