@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from infinity.checkpoint.publish import TMP_PREFIX, fsync_dir, resolve_checkpoint
+from infinity.checkpoint.files import is_checkpoint_folder
+from infinity.checkpoint.publish import LATEST_FILE, TMP_PREFIX, fsync_dir, resolve_checkpoint
 from infinity.checkpoint.reader import Checkpoint
 from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsWriter
 
@@ -137,6 +138,11 @@ def consolidate(checkpoint, out_path, *, dtype: str = "fp32", tag: str | None = 
     out_path = Path(out_path)
     if out_path.is_dir():
         raise IsADirectoryError(errno.EISDIR, "the output is a folder; name a .safetensors file", str(out_path))
+    if is_checkpoint_folder(out_path.absolute().parent) or (out_path.name == LATEST_FILE and out_path.exists()):
+        # (the rename into place would replace a shard, meta.json or `latest`: the checkpoint would be lost)
+        raise FileExistsError(errno.EEXIST, "the output is inside a checkpoint folder (or is a save folder's `latest`): "
+                                            "it could replace the checkpoint's own files; write it elsewhere",
+                              str(out_path))
     ckpt = Checkpoint(resolve_checkpoint(checkpoint, tag))
     tmp = out_path.with_name(f".{out_path.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}")
     try:

@@ -19,6 +19,22 @@ def shard_file(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
+def is_checkpoint_folder(folder) -> bool:
+    """Whether ``folder`` holds a checkpoint: a ``meta.json`` of our format, or one beside rank shard files (a
+    damaged checkpoint is still one). Outputs are never written there: they would replace its files."""
+    folder = Path(folder)
+    meta = folder / META_FILE
+    if not meta.is_file():
+        return False
+    try:
+        body = json.loads(meta.read_bytes())
+        if isinstance(body, dict) and body.get("format") == FORMAT:
+            return True
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    return any(folder.glob("shard-*-of-*.safetensors"))
+
+
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 

@@ -20,6 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from infinity.checkpoint.files import is_checkpoint_folder
 from infinity.checkpoint.save_dir_lock import SaveDirInUse, hold_save_dir
 from infinity.placement.report import format_bytes
 from infinity.weights.export import model_files
@@ -31,10 +32,14 @@ SAVE_DTYPE_NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def check_model_folder(flag: str, folder: str, *, overwrite: bool) -> None:
     """``FileExistsError`` when ``folder`` holds a model (:func:`infinity.weights.export.model_files`) and
-    ``overwrite`` was not given: a model is replaced only when asked (the folder's other files stay)."""
+    ``overwrite`` was not given: a model is replaced only when asked (the folder's other files stay); and, asked or
+    not, when it is a checkpoint folder."""
     path = Path(folder)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{flag} {folder!r} is a file, not a folder")
+    if is_checkpoint_folder(path):  # (its shards are *.safetensors: --overwrite would delete them as a model's)
+        raise FileExistsError(f"{flag} {folder!r} is a checkpoint folder: writing a model there would replace its "
+                              f"shard files, even with --overwrite; choose another folder")
     found = model_files(folder)
     if found and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")

@@ -164,6 +164,33 @@ def test_consolidate_hf_into_a_model_folder_needs_overwrite(tmp_path, capsys):
     assert _bytes_of(out) == before  # untouched
 
 
+def test_consolidate_never_writes_over_the_checkpoint_it_reads(tmp_path, capsys):
+    """OUT naming a checkpoint's own shard, its meta.json or the save folder's `latest` (the file form), or the
+    checkpoint folder itself with --overwrite (--hf, whose shard files looked like a model's), was written: the
+    checkpoint was gone. Each is refused before any work, every byte of the save folder kept; and --save-pretrained
+    into a checkpoint folder is refused before training."""
+    save_dir = tmp_path / "ck"
+    assert main(["train", *TINY, "--steps", "1", "--save-dir", str(save_dir)]) == 0
+    capsys.readouterr()
+    step = save_dir / "step1"
+    before = {**_bytes_of(save_dir), **{f"step1/{k}": v for k, v in _bytes_of(step).items()}}
+    shard = next(step.glob("shard-*.safetensors"))
+    for out in (shard, step / "meta.json", save_dir / "latest"):
+        assert main(["consolidate", str(save_dir), str(out)]) == 2
+        assert "inside a checkpoint folder" in capsys.readouterr().err
+    hf_config = tmp_path / "cfg"
+    hf_config.mkdir()
+    (hf_config / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert main(["consolidate", str(save_dir), str(step), "--hf", "--overwrite", "--hf-config", str(hf_config)]) == 2
+    assert "is a checkpoint folder" in capsys.readouterr().err
+    assert main(["train", *TINY, "--steps", "1", "--save-pretrained", str(step), "--overwrite"]) == 2
+    captured = capsys.readouterr()
+    assert "is a checkpoint folder" in captured.err and "step " not in captured.out
+    after = {**_bytes_of(save_dir), **{f"step1/{k}": v for k, v in _bytes_of(step).items()}}
+    assert after == before
+    assert main(["consolidate", str(save_dir), str(tmp_path / "model.safetensors")]) == 0  # elsewhere: written
+
+
 def test_save_pretrained_into_the_hf_model_folder_is_refused_before_training(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     model_dir = tmp_path / "llama"
