@@ -26,9 +26,10 @@ import logging
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 from infinity.commands.bench_machine import run_machine
-from infinity.commands.train_checks import check_writable
+from infinity.commands.train_checks import check_output_folder, check_writable
 from infinity.storage import libaio_unavailable_reason
 from infinity.storage.aio import AsyncIO
 from infinity.storage.bench import BenchBuffers, check_free_space, measure_copy, measure_nvme, median, parse_size
@@ -130,8 +131,24 @@ def _bench_dir(path: str | None):
     yield path
 
 
+def _plot_format(path: str) -> str:
+    """The format ``--plot`` writes: its name's suffix, or PNG where it has none (the name kept as given: matplotlib
+    would add ``.png`` to it); checked before the bench, as is the folder it goes into."""
+    check_output_folder("--plot", path)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise ImportError("--plot needs matplotlib (pip install matplotlib)") from None
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in FigureCanvasAgg.get_supported_filetypes():
+        raise ValueError(f"--plot {path!r}: matplotlib cannot write .{suffix} files; name a .png (or .pdf, .svg)")
+    return suffix or "png"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.machine:
+        if args.plot:
+            raise ValueError("--plot draws the --block-size x --queue-depth grid, which --machine does not measure")
         return run_machine(args)
     nbytes = parse_size(args.size)
     if nbytes <= 0 or nbytes % 4096:
@@ -141,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1 or args.thread_count < 1:
         raise ValueError("--repeat and --thread-count must be >= 1")
     backends = _backends(args.backend)
+    plot_format = _plot_format(args.plot) if args.plot else None
     for qd in queue_depths:  # fail on bad settings before writing anything
         AsyncIO("threads", block_size=block_sizes[0], queue_depth=qd, thread_count=args.thread_count).close()
     grid = [(b, bs, qd) for b in backends for bs in block_sizes for qd in queue_depths]
@@ -184,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             if copy:
                 print(f"host->device {copy['h2d_GBps']:.2f} GB/s, device->host {copy['d2h_GBps']:.2f} GB/s")
         if args.plot:
-            _plot(results, args.plot)
+            _plot(results, args.plot, plot_format)
         return 0
 
     best = max(results, key=lambda r: (r["write_GBps"] + r["read_GBps"], -r["block_size"], -r["queue_depth"]))
@@ -205,11 +223,11 @@ def run(args: argparse.Namespace) -> int:
               f"{best['queue_depth']} (highest write + read); paste into the config:")  # fmt: skip
         print(json.dumps(aio, indent=2))
     if args.plot:
-        _plot(results, args.plot)
+        _plot(results, args.plot, plot_format)
     return 0
 
 
-def _plot(results: list[dict], path: str) -> None:
+def _plot(results: list[dict], path: str, plot_format: str) -> None:
     """Two panels: GB/s against block size (a line per queue depth) and against queue depth
     (a line per block size); solid for write, dashed for read; one colour per series."""
     import matplotlib
@@ -242,6 +260,6 @@ def _plot(results: list[dict], path: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("NVMe tier bandwidth (O_DIRECT): write solid, read dashed")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=plot_format)  # (a format given: the name is kept as it is)
     plt.close(fig)
     print(f"infinity bench: plot written to {path}", file=sys.stderr)

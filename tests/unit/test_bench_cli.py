@@ -56,6 +56,24 @@ def test_grid_json_and_plot(bench_dir, tmp_path_factory, capsys):
     assert "infinity bench" in captured.err  # the progress bar goes to stderr
 
 
+def test_plot_is_checked_before_the_bench_and_written_under_the_name_given(bench_dir, tmp_path_factory, capsys):
+    """--plot into a missing folder failed only after the whole grid was measured, and a name without a suffix was
+    written as NAME.png while the message said NAME."""
+    base = ["bench", "--path", str(bench_dir), "--size", "1MiB", "--block-size", "64KiB", "--queue-depth", "1",
+            "--backend", "threads", "--no-progress", "--json"]
+    folder = tmp_path_factory.mktemp("plot")
+    for plot, message in ((folder / "missing" / "bw.png", "does not exist"), (folder / "bw.txt", "cannot write .txt")):
+        assert main([*base, "--plot", str(plot)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and "--plot" in captured.err and message in captured.err  # nothing measured
+    assert main(["bench", "--machine", "--plot", str(folder / "m.png")]) == 2
+    assert "--machine" in capsys.readouterr().err
+    assert main([*base, "--plot", str(folder / "bw")]) == 0
+    assert f"plot written to {folder / 'bw'}" in capsys.readouterr().err
+    assert [p.name for p in folder.iterdir()] == ["bw"]
+    assert (folder / "bw").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_default_path_is_a_temporary_directory_removed_after(capsys):
     before = set(Path(tempfile.gettempdir()).glob("infinity-bench-*"))
     if direct_io_problem(tempfile.gettempdir()):
