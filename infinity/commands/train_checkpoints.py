@@ -91,8 +91,9 @@ def add_arguments(group) -> None:
                        help="resume from the latest checkpoint in DIR (or from DIR/TAG); with no DIR, from --save-dir's "
                             "latest (a fresh start when it holds none)")
     group.add_argument("--overwrite", action="store_true",
-                       help="write into a --save-dir that holds another run's checkpoints, or a --save-pretrained "
-                            "folder that holds a model (refused without it)")
+                       help="write into a --save-dir that holds another run's checkpoints, a --save-pretrained "
+                            "folder that holds a model, or a --run-dir whose metrics.csv holds another run's steps "
+                            "(refused without it)")
     group.add_argument("--keep-last", type=int, metavar="N",
                        help="keep only the N newest checkpoints in --save-dir (config: checkpoint.keep_last; default all)")
 

@@ -19,7 +19,7 @@ from infinity.config.monitors import MonitorConfig, monitor_from_deepspeed, tens
 from infinity.config.tier_names import TIERS
 from infinity.placement.report import format_bytes
 from infinity.train.evaluation import DEFAULT_VAL_FRACTION, Validation, sample_text
-from infinity.train.metrics_log import MetricsLog
+from infinity.train.metrics_log import METRICS_FILE, MetricsLog, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -135,12 +135,32 @@ def monitor_plan(args: argparse.Namespace, ds: dict, *, steps: int) -> MonitorPl
         if path is not None and Path(path).exists() and not Path(path).is_dir():
             raise NotADirectoryError(f"{flag} {str(path)!r} is a file, not a folder")
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir()
+    _check_run_dir_reuse(run_dir, resumes=getattr(args, "resume", None) is not None,
+                         overwrite=getattr(args, "overwrite", False))
     return MonitorPlan(
         lr_schedule=lr_schedule, decay_fraction=decay_fraction, run_dir=run_dir, tensorboard_dir=tensorboard_dir,
         eval_every=args.eval_every, eval_batches=args.eval_batches or DEFAULT_EVAL_BATCHES, val_data=args.val_data,
         val_fraction=val_fraction, sample_every=args.sample_every,
         prompt=DEFAULT_PROMPT if args.prompt is None else args.prompt,
         sample_tokens=args.sample_tokens or DEFAULT_SAMPLE_TOKENS, temperature=temperature)
+
+
+def _check_run_dir_reuse(run_dir: Path, *, resumes: bool, overwrite: bool) -> None:
+    """A fresh run (no --resume) starts metrics.csv anew: one that holds an earlier run's steps is replaced only
+    with --overwrite, before any work. (A resumed run keeps its rows up to the step it resumes from.)"""
+    metrics = run_dir / METRICS_FILE
+    if resumes or overwrite or not metrics.is_file():
+        return
+    try:
+        steps = len(read_metrics(metrics))
+    except (OSError, ValueError):
+        steps = None  # not a metrics file of ours: it is the user's, kept all the same
+    if steps == 0:
+        return
+    held = "rows that are not a run's metrics" if steps is None else f"an earlier run's {steps} step(s)"
+    raise FileExistsError(f"--run-dir {str(run_dir)!r}: {str(metrics)!r} holds {held}, which this run would replace: "
+                          f"choose another --run-dir (or leave it out: runs/<date-time>), --resume that run, or "
+                          f"give --overwrite to replace them")
 
 
 def _new_run_dir() -> Path:

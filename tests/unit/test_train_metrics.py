@@ -141,6 +141,19 @@ def test_a_resumed_run_keeps_the_rows_up_to_its_checkpoint(tmp_path):
                                                                                          (4, 40.0)]
 
 
+def test_a_fresh_run_in_a_run_dir_with_an_earlier_runs_metrics_is_refused_before_work(capsys, tmp_path):
+    """A second run given the same --run-dir replaced the first run's metrics.csv without a word; it is refused
+    (naming the flag and the file) unless --overwrite or --resume, and the file is kept byte for byte."""
+    run_dir = tmp_path / "run"
+    assert _train(capsys, "--steps", "2", "--run-dir", str(run_dir))[0] == 0
+    before = (run_dir / "metrics.csv").read_bytes()
+    code, out, err = _train(capsys, "--steps", "3", "--run-dir", str(run_dir))
+    assert code == 2 and "--run-dir" in err and "metrics.csv" in err and "2 step(s)" in err and "step " not in out
+    assert (run_dir / "metrics.csv").read_bytes() == before
+    assert _train(capsys, "--steps", "3", "--run-dir", str(run_dir), "--overwrite")[0] == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.csv")] == [1, 2, 3]
+
+
 def test_global_grad_norm_equals_plain_pytorch(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
