@@ -25,15 +25,31 @@ def read_hf_model_config(model_dir: str, *, weights: bool = True) -> dict:
         raise FileNotFoundError(f"--hf-model folder {model_dir!r} has no config.json") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path} is not JSON: {err}") from None
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-    missing = [k for k in ("vocab_size",) if not isinstance(text.get(k), int)]
-    if missing:
-        raise ValueError(f"{path}: no integer {missing[0]!r}; is this a causal language model's config?")
-
+    fields = _config_fields(raw, path)
     require_transformers("--hf-model")
     if weights:
         PretrainedWeights.open(folder).close()  # the weights are there and readable, before any work
         check_tokenizer_files(folder)
+    return fields
+
+
+def read_model_config_file(path: str) -> dict:
+    """What the plan needs from ``--model CONFIG.json`` (a transformers config), as :func:`read_hf_model_config`
+    reads a folder's: vocab, context, hidden size."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"model file {path!r} is not JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"model file {path!r} must hold a transformers config (a JSON object)")
+    return _config_fields(raw, path)
+
+
+def _config_fields(raw: dict, path) -> dict:
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    missing = [k for k in ("vocab_size",) if not isinstance(text.get(k), int)]
+    if missing:
+        raise ValueError(f"{path}: no integer {missing[0]!r}; is this a causal language model's config?")
     seq = text.get("max_position_embeddings") or text.get("n_positions") or text.get("n_ctx") or 256
     hidden = text.get("hidden_size") or text.get("n_embd") or text.get("d_model")
     return {"vocab_size": text["vocab_size"], "max_position_embeddings": int(seq),

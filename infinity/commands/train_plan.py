@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from infinity.commands import train_checkpoints, train_monitor
-from infinity.commands.hf_model import read_hf_model_config
+from infinity.commands.hf_model import read_hf_model_config, read_model_config_file
 from infinity.commands.train_checkpoints import SavePolicy
 from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, check_direct_io, check_model_file,
                                             check_output_folder, check_writable, config_number, default_swap_location,
@@ -179,6 +179,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         check_model_file(args.model)
         model_seq = None
+        if args.model.endswith(".json"):  # a transformers config: its context and width bound the run, as --hf-model's
+            model_config = read_model_config_file(args.model)
+            model_seq, hidden_size = model_config["max_position_embeddings"], model_config["hidden_size"]
     lora = lora_plan(args, hf_model)
     default_lr = (LORA_LR if lora else HF_MODEL_LR) if hf_model else (
         PRESET_LR.get(preset, MODEL_FILE_LR) if preset else MODEL_FILE_LR)
@@ -203,7 +206,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
-        what = f"preset {preset!r}" if preset else f"the model in {hf_model}"
+        what = f"preset {preset!r}" if preset else f"the model in {hf_model or args.model}"
         raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
     if args.save_every is not None and not args.save_dir:
         raise ValueError("--save-every needs --save-dir")

@@ -114,6 +114,20 @@ def test_a_model_file_with_a_syntax_error_names_its_line(no_work, capsys, tmp_pa
     assert "broken.py" in err and "syntax error at line" in err
 
 
+def test_a_model_config_json_bounds_seq_len_by_its_positions(no_work, capsys, tmp_path):
+    """--model CONFIG.json of a model with learned positions (GPT-2's n_positions 64): the default --seq-len was 256
+    and the first forward raised IndexError; its context is the bound, as --hf-model's, and a longer --seq-len is
+    refused naming the file, before any work."""
+    transformers = pytest.importorskip("transformers")
+    f = tmp_path / "gpt2.json"
+    transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=4, bos_token_id=0,
+                            eos_token_id=0).to_json_file(f)
+    plan = train.make_plan(build_parser(["train"]).parse_args(["train", "--model", str(f)]))
+    assert plan.seq_len == 64
+    err = _fails(capsys, "--model", str(f), "--seq-len", "65")
+    assert "--seq-len 65" in err and "gpt2.json" in err and "(64)" in err
+
+
 def test_trace_into_a_missing_folder_is_refused_before_work(no_work, capsys, tmp_path):
     err = _fails(capsys, "--trace", str(tmp_path / "nowhere" / "t.json"))
     assert "--trace" in err and "nowhere" in err
