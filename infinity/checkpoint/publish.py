@@ -120,6 +120,8 @@ def read_latest(save_dir: Path) -> str | None:
 def resolve_checkpoint(load_dir, tag: str | None = None) -> Path:
     """The checkpoint folder: ``load_dir/tag``, ``load_dir/<latest>``, or ``load_dir`` itself if it is one."""
     load_dir = Path(load_dir)
+    if load_dir.exists() and not load_dir.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "a file, not a checkpoint folder (or a save folder)", str(load_dir))
     if not load_dir.is_dir():
         raise FileNotFoundError(errno.ENOENT, "checkpoint folder does not exist", str(load_dir))
     if tag is None:

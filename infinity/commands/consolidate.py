@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--hf-config needs --hf")
     if args.overwrite:
         raise ValueError("--overwrite needs --hf (a single OUT file is always replaced atomically)")
+    if args.dtype == "fp16":
+        raise ValueError("--dtype fp16 needs --hf (a single OUT file is fp32 or bf16)")
     summary = consolidate(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, verify=args.verify)
     print(f"wrote {summary['path']}: {summary['tensors']} tensors, {summary['nbytes'] / 2**20:,.1f} MiB {args.dtype} "
           f"(largest {summary['largest_tensor_nbytes'] / 2**20:,.1f} MiB) from {summary['checkpoint']} "

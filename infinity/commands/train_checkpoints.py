@@ -171,6 +171,8 @@ def save_policy(args: argparse.Namespace, ds: dict) -> SavePolicy:
                              f"--resume to start afresh there")
         resume = args.save_dir if _latest(args.save_dir) else None
     elif resume is not None and not Path(resume).is_dir():
+        if Path(resume).exists():
+            raise NotADirectoryError(f"--resume {resume!r} is a file: give a save folder or one of its checkpoints")
         raise FileNotFoundError(f"--resume folder {resume!r} does not exist")
     if args.save_dir and not args.overwrite and checkpoint_tags(args.save_dir):
         resumes_here = resume is not None and Path(checkpoint_dir_and_tag(resume)[0]).resolve() == Path(args.save_dir).resolve()

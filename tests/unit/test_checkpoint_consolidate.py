@@ -111,6 +111,22 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, capsys):
     assert not out.exists() and not list(tmp_path.glob(".model.safetensors*"))
 
 
+def test_a_file_given_as_checkpoint_and_fp16_without_hf_are_named(tmp_path, capsys):
+    """A file given as CKPT (or to train --resume) was said not to exist; --dtype fp16 without --hf was refused as
+    "dtype must be one of ['bf16', 'fp32']", naming no flag."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert main(["consolidate", str(notes), str(tmp_path / "m.safetensors")]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    assert main(["train", "--preset", "tiny", "--resume", str(notes)]) == 2
+    assert f"--resume {str(notes)!r} is a file" in capsys.readouterr().err
+    torch.manual_seed(0)
+    _save(TinyGPT(), gpt_batches(1, batch=2), tmp_path / "ckpt", tmp_path)
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors"), "--dtype", "fp16"]) == 2
+    assert "--dtype fp16 needs --hf" in capsys.readouterr().err
+    assert notes.read_text() == "mine" and not (tmp_path / "m.safetensors").exists()
+
+
 _MEASURE = """
 import json, sys
 from infinity.checkpoint.consolidation import consolidate
