@@ -25,7 +25,7 @@ learning rates here as there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["SCHEDULES", "DEEPSPEED_SCHEDULERS", "DeepSpeedScheduler", "lr_at", "scheduler_from_deepspeed"]
@@ -165,6 +165,9 @@ def scheduler_from_deepspeed(block: Any) -> DeepSpeedScheduler:
         raise ValueError(f"unknown config key(s) in scheduler: {', '.join(sorted(map(repr, unknown)))}")
     if "type" not in block:
         raise ValueError(f"scheduler.type is required; one of {', '.join(DEEPSPEED_SCHEDULERS)}")
+    if block["type"] not in DEEPSPEED_SCHEDULERS:  # before its params: OneCycle's are not typos, the type is refused
+        raise ValueError(f"scheduler.type {block['type']!r} is not supported; supported: "
+                         f"{', '.join(DEEPSPEED_SCHEDULERS)}")
     params = block.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"scheduler.params must be a JSON object, got {type(params).__name__}")
@@ -174,7 +177,7 @@ def scheduler_from_deepspeed(block: Any) -> DeepSpeedScheduler:
                           "total_num_steps"},
         "WarmupCosineLR": {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
                            "last_batch_iteration"},
-    }.get(block["type"], {f.name for f in fields(DeepSpeedScheduler)})
+    }[block["type"]]
     for key, value in params.items():
         if key not in accepted:
             raise ValueError(f"unknown config key scheduler.params.{key!r} for scheduler.type {block['type']!r}")

@@ -91,6 +91,7 @@ def test_deepspeed_schedulers_match_their_formulas_one_step_late(kind, params):
 
 @pytest.mark.parametrize("block, named", [
     ({"type": "OneCycle", "params": {}}, "OneCycle"),
+    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}, "scheduler.type 'OneCycle' is not supported"),
     ({"type": "WarmupLR", "params": {"warmup_steps": 3}}, "warmup_steps"),
     ({"type": "WarmupDecayLR", "params": {}}, "total_num_steps"),
     ({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_min_lr": 0}}, "warmup_min_lr"),
