@@ -143,12 +143,13 @@ class Engine(StateVerbs):
         """This rank's fingerprint of its frozen compute shards: a checkpoint may then leave them out."""
         try:
             self._build(model, named, meta_data)
-        except BaseException:
-            self.copies.close()
-            self.tiers.close()
+        except BaseException as failed:
             if self._weights is not None:
                 self._weights.close()
-            self.frozen.close()
+            try:
+                Engine.close(self)  # what _build made so far, its workers too (the exit's closing finds it closed)
+            except Exception as err:
+                failed.add_note(f"closing the engine it left half built failed too: {err!r}")
             raise
 
     # -- construction ------------------------------------------------------
@@ -454,12 +455,20 @@ class Engine(StateVerbs):
             return
         self._closed = True
         errors = []
-        for part in (self.model_calls.remove, self.model_state.remove, self.hooks.remove, self.cycle.abandon_overlap,
-                     self.optimizer.drop_tail, self.copies.close, self._write_timeline, self.optimizer.close,
-                     self.reducer.close, self.compute.close, self.full_blocks.close, self.tiers.close,
-                     self.frozen.close):
+        built = self.__dict__  # a constructor that failed part-way made only the first parts (see __init__)
+
+        def verb_of(part: str, verb: str):
+            return getattr(built[part], verb) if part in built else None
+
+        for close_part in (verb_of("model_calls", "remove"), verb_of("model_state", "remove"),
+                           verb_of("hooks", "remove"), verb_of("cycle", "abandon_overlap"),
+                           verb_of("optimizer", "drop_tail"), self.copies.close, self._write_timeline,
+                           verb_of("optimizer", "close"), verb_of("reducer", "close"), verb_of("compute", "close"),
+                           verb_of("full_blocks", "close"), self.tiers.close, self.frozen.close):
+            if close_part is None:
+                continue  # never built
             try:
-                part()
+                close_part()
             except Exception as err:  # every part is closed (swap files removed) whatever failed before it
                 errors.append(err)
         for save_dir in self._save_dirs:
