@@ -20,8 +20,9 @@ name, before any work.
 
 from infinity.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
 from infinity.deepspeed.accelerator import get_accelerator
+from infinity.deepspeed.alias import DOOR_VERSION as __version__  # what importlib.metadata answers under the alias
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.initialize import add_config_arguments, init_distributed, initialize
 
-__all__ = ["DeepSpeedEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
-           "init_distributed", "initialize", "ops", "runtime", "utils", "zero"]
+__all__ = ["DeepSpeedEngine", "__version__", "accelerator", "add_config_arguments", "checkpointing", "comm",
+           "get_accelerator", "init_distributed", "initialize", "ops", "runtime", "utils", "zero"]

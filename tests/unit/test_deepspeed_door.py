@@ -271,6 +271,15 @@ def test_what_the_engine_lacks_the_model_answers_as_deepspeeds_engine_forwards_i
             engine.nowhere
 
 
+def test_the_door_answers_deepspeed_version_as_importlib_metadata_does_under_the_alias():
+    from packaging.version import Version
+
+    from infinity.deepspeed import alias
+
+    assert deepspeed.__version__ == alias._DoorDistribution().version  # what version("deepspeed") answers
+    assert Version(deepspeed.__version__) >= Version("0.14")  # scripts compare it so
+
+
 def test_a_module_only_load_starts_a_fresh_optimizer_from_the_saved_weights_as_plain_pytorch_does(tmp_path):
     torch.manual_seed(7)
     engine, _, loader, _ = deepspeed.initialize(model=Regressor(), training_data=data(), config=config(**ADAMW))
