@@ -65,7 +65,15 @@ class DeepSpeedEngine(Engine):
         module = self.__dict__.get("module")
         if module is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(module, name)
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            if hasattr(type(module), name):
+                raise  # a property of the model failed inside: its own error says where
+            raise AttributeError(  # named after what the script asked: the engine, as DeepSpeed's engine names it
+                f"{type(self).__name__!r} object has no attribute {name!r} (nor has its model, "
+                f"{type(module).__name__}): the engine offers DeepSpeed's names listed in docs/deepspeed.md"
+            ) from None
 
     # -- DeepSpeed's names for what the engine knows ----------------------------------------------------------
     @property

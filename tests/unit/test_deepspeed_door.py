@@ -267,8 +267,24 @@ def test_what_the_engine_lacks_the_model_answers_as_deepspeeds_engine_forwards_i
     engine, _, _, _ = deepspeed.initialize(model=model, config=config(**ADAMW))
     with engine:
         assert engine.hidden is model.hidden and engine.train_batch_size() == 16  # the engine's own first
-        with pytest.raises(AttributeError, match="no attribute 'nowhere'"):
+        # named after what the script asked, as DeepSpeed's engine names itself (not the model it forwards to)
+        with pytest.raises(AttributeError, match="'DeepSpeedEngine' object has no attribute 'nowhere'"):
             engine.nowhere
+
+
+def test_a_model_property_that_fails_inside_raises_through_the_engine_what_the_model_raises():
+    class Broken(Regressor):
+        @property
+        def width(self):
+            return self.hidden.nowhere_inside
+
+    with pytest.raises(AttributeError) as plain:
+        Broken().width
+    engine, _, _, _ = deepspeed.initialize(model=Broken(), config=config(**ADAMW))
+    with engine:
+        with pytest.raises(AttributeError) as through:
+            engine.width
+    assert str(through.value) == str(plain.value)
 
 
 def test_the_door_answers_deepspeed_version_as_importlib_metadata_does_under_the_alias():
