@@ -215,10 +215,11 @@ class DeepSpeedEngine(Engine):
                           pin_memory=pin_memory and self.device.type == "cuda", drop_last=self._drop_last)
 
     # -- checkpoints, with DeepSpeed's returns -------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir, tag: str | int | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns."""
         _refuse_non_default("save_checkpoint", save_latest=(save_latest, True))
+        tag = None if tag is None else str(tag)  # DeepSpeed's str(tag): a script's step number names the folder
         self._follow_client_lr()  # a rate the script set since the last step is the one the resumed run goes on with
         if self.client_schedule is not None:
             if client_state and SCHEDULE_KEY in client_state:
@@ -229,7 +230,7 @@ class DeepSpeedEngine(Engine):
                                 exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
-    def load_checkpoint(self, load_dir, tag: str | None = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir, tag: str | int | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
         """``(the checkpoint's folder, its client_state)``; ``(None, None)`` without a tag where ``load_dir`` holds
@@ -241,6 +242,7 @@ class DeepSpeedEngine(Engine):
         scheduler stays as it is."""
         _refuse_non_default("load_checkpoint", load_module_strict=(load_module_strict, True),
                             custom_load_fn=(custom_load_fn, None))
+        tag = None if tag is None else str(tag)  # as save_checkpoint names its folder
         folder = Path(load_dir)
         if tag is None and not (folder / LATEST_FILE).is_file() and not (folder / META_FILE).is_file():
             logger.warning("no %s file in %s: no checkpoint loaded (pass a tag to load one by name)", LATEST_FILE,

@@ -140,6 +140,25 @@ def test_checkpoints_return_as_deepspeeds_and_resume_bitwise(tmp_path):
     assert resumed == straight[8:]
 
 
+def test_a_tag_given_as_a_step_number_names_the_checkpoint_as_deepspeeds_str_tag_does(tmp_path):
+    """DeepSpeed's save_checkpoint and load_checkpoint take ``str(tag)``: scripts pass their step count."""
+    torch.manual_seed(2)
+    model = Regressor()
+    batches = [tuple(t[i:i + 4] for t in data().tensors) for i in range(0, 32, 4)]
+    cfg = config(**ADAMW)
+    with deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0] as engine:
+        for b in batches[:4]:
+            engine.backward(engine(*b))
+            engine.step()
+        engine.save_checkpoint(tmp_path, tag=engine.global_steps)
+        straight = [engine.backward(loss := engine(*b)) or engine.step() or loss.item() for b in batches[4:]]
+    assert (tmp_path / "latest").read_text().strip() == "1" and (tmp_path / "1").is_dir()
+    with deepspeed.initialize(model=copy.deepcopy(model), config=cfg)[0] as engine:
+        path, _ = engine.load_checkpoint(tmp_path, tag=1)
+        resumed = [engine.backward(loss := engine(*b)) or engine.step() or loss.item() for b in batches[4:]]
+    assert path == str(tmp_path / "1") and resumed == straight
+
+
 def test_the_lr_a_script_sets_on_the_groups_is_the_engines_and_a_scheduler_block_is_returned():
     model = Regressor()
     schedule_cfg = config(**ADAMW, scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0,
