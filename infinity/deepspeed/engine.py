@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint, write_state_dict_atomic
+from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
 from infinity.deepspeed.monitor import DeepSpeedMonitor
 from infinity.deepspeed.throughput import ThroughputTimer
@@ -228,6 +229,8 @@ class DeepSpeedEngine(Engine):
             client_state = dict(client_state or {}, **{SCHEDULE_KEY: self.client_schedule.state_dict()})
         super().save_checkpoint(save_dir, tag=tag, client_state=client_state or None,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.rank == 0:
+            write_recovery_script(save_dir)  # where DeepSpeed writes its own: `python zero_to_fp32.py . OUT` works
         return True
 
     def load_checkpoint(self, load_dir, tag: str | int | None = None, load_module_strict: bool = True,

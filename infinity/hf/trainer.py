@@ -45,6 +45,7 @@ import torch
 import transformers  # optional extra: this module is reached only through infinity.hf's lazy names
 from torch import nn
 
+from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
@@ -367,6 +368,7 @@ class InfinityTrainerMixin:
         self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=True)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            write_recovery_script(output_dir)  # as the stock DeepSpeed integration's checkpoint-N holds one
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         self.engine.load_checkpoint(resume_from_checkpoint)

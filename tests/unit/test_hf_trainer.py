@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -177,6 +181,20 @@ def test_checkpoints_hold_our_shards_and_the_trainers_state_and_rotate(runs):
     files = set(os.listdir(out / "checkpoint-20"))
     assert {"latest", "global_step20", "trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= files
     assert not any(f.endswith(".safetensors") for f in files)  # the weights are in the sharded checkpoint
+
+
+def test_a_checkpoints_zero_to_fp32_script_writes_the_stock_runs_weights(runs):
+    """As after a DeepSpeed run: ``python checkpoint-20/zero_to_fp32.py checkpoint-20 OUT`` writes the weights."""
+    checkpoint, out = runs["tmp"] / "ours" / "checkpoint-20", runs["tmp"] / "from-script"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, str(checkpoint / "zero_to_fp32.py"), str(checkpoint), str(out),
+                           "--safe_serialization"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    stock = transformers.AutoModelForCausalLM.from_pretrained(runs["tmp"] / "stock-model").state_dict()
+    with safe_open(str(out / "model.safetensors"), "pt") as written:
+        assert set(written.keys()) == set(stock)
+        for name in written.keys():
+            torch.testing.assert_close(written.get_tensor(name), stock[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_resume_from_a_checkpoint_continues_the_run_bitwise(runs):

@@ -6,6 +6,9 @@ trained ones."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from safetensors import safe_open
 
 import infinity.deepspeed as deepspeed
 from infinity.checkpoint.publish import TMP_PREFIX
+from infinity.checkpoint.recovery_script import RECOVERY_SCRIPT_NAME
 from infinity.deepspeed.utils.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,
                                                    get_fp32_state_dict_from_zero_checkpoint,
                                                    load_state_dict_from_zero_checkpoint)
@@ -106,6 +110,44 @@ def test_a_checkpoint_without_its_frozen_parameters_gives_the_trained_ones(tmp_p
     with pytest.raises(ValueError, match="max_shard_size: cannot read 'big'"):
         convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "out", max_shard_size="big")
     assert not (tmp_path / "out").exists()
+
+
+def _run_script(script: Path, *args) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` as a user runs it: a fresh interpreter, from the save folder, this checkout importable."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, str(script), *map(str, args)], cwd=script.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_save_folders_zero_to_fp32_script_writes_the_weights_as_deepspeeds_does(tmp_path):
+    expected = trained(tmp_path)
+    script = tmp_path / "ckpt" / RECOVERY_SCRIPT_NAME
+    assert script.is_file()  # beside the tags and `latest`, where DeepSpeed writes its own
+    done = _run_script(script, ".", tmp_path / "out", "--safe_serialization", "--max_shard_size", "1KB")
+    assert done.returncode == 0, done.stderr
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    written = {}
+    for file in sorted(set(index["weight_map"].values())):
+        written.update(_read(tmp_path / "out" / file))
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+    done = _run_script(script, ".", tmp_path / "pytorch_model.bin")  # DeepSpeed's older output_file
+    assert done.returncode == 0, done.stderr
+    written = _read(tmp_path / "pytorch_model.bin")
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+    done = _run_script(script, tmp_path / "nowhere", tmp_path / "out2")
+    assert done.returncode == 2 and "zero_to_fp32.py: error:" in done.stderr and "nowhere" in done.stderr
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_zero_to_fp32_script_not_ours_is_kept(tmp_path, caplog):
+    theirs = "# DeepSpeed's own recovery script\nprint('theirs')\n"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / RECOVERY_SCRIPT_NAME).write_text(theirs)
+    trained(tmp_path)
+    assert (tmp_path / "ckpt" / RECOVERY_SCRIPT_NAME).read_text() == theirs
+    assert any("is not zero-infinity's" in r.getMessage() for r in caplog.records)
 
 
 def _read(path) -> dict[str, torch.Tensor]:

@@ -6,10 +6,17 @@ No engine and no process group are needed: the ranks' shard files are read direc
 ``exclude_frozen_parameters``: the trained parameters (and buffers) only; a checkpoint saved without its frozen
 parameters (a LoRA run's) gives those and nothing else. ``infinity consolidate`` does the same from the command
 line, a tensor at a time.
+
+Run as a script it takes DeepSpeed's ``zero_to_fp32.py`` arguments (:func:`main`): the DeepSpeed door and the
+Trainer write a ``zero_to_fp32.py`` that calls it into each save folder, where DeepSpeed writes its own
+(:mod:`infinity.checkpoint.recovery_script`), so ``python zero_to_fp32.py . OUTPUT`` works there as it does after
+a DeepSpeed run.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -76,3 +83,37 @@ def _write_one_file(checkpoint_dir, out: Path, *, tag: str | None, trainable_onl
     out.parent.mkdir(parents=True, exist_ok=True)
     write_state_dict_atomic(out, state)
     return {"path": str(out), "tensors": len(state)}
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """DeepSpeed's ``zero_to_fp32.py`` command line: ``CHECKPOINT_DIR OUTPUT_DIR`` (or an output file ending in
+    ``.bin``/``.pt``/``.pth``/``.safetensors``), ``--max_shard_size``, ``--safe_serialization``, ``-t/--tag``,
+    ``--exclude_frozen_parameters``, ``-d/--debug``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="The trained model's fp32 weights from a zero-infinity save folder, as DeepSpeed's "
+                               "zero_to_fp32.py writes them (the same as `infinity consolidate`).")
+    parser.add_argument("checkpoint_dir", help="the save folder (its 'latest' names the checkpoint), or a "
+                                               "checkpoint's own folder, e.g. path/checkpoint-12")
+    parser.add_argument("output_dir", help="the folder for the weight files (transformers' names), or one file "
+                                           "ending in " + "/".join(WEIGHT_FILE_SUFFIXES))
+    parser.add_argument("--max_shard_size", default="5GB", help="the largest weight file (default 5GB)")
+    parser.add_argument("--safe_serialization", action="store_true", help="safetensors files (else .bin)")
+    parser.add_argument("-t", "--tag", default=None, help="the checkpoint to read (default: the one 'latest' names)")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true",
+                        help="the trained parameters only (a LoRA run's adapters)")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted, as DeepSpeed's (no extra output)")
+    args = parser.parse_args(argv)
+    try:
+        summary = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization, tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters)
+    except (OSError, ValueError) as error:  # a missing or damaged checkpoint, an output that cannot be written
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    written = summary.get("path") or args.output_dir
+    print(f"wrote the fp32 weights of {summary.get('checkpoint', args.checkpoint_dir)} to {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
