@@ -48,7 +48,8 @@ def consolidated_outputs(ckpt: Checkpoint, dtype: torch.dtype, *,
                               f"(exclude_frozen_parameters): it holds only those that train, not a whole model; load "
                               f"it into its run (engine.load_checkpoint, or --resume) and write the model from there "
                               f"(save_pretrained: a peft model's adapters); an `infinity train --lora-rank` run's "
-                              f"checkpoint gives its adapters with `infinity consolidate --hf`")
+                              f"checkpoint gives its adapters with `infinity consolidate --hf`; its trained tensors "
+                              f"alone: exclude_frozen_parameters=True (zero_to_fp32.py --exclude_frozen_parameters)")
     slot_of = {alias: p["name"] for p in meta["params"] for alias in p["names"]}
 
     def param_fill(p: dict):

@@ -141,6 +141,19 @@ def test_the_save_folders_zero_to_fp32_script_writes_the_weights_as_deepspeeds_d
     assert not (tmp_path / "out2").exists()
 
 
+def test_the_script_names_its_flag_for_a_checkpoint_without_its_frozen_parameters(tmp_path):
+    expected = trained(tmp_path, exclude_frozen=True)
+    script = tmp_path / "ckpt" / RECOVERY_SCRIPT_NAME
+    done = _run_script(script, ".", tmp_path / "out")
+    assert done.returncode == 2 and "saved without its frozen parameters" in done.stderr
+    assert "zero_to_fp32.py --exclude_frozen_parameters" in done.stderr and not (tmp_path / "out").exists()
+    done = _run_script(script, ".", tmp_path / "out.safetensors", "--exclude_frozen_parameters")
+    assert done.returncode == 0, done.stderr
+    written = _read(tmp_path / "out.safetensors")
+    assert sorted(written) == ["embed.weight", "head.weight", "scale"]
+    assert all(torch.equal(value, expected[name]) for name, value in written.items())
+
+
 def test_a_zero_to_fp32_script_not_ours_is_kept(tmp_path, caplog):
     theirs = "# DeepSpeed's own recovery script\nprint('theirs')\n"
     (tmp_path / "ckpt").mkdir()
