@@ -26,7 +26,7 @@ import math
 import sys
 import time
 
-from infinity.commands import train_checkpoints, train_lora, train_monitor
+from infinity.commands import train_checkpoints, train_lora, train_monitor, train_resume
 from infinity.commands.hf_model import save_pretrained_with_tokenizer
 from infinity.commands.train_checkpoints import engine_has_checkpoints, save, stop_on_nonfinite, stop_on_signal
 from infinity.commands.train_checks import default_swap_location  # noqa: F401 (a name tests patch here)
@@ -115,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-dir", metavar="DIR", help="save checkpoints here (at the end, and every --save-every steps)")
     out.add_argument("--save-every", type=int, metavar="N", help="steps between checkpoints (needs --save-dir)")
     train_checkpoints.add_arguments(out)
+    train_resume.add_arguments(out)
     out.add_argument("--wait-for-lock", action="store_true",
                      help="when another live run holds --save-dir, wait for it to end instead of refusing to start")
     out.add_argument("--save-pretrained", metavar="OUT",
@@ -366,13 +367,14 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
             bar.write(f"step {step + 1:>5}/{plan.steps}  lr {engine.step_metrics().get('lr', engine.lr):.2e}  {progress}",
                       file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
-            save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last)
+            save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last,
+                 run=plan.run_settings)
         if stop.requested(plan.world_size) and step + 1 < plan.steps:
             bar.close()
             return stop_on_signal(args, plan, engine, monitor, corpus, losses, step + 1, stop)
     bar.close()
     if args.save_dir:
-        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last)
+        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last, run=plan.run_settings)
     if getattr(args, "save_pretrained", None) and plan.lora is not None:
         say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=args.save_dtype,
                                      source=plan.hf_model))

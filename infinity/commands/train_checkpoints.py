@@ -53,7 +53,7 @@ def stop_on_nonfinite(args, plan, engine, corpus, losses: list[float], step: int
         message += (f"; no update was made from it, but {micro} micro-batch(es) of the step were accumulated, so no "
                     f"checkpoint: the last one written stays the latest.")
     else:
-        save(engine, args.save_dir, step, corpus, losses)
+        save(engine, args.save_dir, step, corpus, losses, run=plan.run_settings)
         message += (f"; no update was made from it. The weights after step {step} are saved in "
                     f"{Path(args.save_dir) / f'step{step}'}.")
     if plan.rank == 0:
@@ -193,12 +193,17 @@ def load(engine, resume: str) -> dict:
         raise type(err)(f"{err}; {_describe_tags(save_dir)}") from None
 
 
-def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_last: int | None = None) -> None:
+def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_last: int | None = None,
+         run: dict | None = None) -> None:
+    """Checkpoint ``step`` as ``step<N>`` in ``save_dir``, with the data's position, the losses so far and ``run``,
+    the settings a --resume is held to (``train_resume.run_settings``)."""
     tag = f"step{step}"
     before = _latest(save_dir) if engine.comm.rank == 0 else None
     import torch
 
     client_state = {"step": step, "corpus": corpus.state_dict(), "losses": losses}
+    if run is not None:
+        client_state["run"] = run
     hf_config = hf_config_of(engine.module, torch.float32)
     if hf_config is not None:  # so that `infinity consolidate --hf` can write config.json
         client_state["hf_config"] = hf_config
@@ -231,7 +236,7 @@ def stop_on_signal(args, plan, engine, monitor, corpus, losses: list[float], ste
     saved = ""
     if args.save_dir:
         if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
-            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last)
+            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last, run=plan.run_settings)
         saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
     engine.close()
     monitor.close()

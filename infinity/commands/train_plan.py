@@ -21,6 +21,7 @@ from infinity.commands.train_checks import (TEMPORARY_SWAP_PATH, SwapLocation, c
                                             finite_positive, nvme_offloads)
 from infinity.commands.train_lora import LORA_LR, LoraPlan, lora_plan
 from infinity.commands.train_monitor import MonitorPlan
+from infinity.commands.train_resume import check_resume, run_settings, saved_settings
 from infinity.config.auto import fill_auto
 from infinity.config.deepspeed import asked_precision
 from infinity.config.schema import InfinityConfig, accumulation_steps_from, read_config_json
@@ -102,6 +103,9 @@ class Plan:
     """--activation-checkpointing: the model recomputes its blocks in backward instead of keeping their activations."""
     lora: LoraPlan | None = None
     """--lora-rank: LoRA adapters trained on the frozen --hf-model base."""
+    run_settings: dict | None = None
+    """The settings that decide the training (:func:`~infinity.commands.train_resume.run_settings`): saved with each
+    checkpoint, compared with a --resume's."""
 
     @property
     def not_applicable(self) -> tuple[str, ...]:
@@ -191,10 +195,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
                         ("--max-bytes", args.max_bytes)):
         _positive(name, value)
     finite_positive("--lr" if args.lr is not None else "optimizer.params.lr", lr)
-    min_lr = pick(args.min_lr, None, lr / 10)
+    save_policy = train_checkpoints.save_policy(args, raw)  # (takes checkpoint.keep_last out of raw)
+    if getattr(args, "extend_steps", False) and save_policy.resume is None:
+        raise ValueError("--extend-steps needs --resume (of a checkpoint to extend)")
+    saved = saved_settings(save_policy.resume) if save_policy.resume else None
+    # Resuming, a derived default is the saved run's: --warmup's is a share of --steps, which --extend-steps changes.
+    saved_default = (lambda key: saved.get(key)) if saved else (lambda key: None)
+    min_lr = pick(args.min_lr, saved_default("min_lr"), lr / 10)
     if not 0 <= min_lr <= lr:
         raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
-    warmup = pick(args.warmup, None, max(1, steps // 20))
+    warmup = pick(args.warmup, saved_default("warmup"), max(1, steps // 20))
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
 
@@ -212,7 +222,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ValueError("--save-every needs --save-dir")
     if args.save_every is not None:
         _positive("--save-every", args.save_every)
-    save_policy = train_checkpoints.save_policy(args, raw)  # (takes checkpoint.keep_last out of raw)
     if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
         raise ValueError(f"config key train_batch_size={raw['train_batch_size']!r} but micro-batch x grad-accum x ranks = "
                          f"{micro_batch} x {grad_accum} x {world_size} = {micro_batch * grad_accum * world_size}")
@@ -235,7 +244,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     swap = default_swap_location() if nvme_is_temporary else None
     if swap is not None and swap.buffered:
         config = config.with_aio(buffered_fallback=True)
-    return Plan(config=config, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
+    plan = Plan(config=config, steps=steps, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=seq_len, lr=lr,
                 min_lr=min_lr, warmup=warmup, precision=precision, offload_param=offload_param.value,
                 offload_optimizer=offload_optimizer.value, nvme_path=nvme_paths[0] if nvme_paths else None,
                 nvme_is_temporary=nvme_is_temporary, preset=preset, model_file=args.model, rank=rank,
@@ -243,6 +252,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 precision_said=precision_said, precision_warning=precision_warning,
                 offload_note=offload_note, save=save_policy, hf_model=hf_model, hf_vocab_size=hf_vocab_size,
                 swap=swap, activation_checkpointing=args.activation_checkpointing, lora=lora)
+    plan.run_settings = run_settings(args, plan)
+    if saved:
+        check_resume(saved, plan.run_settings, resume=save_policy.resume,
+                     extend_steps=getattr(args, "extend_steps", False))
+    return plan
 
 
 def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,

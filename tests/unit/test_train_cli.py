@@ -304,6 +304,53 @@ def test_resume_from_a_checkpoint_continues_the_same_run(capsys, tmp_path):
     assert resumed["losses"][2:] == pytest.approx(full["losses"][2:], rel=1e-6)  # same weights, data and lr
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 2-step run of the tiny preset saved at steps 1 and 2 (its flags: ``RESUMED``)."""
+    if not train.engine_has_checkpoints():
+        pytest.skip("the engine has no checkpoints yet")
+    folder = tmp_path_factory.mktemp("saved_run")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(folder)
+        assert main(["train", *RESUMED, "--steps", "2", "--save-dir", str(folder / "ck"), "--save-every", "1",
+                     "--offload-param", "cpu", "--offload-optimizer", "cpu"]) == 0
+    return folder / "ck"
+
+
+RESUMED = ("--preset", "tiny", "--seq-len", "16", "--micro-batch", "2", "--max-bytes", "100000")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "2", "--lr", "1e-3"], "--lr: the checkpoint's run has 0.003, given 0.001"),
+    (["--steps", "2", "--micro-batch", "4"], "--micro-batch: the checkpoint's run has 2, given 4"),
+    (["--steps", "2", "--warmup", "2"], "--warmup: the checkpoint's run has 1, given 2"),
+    (["--steps", "2", "--seq-len", "32"], "--seq-len: the checkpoint's run has 16, given 32"),
+    (["--steps", "2", "--seed", "1"], "--seed: the checkpoint's run has 0, given 1"),
+    (["--steps", "2", "--grad-accum", "2"], "--grad-accum: the checkpoint's run has 1, given 2"),
+    (["--steps", "2", "--lr-schedule", "linear"], "--lr-schedule: the checkpoint's run has cosine, given linear"),
+    (["--steps", "1"], "--steps: the checkpoint's run has 2, given 1"),
+    (["--steps", "5"], "--steps 5 extends the run of 2 steps: its cosine schedule would then follow a longer curve"),
+])
+def test_resume_with_flags_that_change_the_training_is_refused_by_name(saved_run, no_work, capsys, argv, message):
+    # (the checkpoint's own flags come first, the given ones after: later flags win)
+    err = _fails(capsys, *RESUMED, *argv, "--resume", str(saved_run / "step1"))
+    assert message in err and f"--resume {saved_run / 'step1'}" in err
+    if "extends" in message:
+        assert "give --extend-steps to accept that" in err
+
+
+def test_resume_with_the_same_flags_or_free_ones_or_extend_steps_plans(saved_run, tmp_path):
+    same = train.make_plan(_args(*RESUMED, "--steps", "2", "--resume", str(saved_run), "--run-dir", str(tmp_path),
+                                 "--offload-param", "nvme", "--offload-optimizer", "none"))  # (not the training's)
+    assert same.save.resume == str(saved_run) and same.run_settings["steps"] == 2
+    longer = train.make_plan(_args(*RESUMED, "--steps", "40", "--resume", str(saved_run), "--extend-steps"))
+    assert (longer.steps, longer.warmup) == (40, 1)  # the warmup left out is the saved run's, not 5% of 40
+
+
+def test_extend_steps_without_resume_is_refused(no_work, capsys):
+    assert "--extend-steps needs --resume" in _fails(capsys, "--extend-steps")
+
+
 def test_memory_too_small_is_refused_before_work(no_work, monkeypatch, capsys):
     import psutil
 

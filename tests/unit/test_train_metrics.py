@@ -209,10 +209,12 @@ def test_a_nan_loss_stops_the_run_with_a_message_and_a_checkpoint(capsys, tmp_pa
     assert (tmp_path / "ck" / "step2").is_dir() and not (tmp_path / "ck" / "step6").exists()
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] != rows[2]["loss"]  # NaN recorded
-    # the checkpoint holds the weights of the last good step: they resume and train on
-    assert main(argv[:1] + ["--model", str(f), "--steps", "3", "--seq-len", "32", "--micro-batch", "2", "--max-bytes",
+    # the checkpoint holds the weights of the last good step: they resume and train on (steps 3 and 4, until the
+    # model file's third forward again; the run's --steps kept: a resume that changes it is refused)
+    assert main(argv[:1] + ["--model", str(f), "--steps", "6", "--seq-len", "32", "--micro-batch", "2", "--max-bytes",
                             "100000", "--offload-param", "cpu", "--offload-optimizer", "cpu",
-                            "--resume", str(tmp_path / "ck")]) == 0
+                            "--resume", str(tmp_path / "ck")]) == 1
+    assert "stopped: the loss is nan at step 5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

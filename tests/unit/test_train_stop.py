@@ -99,7 +99,7 @@ def test_resume_without_a_value_takes_the_save_dirs_latest(capsys, tmp_path):
     save_dir = tmp_path / "ck"
     rc, out, _ = _run(capsys, "--steps", "2", "--save-dir", str(save_dir), "--resume")
     assert rc == 0 and "holds no checkpoint yet" in out  # a fresh start, said
-    rc, out, _ = _run(capsys, "--steps", "4", "--save-dir", str(save_dir), "--resume")
+    rc, out, _ = _run(capsys, "--steps", "4", "--save-dir", str(save_dir), "--resume", "--extend-steps")
     assert rc == 0 and f"resumed from {save_dir} at step 2" in out and _tags(save_dir) == ["step2", "step4"]
 
 
@@ -115,7 +115,7 @@ def test_a_damaged_checkpoint_is_named_with_the_tags_that_exist(capsys, tmp_path
     data = bytearray(shard.read_bytes())
     data[-9] ^= 0xFF  # one flipped byte of the last tensor
     shard.write_bytes(bytes(data))
-    rc, _, err = _run(capsys, "--steps", "3", "--resume", str(save_dir))
+    rc, _, err = _run(capsys, "--steps", "3", "--resume", str(save_dir), "--extend-steps")
     assert rc == 2 and "checkpoints in" in err and "step1, step2" in err and "(latest: step2)" in err
 
 

@@ -1,0 +1,107 @@
+"""The run a checkpoint of ``infinity train`` belongs to: the settings that decide its training (the schedule, the
+batch, the data and its order), saved with each checkpoint and compared with a ``--resume``'s flags before any work.
+
+A resumed run that differs in one of them is not the run it continues: its learning rate would jump at the resumed
+step, or its data would change under it. Each difference is refused by name, with its saved and given values.
+Flags that do not change the results (logging, outputs, offload tiers, ``--run-dir``) stay free.
+
+Extending a run (a larger ``--steps``) changes the curve of a schedule that decays to ``--steps`` (cosine, linear,
+wsd, a config's scheduler): the steps already run followed the shorter curve, the rest follow the longer one from
+where it stands at the resumed step, so the learning rate jumps there. That is done only when ``--extend-steps``
+asks for it; a ``--warmup`` left out then keeps the saved run's (its default is a share of ``--steps``). A constant
+schedule does not depend on ``--steps``: extending it needs no flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from infinity.checkpoint import CheckpointError
+from infinity.checkpoint.files import read_meta
+from infinity.commands.train_checkpoints import LATEST_FILE, checkpoint_dir_and_tag
+
+__all__ = ["RUN_KEY", "SETTINGS", "add_arguments", "check_resume", "run_settings", "saved_settings"]
+
+RUN_KEY = "run"
+"""The key of the run's settings in a checkpoint's ``client_state``."""
+
+SETTINGS = {
+    "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "min_lr": "--min-lr", "lr_schedule": "--lr-schedule",
+    "decay_fraction": "--decay-fraction", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+    "seq_len": "--seq-len", "seed": "--seed", "data": "--data", "max_bytes": "--max-bytes",
+    "held_out": "--eval-every/--val-data/--val-fraction",
+}
+"""The settings that decide the training, each with the flag that sets it (a --config key may set it too)."""
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--extend-steps", action="store_true",
+                       help="with --resume: accept a larger --steps than the checkpoint's run, though a schedule that "
+                            "decays to --steps then follows a longer curve from the resumed step on (its learning "
+                            "rate jumps there)")
+
+
+def run_settings(args: argparse.Namespace, plan) -> dict:
+    """The settings of ``plan`` that decide its training, as JSON values (``SETTINGS``' keys)."""
+    monitor = plan.monitor
+    held_out = None
+    if monitor.eval_every:  # (the training corpus is what is not held out)
+        held_out = ({"val_data": str(Path(monitor.val_data).resolve())} if monitor.val_data else
+                    {"val_fraction": monitor.val_fraction})
+    return {
+        "steps": plan.steps, "warmup": plan.warmup, "lr": plan.lr, "min_lr": plan.min_lr,
+        "lr_schedule": monitor.lr_schedule,
+        "decay_fraction": monitor.decay_fraction if monitor.lr_schedule == "wsd" else None,
+        "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "seq_len": plan.seq_len, "seed": args.seed,
+        "data": str(Path(args.data).resolve()) if args.data else None, "max_bytes": args.max_bytes,
+        "held_out": held_out,
+    }
+
+
+def saved_settings(resume: str) -> dict | None:
+    """The settings saved with the checkpoint ``resume`` names (``DIR`` or ``DIR/TAG``); None where it has none (saved
+    by an earlier version) or its ``meta.json`` cannot be read (the load says why, with the tags beside it)."""
+    save_dir, tag = checkpoint_dir_and_tag(resume)
+    try:
+        tag = tag or (Path(save_dir) / LATEST_FILE).read_text().strip()
+        meta = read_meta(Path(save_dir) / tag)
+    except (OSError, CheckpointError):
+        return None
+    settings = (meta.get("client_state") or {}).get(RUN_KEY)
+    return settings if isinstance(settings, dict) else None
+
+
+def _said(key: str, value) -> str:
+    if value is None:
+        return {"data": "the default corpus", "held_out": "none held out"}.get(key, "none")
+    if key == "held_out":
+        return f"--val-data {value['val_data']}" if "val_data" in value else f"--val-fraction {value['val_fraction']}"
+    return str(value)
+
+
+def steps_depend_on_total(lr_schedule: str) -> bool:
+    """Whether the learning rate of a step depends on ``--steps`` (all but the constant schedule)."""
+    return lr_schedule != "constant"
+
+
+def check_resume(saved: dict, given: dict, *, resume: str, extend_steps: bool) -> None:
+    """``ValueError`` naming each setting of ``given`` that differs from the checkpoint's ``saved``, with both values;
+    a larger ``steps`` passes with ``extend_steps`` (or a constant schedule). Settings the checkpoint does not hold
+    (saved by an earlier version) are not compared."""
+    differences = []
+    for key, flag in SETTINGS.items():
+        if key not in saved or saved[key] == given[key]:
+            continue
+        if key == "steps" and isinstance(saved[key], int) and given[key] > saved[key]:
+            if extend_steps or not steps_depend_on_total(given["lr_schedule"]):
+                continue
+            differences.append(f"{flag} {given[key]} extends the run of {saved[key]} steps: its {given['lr_schedule']} "
+                               f"schedule would then follow a longer curve from the resumed step on, so the learning "
+                               f"rate would jump there; give --extend-steps to accept that")
+            continue
+        differences.append(f"{flag}: the checkpoint's run has {_said(key, saved[key])}, given {_said(key, given[key])}")
+    if differences:
+        raise ValueError(f"--resume {resume}: the flags differ from the run that saved the checkpoint, and each "
+                         f"difference changes its training: {'; '.join(differences)}. Give the checkpoint's values "
+                         f"(or start a new run without --resume)")
