@@ -207,6 +207,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     warmup = pick(args.warmup, saved_default("warmup"), max(1, steps // 20))
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if warmup > steps:  # (the learning rate would never reach --lr, nor decay)
+        raise ValueError(f"--warmup {warmup} is more than --steps {steps}: the warmup would not end before the run "
+                         f"does; give a --warmup of at most {steps}")
 
     if args.trace:
         check_output_folder("--trace", args.trace)

@@ -208,6 +208,7 @@ def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
     (["--preset", "tiny", "--seq-len", "4096"], "longer than preset 'tiny' allows (128)"),
     (["--save-every", "10"], "--save-every needs --save-dir"),
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr"),
+    (["--steps", "10", "--warmup", "11"], "--warmup 11 is more than --steps 10"),
 ])
 def test_other_bad_flags(no_work, capsys, argv, message):
     assert message in _fails(capsys, *argv)
