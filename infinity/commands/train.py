@@ -34,7 +34,8 @@ from infinity.commands.train_checks import check_memory, check_nvme_room
 from infinity.commands.train_estimate import estimate_for, run_step_shape
 from infinity.commands.train_lora import LORA_LR, save_lora_with_tokenizer, trainable_numel, with_lora
 from infinity.commands.train_monitor import print_summary
-from infinity.commands.train_outputs import check_output_room, check_outputs_writable, hold_save_dir_for_run
+from infinity.commands.train_outputs import (DEFAULT_SAVE_DTYPE, check_output_room, check_outputs_writable,
+                                             hold_save_dir_for_run)
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS,  # noqa: F401 (the command's)
                                           DEFAULT_SUB_GROUP_SIZE, HF_MODEL_LR, MODEL_FILE_LR, PRESET_LR, Plan,
                                           make_plan, with_swap_folder)
@@ -121,8 +122,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--save-pretrained", metavar="OUT",
                      help="at the end, write the model in the Hugging Face layout (with --hf-model: and its tokenizer; "
                           "with --lora-rank: the adapters, in peft's layout, or with --merge-lora the merged model)")
-    out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                     help="dtype of --save-pretrained (default fp32)")
+    out.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"),
+                     help=f"dtype of --save-pretrained (default {DEFAULT_SAVE_DTYPE})")
     out.add_argument("--json", action="store_true", help="end with one JSON line: losses, tokens_per_s, peak_rss_bytes, ...")
     train_lora.add_arguments(p)
     train_monitor.add_arguments(p)
@@ -375,11 +376,12 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
     bar.close()
     if args.save_dir:
         save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last, run=plan.run_settings)
+    save_dtype = args.save_dtype or DEFAULT_SAVE_DTYPE
     if getattr(args, "save_pretrained", None) and plan.lora is not None:
-        say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=args.save_dtype,
+        say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=save_dtype,
                                      source=plan.hf_model))
     elif getattr(args, "save_pretrained", None):
-        say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=args.save_dtype, source=plan.hf_model))
+        say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=save_dtype, source=plan.hf_model))
     engine.close()
     monitor.close()
 

@@ -25,8 +25,11 @@ from infinity.checkpoint.save_dir_lock import SaveDirInUse, hold_save_dir
 from infinity.placement.report import format_bytes
 from infinity.weights.export import model_files
 
-__all__ = ["check_model_folder", "check_output_room", "check_outputs_writable", "hold_save_dir_for_run"]
+__all__ = ["DEFAULT_SAVE_DTYPE", "check_model_folder", "check_output_room", "check_outputs_writable",
+           "hold_save_dir_for_run"]
 
+DEFAULT_SAVE_DTYPE = "fp32"
+"""--save-pretrained's dtype when --save-dtype is not given."""
 SAVE_DTYPE_NBYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -124,7 +127,8 @@ def check_output_room(args: argparse.Namespace, plan, num_params: int, warn=None
     one = (plan.estimate["checkpoint_nbytes"] - plan.estimate.get("checkpoint_frozen_nbytes", 0)) * plan.world_size
     need(f"{kept} checkpoint(s) of {format_bytes(one)} in --save-dir", args.save_dir, kept * one)
     out = getattr(args, "save_pretrained", None)
-    need(f"the --save-pretrained model ({args.save_dtype})", out, num_params * SAVE_DTYPE_NBYTES[args.save_dtype])
+    dtype = args.save_dtype or DEFAULT_SAVE_DTYPE
+    need(f"the --save-pretrained model ({dtype})", out, num_params * SAVE_DTYPE_NBYTES[dtype])
     if needs:  # the swap files count where they share a disk with these
         swap_parent = plan.swap.parent if plan.nvme_is_temporary and plan.swap is not None else plan.nvme_path
         if swap_parent is not None:

@@ -221,8 +221,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if model_seq is not None and seq_len > model_seq:
         what = f"preset {preset!r}" if preset else f"the model in {hf_model or args.model}"
         raise ValueError(f"--seq-len {seq_len} is longer than {what} allows ({model_seq})")
-    if args.save_every is not None and not args.save_dir:
-        raise ValueError("--save-every needs --save-dir")
+    _check_flags_that_need_others(args)
     if args.save_every is not None:
         _positive("--save-every", args.save_every)
     if train_batch is not None and train_batch != micro_batch * grad_accum * world_size:
@@ -235,6 +234,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     nvme_blocks = nvme_offloads(config)
     nvme_paths = list(dict.fromkeys(b.nvme_path for b in nvme_blocks if b.nvme_path != TEMPORARY_SWAP_PATH))
     offload_param, offload_optimizer = config.zero.offload_param.device, config.zero.offload_optimizer.device
+    if getattr(args, "buffered_io", False) and not nvme_blocks:
+        raise ValueError(f"--buffered-io needs a tier on NVMe: nothing goes there (params -> {offload_param}, "
+                         f"optimizer -> {offload_optimizer}); give --offload-param and/or --offload-optimizer nvme, "
+                         f"or leave out --buffered-io")
+    if args.min_lr is not None and monitor.lr_schedule == "constant":
+        raise ValueError("--min-lr has no effect with --lr-schedule constant (it holds --lr after the warmup): give "
+                         "another --lr-schedule (cosine, linear, wsd), or leave out --min-lr")
     if args.nvme_path and not nvme_blocks:
         raise ValueError(f"--nvme-path {args.nvme_path!r} is given but nothing goes to NVMe (params -> "
                          f"{offload_param}, optimizer -> {offload_optimizer}"
@@ -260,6 +266,21 @@ def make_plan(args: argparse.Namespace) -> Plan:
         check_resume(saved, plan.run_settings, resume=save_policy.resume,
                      extend_steps=getattr(args, "extend_steps", False))
     return plan
+
+
+NEEDED = (
+    ("save_every", "--save-every", "save_dir", "--save-dir"),
+    ("wait_for_lock", "--wait-for-lock", "save_dir", "--save-dir (the folder whose lock it waits for)"),
+    ("save_dtype", "--save-dtype", "save_pretrained", "--save-pretrained (the model it is the dtype of)"),
+)
+"""(flag, as said, the flag it acts with, as said): flags that do nothing without another one."""
+
+
+def _check_flags_that_need_others(args: argparse.Namespace) -> None:
+    """A flag that acts only with another is refused without it, naming both, rather than silently ignored."""
+    for name, flag, needed, said in NEEDED:
+        if getattr(args, name, None) not in (None, False) and not getattr(args, needed, None):
+            raise ValueError(f"{flag} needs {said}")
 
 
 def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,

@@ -209,6 +209,11 @@ def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
     (["--save-every", "10"], "--save-every needs --save-dir"),
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr"),
     (["--steps", "10", "--warmup", "11"], "--warmup 11 is more than --steps 10"),
+    (["--save-dtype", "bf16"], "--save-dtype needs --save-pretrained"),
+    (["--wait-for-lock"], "--wait-for-lock needs --save-dir"),
+    (["--offload-param", "cpu", "--offload-optimizer", "cpu", "--buffered-io"],
+     "--buffered-io needs a tier on NVMe: nothing goes there (params -> cpu, optimizer -> cpu)"),
+    (["--lr-schedule", "constant", "--min-lr", "1e-5"], "--min-lr has no effect with --lr-schedule constant"),
 ])
 def test_other_bad_flags(no_work, capsys, argv, message):
     assert message in _fails(capsys, *argv)
