@@ -35,7 +35,8 @@ from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checks import config_number
 from infinity.commands.train_estimate import model_decays, model_numels, model_trainable
 from infinity.commands.train_lora import lora_plan, with_lora
-from infinity.commands.train_plan import DEFAULT_LR, DEFAULT_STEPS, complete_file, engine_config, kept_offload_note
+from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS, MAX_DEFAULT_SEQ_LEN,
+                                          complete_file, engine_config, kept_offload_note)
 from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.config.tier_names import OFFLOAD_DEVICES
 from infinity.config.units import parse_host_memory
@@ -44,6 +45,7 @@ from infinity.models.gpt import get_preset
 from infinity.placement.estimate import estimate_for_config, estimate_settings
 from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.max_model import max_gpt
+from infinity.placement.placement import distinct_device_requested
 from infinity.placement.report import format_estimated_split, format_max_gpt, format_table, parse_count
 from infinity.placement.split_choice import step_shape_of
 from infinity.placement.step_time import format_prediction, predict_from_estimate
@@ -92,10 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "machine computes it fast, else fp32)")
     p.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "int8"),
                    help="form of master + moments: fp32 (12 B an element), bf16 (6 B), int8 (~4.03 B) (default fp32)")
-    p.add_argument("--micro-batch", type=int, metavar="N", help="micro-batch per rank (with --preset; default 1)")
+    p.add_argument("--micro-batch", type=int, metavar="N",
+                   help=f"micro-batch per rank (default: the config's, else {DEFAULT_MICRO_BATCH} as in "
+                        f"`infinity train`)")
     p.add_argument("--grad-accum", type=int, metavar="N",
                    help="micro-batches per step; more than 1 keeps gradients in fp32 (default 1)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sample (with --preset)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help=f"tokens per sample (with --preset; default: the preset's, at most {MAX_DEFAULT_SEQ_LEN}, "
+                        f"as in `infinity train`)")
     p.add_argument("--largest-layer", type=_count, default=None, metavar="N",
                    help="parameters of the largest layer (default: from the model, or a GPT of that size)")
     p.add_argument("--max-live-parameters", type=_count, metavar="N",
@@ -116,8 +122,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buffer-count", type=int, metavar="N", help="host buffers for NVMe params (default 5)")
     p.add_argument("--buffer-size", type=_count, metavar="N",
                    help="elements per host buffer for NVMe params (default 1e8)")
-    p.add_argument("--cpu", action="store_true",
-                   help="the ranks compute on the CPU (no GPU): NVMe reads need no host buffers")
+    device = p.add_mutually_exclusive_group()
+    device.add_argument("--cpu", action="store_true",
+                        help="the ranks compute on the CPU (no GPU): NVMe reads need no host buffers (default: as "
+                             "`infinity train` on this machine: on a GPU where CUDA is available)")
+    device.add_argument("--gpu", action="store_true",
+                        help="the ranks compute on a GPU, its memory apart from the host's (to plan for another "
+                             "machine)")
     p.add_argument("--host-memory", metavar="SIZE", type=_host_memory, default=None,
                    help="host-memory budget per rank (8GiB, or a fraction of the available memory: 0.5, 50%%): "
                         "NVMe becomes a spill tier under it, as in the engine (default: as `infinity train`, 80%% of "
@@ -163,7 +174,7 @@ def _engine_config(args: argparse.Namespace, raw: dict, offload: tuple[str | Non
     """The config ``infinity train`` would build from ``raw`` and these flags (``offload``: the two offload flags),
     with the estimate's engine flags on top: (config, the precision as said)."""
     micro_batch = _pick(args.micro_batch, config_number(raw, "train_micro_batch_size_per_gpu",
-                                                        "train_micro_batch_size_per_gpu"), 1)
+                                                        "train_micro_batch_size_per_gpu"), DEFAULT_MICRO_BATCH)
     grad_accum = _pick(args.grad_accum, config_number(raw, "gradient_accumulation_steps",
                                                       "gradient_accumulation_steps"), 1)
     optimizer = raw.get("optimizer") if isinstance(raw.get("optimizer"), dict) else {}
@@ -183,6 +194,16 @@ def _engine_config(args: argparse.Namespace, raw: dict, offload: tuple[str | Non
         if getattr(args, flag) is not None:
             config = config.with_offload(which, **{field: getattr(args, flag)})
     return config, said
+
+
+def _gpu(args: argparse.Namespace) -> bool:
+    """Whether the ranks compute on a GPU with its own memory: --gpu, --cpu, else as `infinity train` finds this
+    machine (CUDA available, or INFINITY_DISTINCT_DEVICE=1)."""
+    if args.gpu or args.cpu:
+        return args.gpu
+    import torch
+
+    return torch.cuda.is_available() or distinct_device_requested()
 
 
 def _pick(flag, from_config, default):
@@ -241,14 +262,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --lora-rank or --trainable-params, not both (--lora-rank counts the adapters itself)")
     if args.max_params:
         config, _ = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
-        return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=not args.cpu),
+        return _run_max_params(args, estimate_settings(config, world_size=args.world_size, gpu=_gpu(args)),
                                micro_batch=config.micro_batch_size or 1, weight_decay=config.optimizer.weight_decay)
     config, precision_said = _engine_config(args, raw, (args.offload_param, args.offload_optimizer))
     model, gpt_cfg = _model(args, config.optimizer.weight_decay)
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
     trainable = trainable_params(args, total)
     micro_batch = config.micro_batch_size or 1
-    seq_len = args.seq_len or (gpt_cfg.seq_len if gpt_cfg is not None else None)
+    seq_len = args.seq_len or (min(gpt_cfg.seq_len, MAX_DEFAULT_SEQ_LEN) if gpt_cfg is not None else None)
     shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len,
                           recompute=args.activation_checkpointing) if gpt_cfg is not None else None
 
@@ -256,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         activations = 0 if gpt_cfg is None else gpt_activation_nbytes(
             gpt_cfg, micro_batch=micro_batch, seq_len=seq_len, precision=config.precision,
             activation_checkpointing=args.activation_checkpointing)
-        result = estimate_for_config(config, **model, world_size=args.world_size, gpu=not args.cpu,
+        result = estimate_for_config(config, **model, world_size=args.world_size, gpu=_gpu(args),
                                      activation_nbytes=activations, trainable_params=trainable, step_shape=shape)
         if gpt_cfg is not None:
             result["setting"].update(model=asdict(gpt_cfg), micro_batch=micro_batch, seq_len=seq_len,

@@ -33,11 +33,14 @@ from infinity.runtime.cpu_matmul import matmuls_in_fp32
 from infinity.runtime.hardware import default_device, resolve_precision, slow_precision_warning
 
 __all__ = ["DEFAULT_LR", "DEFAULT_MICRO_BATCH", "DEFAULT_STEPS", "DEFAULT_SUB_GROUP_SIZE", "HF_MODEL_LR",
+           "MAX_DEFAULT_SEQ_LEN",
            "MODEL_FILE_LR", "PRESET_LR", "Plan", "complete_file", "engine_config", "kept_offload_note", "make_plan",
            "with_swap_folder"]
 
 DEFAULT_STEPS = 200
 DEFAULT_MICRO_BATCH = 8
+MAX_DEFAULT_SEQ_LEN = 256
+"""Without --seq-len, a sequence is the model's context, at most this long."""
 DEFAULT_LR = 2e-3
 """Peak learning rate of the default preset; other presets have theirs in PRESET_LR."""
 PRESET_LR = {
@@ -216,7 +219,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     raw = complete_file(raw, args, micro_batch=micro_batch, grad_accum=grad_accum, world_size=world_size,
                          steps=steps, warmup=warmup, lr=lr, min_lr=min_lr, hidden_size=hidden_size)
     monitor = train_monitor.monitor_plan(args, raw, steps=steps)  # (--lr-schedule takes the scheduler block out)
-    seq_len = pick(args.seq_len, None, min(model_seq or 256, 256))
+    seq_len = pick(args.seq_len, None, min(model_seq or MAX_DEFAULT_SEQ_LEN, MAX_DEFAULT_SEQ_LEN))
     _positive("--seq-len", seq_len)
     if model_seq is not None and seq_len > model_seq:
         what = f"preset {preset!r}" if preset else f"the model in {hf_model or args.model}"

@@ -146,6 +146,25 @@ def test_estimate_says_the_nvme_bytes_train_reserves(tmp_path, capsys):
     assert said["accounted"]["nvme"] == ran["nvme"]["peak_nbytes"] > 0
 
 
+@pytest.mark.parametrize("argv", [
+    ["--preset", "tiny"],
+    ["--preset", "125m", "--offload-optimizer", "cpu", "--grad-accum", "2"],
+])
+def test_estimate_with_trains_flags_describes_the_run_train_resolves(capsys, monkeypatch, argv):
+    """The same flags, no --cpu: this machine as train finds it (a GPU or not), train's micro-batch (8) and sequence
+    (the preset's context, at most 256): estimate's whole figure is train's."""
+    import psutil
+
+    memory = psutil.virtual_memory()  # (the default host budget is a share of what is available: held still)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    said = _estimate(capsys, *argv)
+    plan = _plan(*argv)
+    setting = said["setting"]
+    assert (setting.pop("micro_batch"), setting.pop("seq_len")) == (plan.micro_batch, plan.seq_len)
+    setting.pop("model")  # (estimate's own: the preset's shape)
+    assert said == train.estimate_for(plan, train.get_preset(plan.preset))
+
+
 def test_estimate_reads_a_hugging_face_folder_as_train_does(tmp_path, capsys):
     model_dir = _llama(tmp_path / "llama")
     plan = _plan("--hf-model", str(model_dir), "--precision", "fp32")
