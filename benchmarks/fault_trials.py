@@ -287,7 +287,7 @@ def trial_double_signal(work: Path) -> tuple[bool, str]:
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    said = err.split("stopping now, without a checkpoint; ")[-1].strip() if "stopping now" in err else err[-200:]
+    said = err.split("stopping now, ")[-1].strip() if "stopping now" in err else err[-200:]
     left = _left_behind(nvme, tmp) + _save_dir_leftovers(save_dir)
     named = all(p in said for p in held)
     ok = started and proc.returncode in (130, 143) and not left and named and bool(held) and _whole(save_dir)

@@ -157,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             check_nvme_room(plan)
             check_output_room(args, plan, count_params(get_preset(plan.preset)), warn=_warn)
             check_memory(plan)
-        with GracefulStop(cleanup) as stop:  # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
+        # SIGTERM/SIGINT: checkpoint at the step's end, swap folder removed
+        with GracefulStop(cleanup, save_dir=args.save_dir) as stop:
             if plan.nvme_is_temporary:
                 plan.nvme_path = cleanup.temporary_folder(plan.swap.parent)
             plan.config = with_swap_folder(plan.config, plan.nvme_path)
@@ -369,13 +370,14 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
                       file=sys.stdout)
         if args.save_dir and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < plan.steps:
             save(engine, args.save_dir, step + 1, corpus, losses, plan.save.keep_last,
-                 run=plan.run_settings)
+                 run=plan.run_settings, stop=stop)
         if stop.requested(plan.world_size) and step + 1 < plan.steps:
             bar.close()
             return stop_on_signal(args, plan, engine, monitor, corpus, losses, step + 1, stop)
     bar.close()
     if args.save_dir:
-        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last, run=plan.run_settings)
+        save(engine, args.save_dir, plan.steps, corpus, losses, plan.save.keep_last, run=plan.run_settings,
+             stop=stop)
     save_dtype = args.save_dtype or DEFAULT_SAVE_DTYPE
     if getattr(args, "save_pretrained", None) and plan.lora is not None:
         say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=save_dtype,

@@ -14,6 +14,7 @@ import logging
 import re
 import shutil
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,9 +195,10 @@ def load(engine, resume: str) -> dict:
 
 
 def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_last: int | None = None,
-         run: dict | None = None) -> None:
+         run: dict | None = None, stop=None) -> None:
     """Checkpoint ``step`` as ``step<N>`` in ``save_dir``, with the data's position, the losses so far and ``run``,
-    the settings a --resume is held to (``train_resume.run_settings``)."""
+    the settings a --resume is held to (``train_resume.run_settings``); ``stop`` (a ``GracefulStop``) is told of
+    the save, so that a forced stop does not leave it half-written."""
     tag = f"step{step}"
     before = _latest(save_dir) if engine.comm.rank == 0 else None
     import torch
@@ -211,8 +213,9 @@ def save(engine, save_dir: str, step: int, corpus, losses: list[float], keep_las
         client_state["peft_config"] = adapter_config_record(engine.module)
     # A frozen base (--lora-rank's) is left out: --resume builds it again from --hf-model, and the checkpoint's
     # fingerprint of it checks that it did.
-    call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state,
-                    exclude_frozen_parameters=True)
+    with stop.saving(tag) if stop is not None else nullcontext():
+        call_checkpoint(engine.save_checkpoint, save_dir, tag=tag, client_state=client_state,
+                        exclude_frozen_parameters=True)
     if engine.comm.rank != 0:
         return
     if _step_of(before) is not None and _step_of(before) > step:
@@ -236,7 +239,7 @@ def stop_on_signal(args, plan, engine, monitor, corpus, losses: list[float], ste
     saved = ""
     if args.save_dir:
         if not (args.save_every and step % args.save_every == 0):  # (else it was saved just now)
-            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last, run=plan.run_settings)
+            save(engine, args.save_dir, step, corpus, losses, plan.save.keep_last, run=plan.run_settings, stop=stop)
         saved = f"; checkpoint in {Path(args.save_dir) / f'step{step}'} (resume with --resume)"
     engine.close()
     monitor.close()

@@ -3,6 +3,8 @@
 removes its swap folder and exits 143 or 130 (128 + the signal). A run that does not reach a step boundary within
 ``STOP_TIMEOUT_S``, or a second signal, removes its swap files (its temporary swap folder, and its stores in a
 user's --nvme-path), lets go of its --save-dir, says which folders it removed, and exits at once with the same code.
+A checkpoint being written then (:meth:`GracefulStop.saving`) is not left half-written: its temporary folder is
+removed, and the line says which checkpoint was not saved and which one is the latest to resume from.
 
 Also here: :class:`Cleanup`, what a run undoes however it ends (its temporary swap folder, the process group,
 the save folder's lock).
@@ -18,8 +20,10 @@ import signal
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
+from infinity.checkpoint.publish import LATEST_FILE, TMP_PREFIX, read_latest
 from infinity.storage.lock_file import LockFile, LockHeld
 from infinity.storage.swap_dir import remove_live_swap_dirs
 
@@ -101,9 +105,13 @@ class GracefulStop:
     over the ranks, so all stop at the same step) and ends the run itself. A timer bounds the wait.
     """
 
-    def __init__(self, cleanup: Cleanup, timeout_s: float = STOP_TIMEOUT_S):
+    def __init__(self, cleanup: Cleanup, timeout_s: float = STOP_TIMEOUT_S, save_dir: str | None = None):
         self.cleanup = cleanup
         self.timeout_s = timeout_s
+        self.save_dir = Path(save_dir) if save_dir else None
+        """--save-dir: a forced stop says which of its checkpoints is the latest."""
+        self._saving: str | None = None
+        """The tag of the checkpoint being written, if one is."""
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
@@ -141,13 +149,47 @@ class GracefulStop:
         self._timer.daemon = True
         self._timer.start()
 
+    @contextmanager
+    def saving(self, tag: str):
+        """Around the save of checkpoint ``tag`` into ``save_dir``: a forced stop meanwhile removes what it wrote."""
+        self._saving = tag
+        try:
+            yield
+        finally:
+            self._saving = None
+
     def _force(self, why: str) -> None:
+        checkpoints = self._checkpoints_said()  # (first: the save folder's lock is let go below)
         removed = self.cleanup.emergency()
         said = (f"removed the swap folder{'s' if len(removed) > 1 else ''} {', '.join(removed)}" if removed else
                 "no swap folder to remove")
-        print(f"infinity train: {why} after {self.name}: stopping now, without a checkpoint; {said}",
+        print(f"infinity train: {why} after {self.name}: stopping now, {checkpoints}; {said}",
               file=sys.stderr, flush=True)
         os._exit(self.exit_code)
+
+    def _checkpoints_said(self) -> str:
+        """What is saved, for the line of a forced stop; a checkpoint being written is removed, not left half-written
+        (its temporary folder, and a ``latest`` being replaced: this process' own, by their pid)."""
+        if self.save_dir is None:
+            return "without a checkpoint (no --save-dir)"
+        tag, said = self._saving, "without a new checkpoint: "
+        if tag is not None:
+            pid = os.getpid()
+            partial = [*self.save_dir.glob(f"{TMP_PREFIX}{pid}-*-{tag}"),
+                       *self.save_dir.glob(f"{LATEST_FILE}{TMP_PREFIX}{pid}-*")]
+            for path in partial:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            if not partial and read_latest(self.save_dir) == tag:
+                return f"the checkpoint {self.save_dir / tag} was saved (resume with --resume)"
+            said += f"the checkpoint {tag} was being written and is not saved" + (
+                f" (removed what it had written: {', '.join(p.name for p in partial)})" if partial else "") + "; "
+        latest = read_latest(self.save_dir)
+        if latest is None:
+            return said + f"{self.save_dir} holds no checkpoint"
+        return said + f"the latest checkpoint is {self.save_dir / latest} (resume with --resume)"
 
     def requested(self, world_size: int) -> bool:
         """True on every rank when any rank was signalled (one all-reduce with several ranks)."""

@@ -355,8 +355,43 @@ def test_a_second_signal_removes_the_swap_store_and_says_which(tmp_path, where):
     assert proc.returncode in (130, 143), err
     assert sorted(nvme.iterdir()) == [] and sorted(tmp.iterdir()) == []  # nothing left behind
     assert not (tmp_path / "ck" / LOCK_FILE).exists()  # and the save folder is free for the next run
-    said = err.split("stopping now, without a checkpoint; ")[1]
+    said = err.split("stopping now, ")[1]
     assert all(str(p) in said for p in made), said  # and it says what it removed
+
+
+_SIGNALS_IN_THE_FINAL_SAVE = """
+import os, signal, sys
+from infinity.checkpoint import publish
+from infinity.cli import main
+
+write_meta, calls = publish.write_meta, []
+
+def signalled(path, body):  # the final save's shard file is written, its meta.json not yet
+    calls.append(path)
+    if len(calls) == 2:  # (the first is step 1's, whole)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+    write_meta(path, body)
+
+publish.write_meta = signalled
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_signal_during_the_final_save_leaves_no_temporary_folder_and_says_what_is_saved(tmp_path):
+    script, save_dir, tmp = tmp_path / "signalled.py", tmp_path / "ck", tmp_path / "tmp"
+    script.write_text(_SIGNALS_IN_THE_FINAL_SAVE)
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, str(script), "train", *TINY, "--steps", "2", "--save-every", "1",
+                           "--save-dir", str(save_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 143, done.stderr
+    assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".tmp-")) == []  # nothing half-written
+    assert (save_dir / "latest").read_text().strip() == "step1" and not (save_dir / "step2").exists()
+    said = done.stderr.split("stopping now, ")[1]
+    assert said.startswith("without a new checkpoint: the checkpoint step2 was being written and is not saved")
+    assert f"the latest checkpoint is {save_dir / 'step1'} (resume with --resume)" in said
+    assert sorted(tmp.iterdir()) == []  # (and the swap folder is gone)
 
 
 # --------------------------------------------------------------------------- 10. a missing nvme_path
