@@ -41,9 +41,22 @@ def run(args: argparse.Namespace) -> int:
     if args.dpi <= 0:
         raise ValueError(f"--dpi must be positive, got {args.dpi}")
     output = Path(args.output) if args.output else csv_path.parent / PLOT_FILE
+    _check_output(output, "--output " if args.output else "the picture ")
     plot_metrics(rows, output, title=csv_path.parent.name, dpi=args.dpi)
     print(f"wrote {output} ({len(rows)} steps)")
     return 0
+
+
+def _check_output(output: Path, said: str) -> None:
+    """Before drawing: ``output`` can be a new or replaced file, named as the user gave it (``said``)."""
+    where = f"{said}{str(output)!r}"
+    if output.is_dir():
+        raise IsADirectoryError(f"{where} is a folder: name the picture file in it (e.g. {output / PLOT_FILE})")
+    folder = output.parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{where}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"{where}: folder {str(folder)!r} is not writable")
 
 
 def plot_metrics(rows: list[dict], output: str | Path, *, title: str = "", dpi: int = 100) -> None:
@@ -91,6 +104,8 @@ def plot_metrics(rows: list[dict], output: str | Path, *, title: str = "", dpi: 
     try:
         fig.savefig(tmp, dpi=dpi, format="png")
         os.replace(tmp, output)
+    except OSError as err:  # named as the user gave it, not by the temporary file beside it
+        raise type(err)(f"cannot write the picture {str(output)!r}: {err.strerror or err}") from None
     finally:
         plt.close(fig)
         tmp.unlink(missing_ok=True)

@@ -87,6 +87,18 @@ def test_plot_writes_a_valid_png(capsys, tmp_path):
     assert "missing" in capsys.readouterr().err
 
 
+def test_plot_errors_name_the_users_output_not_a_temporary_file(capsys, tmp_path):
+    assert _train(capsys, "--steps", "2", "--run-dir", str(tmp_path))[0] == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for output, said in ((tmp_path / "no" / "x.png", f"folder {str(tmp_path / 'no')!r} does not exist"),
+                         (tmp_path, "is a folder: name the picture file in it"),
+                         ("/proc/x.png", "'/proc/x.png'")):  # (a folder no file can be made in, even by root)
+        assert main(["plot", str(tmp_path), "-o", str(output)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("infinity plot: error: ") and said in err and ".tmp-" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing left beside the run
+
+
 def test_samples_are_printed_every_n_steps(capsys, tmp_path):
     code, out, _ = _train(capsys, "--steps", "4", "--run-dir", str(tmp_path), "--sample-every", "2", "--prompt", "def ",
                           "--sample-tokens", "5")
