@@ -127,8 +127,26 @@ def _bench_dir(path: str | None):
             shutil.rmtree(tmp, ignore_errors=True)
         return
 
-    check_writable(path, what="--path")  # a missing folder is created (0700), as `train --nvme-path` does
-    yield path
+    made = _missing_folders(Path(path))
+    try:
+        check_writable(path, what="--path")  # a missing folder is created (0700), as `train --nvme-path` does
+        yield path
+    except BaseException:  # refused (tmpfs, no room, ...) or stopped: the folders made for it go, once empty
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _plot_format(path: str) -> str:

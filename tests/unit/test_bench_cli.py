@@ -117,3 +117,15 @@ def test_tmpfs_path_is_refused(capsys):
         pytest.skip("/dev/shm is not tmpfs here")
     rc = main(["bench", "--path", "/dev/shm", "--size", "1MiB", "--no-progress"])
     assert rc == 2 and "tmpfs" in capsys.readouterr().err
+
+
+def test_a_refused_path_leaves_no_folder_it_made(capsys, tmp_path):
+    if direct_io_problem("/dev/shm") is None:
+        pytest.skip("/dev/shm is not tmpfs here")
+    made = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="infinity-test-"))
+    try:
+        rc = main(["bench", "--path", str(made / "x" / "y"), "--size", "1MiB", "--no-progress"])
+        assert rc == 2 and "tmpfs" in capsys.readouterr().err
+        assert list(made.iterdir()) == []  # x/y made for the bench, removed with it; the folder that was there stays
+    finally:
+        made.rmdir()
