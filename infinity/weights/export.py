@@ -389,9 +389,12 @@ def consolidate_hf(checkpoint, out_dir, *, dtype: str = "fp32", tag: str | None 
                 raise ValueError(f"--hf-config: {path} is not JSON: {err}") from None
         else:
             config = (ckpt.meta.get("client_state") or {}).get("hf_config")
-        if config is None:
-            raise ValueError(f"checkpoint {ckpt.path} does not record its Hugging Face config: pass --hf-config DIR "
-                             f"(the model folder the run started from)")
+        if config is None:  # (`infinity train` records it for every Hugging Face model: hf_config_of)
+            raise ValueError(f"checkpoint {ckpt.path} records no Hugging Face config: its model is not a Hugging Face "
+                             f"transformers model (a --preset's or a --model file's), so it has no Hugging Face "
+                             f"layout; write it as one safetensors file under its own names, without --hf: "
+                             f"`infinity consolidate {checkpoint} OUT.safetensors`. (A Hugging Face model saved "
+                             f"without the record: pass --hf-config DIR, the model folder the run started from)")
         config = dict(config, dtype=_HF_DTYPE_NAMES[out_dtype])
         if verify:
             ckpt.verify()

@@ -127,6 +127,18 @@ def test_a_file_given_as_checkpoint_and_fp16_without_hf_are_named(tmp_path, caps
     assert notes.read_text() == "mine" and not (tmp_path / "m.safetensors").exists()
 
 
+def test_hf_of_a_checkpoint_of_a_model_that_is_not_hugging_faces_says_to_write_one_file(tmp_path, capsys):
+    """It said "pass --hf-config DIR (the model folder the run started from)": a preset's run has no such folder."""
+    torch.manual_seed(0)
+    _save(TinyGPT(), gpt_batches(1, batch=2), tmp_path / "ckpt", tmp_path)
+    assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf"]) == 2
+    err = capsys.readouterr().err
+    assert "its model is not a Hugging Face transformers model" in err
+    advice = f"`infinity consolidate {tmp_path / 'ckpt'} OUT.safetensors`"
+    assert advice in err and not (tmp_path / "out").exists()
+    assert main(advice.strip("`").split()[1:-1] + [str(tmp_path / "m.safetensors")]) == 0  # the advice works
+
+
 _MEASURE = """
 import json, sys
 from infinity.checkpoint.consolidation import consolidate
