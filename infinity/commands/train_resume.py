@@ -27,7 +27,8 @@ RUN_KEY = "run"
 """The key of the run's settings in a checkpoint's ``client_state``."""
 
 SETTINGS = {
-    "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "min_lr": "--min-lr", "lr_schedule": "--lr-schedule",
+    "lora": "--lora-rank", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "min_lr": "--min-lr",
+    "lr_schedule": "--lr-schedule",
     "decay_fraction": "--decay-fraction", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
     "seq_len": "--seq-len", "seed": "--seed", "data": "--data", "max_bytes": "--max-bytes",
     "held_out": "--eval-every/--val-data/--val-fraction",
@@ -49,7 +50,10 @@ def run_settings(args: argparse.Namespace, plan) -> dict:
     if monitor.eval_every:  # (the training corpus is what is not held out)
         held_out = ({"val_data": str(Path(monitor.val_data).resolve())} if monitor.val_data else
                     {"val_fraction": monitor.val_fraction})
+    lora = plan.lora
     return {
+        "lora": None if lora is None else {"rank": lora.rank, "alpha": float(lora.alpha),
+                                           "dropout": float(lora.dropout)},
         "steps": plan.steps, "warmup": plan.warmup, "lr": plan.lr, "min_lr": plan.min_lr,
         "lr_schedule": monitor.lr_schedule,
         "decay_fraction": monitor.decay_fraction if monitor.lr_schedule == "wsd" else None,
@@ -60,21 +64,32 @@ def run_settings(args: argparse.Namespace, plan) -> dict:
 
 
 def saved_settings(resume: str) -> dict | None:
-    """The settings saved with the checkpoint ``resume`` names (``DIR`` or ``DIR/TAG``); None where it has none (saved
-    by an earlier version) or its ``meta.json`` cannot be read (the load says why, with the tags beside it)."""
+    """The settings saved with the checkpoint ``resume`` names (``DIR`` or ``DIR/TAG``): only ``lora`` where it was
+    saved by an earlier version; None where its ``meta.json`` cannot be read (the load says why, with the tags
+    beside it)."""
     save_dir, tag = checkpoint_dir_and_tag(resume)
     try:
         tag = tag or (Path(save_dir) / LATEST_FILE).read_text().strip()
         meta = read_meta(Path(save_dir) / tag)
     except (OSError, CheckpointError):
         return None
-    settings = (meta.get("client_state") or {}).get(RUN_KEY)
-    return settings if isinstance(settings, dict) else None
+    client_state = meta.get("client_state") or {}
+    settings = client_state.get(RUN_KEY)
+    settings = dict(settings) if isinstance(settings, dict) else {}
+    # Whether it trained LoRA adapters, and which: peft's record (saved by earlier versions too), else none.
+    peft_config = client_state.get("peft_config")
+    settings["lora"] = None if not isinstance(peft_config, dict) else {
+        "rank": peft_config.get("r"), "alpha": float(peft_config.get("lora_alpha") or 0),
+        "dropout": float(peft_config.get("lora_dropout") or 0)}
+    return settings
 
 
 def _said(key: str, value) -> str:
     if value is None:
-        return {"data": "the default corpus", "held_out": "none held out"}.get(key, "none")
+        return {"data": "the default corpus", "held_out": "none held out",
+                "lora": "no LoRA adapters (the whole model trained)"}.get(key, "none")
+    if key == "lora":
+        return f"LoRA adapters of rank {value['rank']}, alpha {value['alpha']:g}, dropout {value['dropout']:g}"
     if key == "held_out":
         return f"--val-data {value['val_data']}" if "val_data" in value else f"--val-fraction {value['val_fraction']}"
     return str(value)
@@ -100,7 +115,13 @@ def check_resume(saved: dict, given: dict, *, resume: str, extend_steps: bool) -
                                f"schedule would then follow a longer curve from the resumed step on, so the learning "
                                f"rate would jump there; give --extend-steps to accept that")
             continue
-        differences.append(f"{flag}: the checkpoint's run has {_said(key, saved[key])}, given {_said(key, given[key])}")
+        said = f"{flag}: the checkpoint's run has {_said(key, saved[key])}, given {_said(key, given[key])}"
+        if key == "lora":
+            lora = saved[key]
+            said += (" (leave out --lora-rank)" if lora is None else
+                     f" (give --lora-rank {lora['rank']} --lora-alpha {lora['alpha']:g} --lora-dropout "
+                     f"{lora['dropout']:g})")
+        differences.append(said)
     if differences:
         raise ValueError(f"--resume {resume}: the flags differ from the run that saved the checkpoint, and each "
                          f"difference changes its training: {'; '.join(differences)}. Give the checkpoint's values "

@@ -329,6 +329,28 @@ def test_bad_lora_flags_are_refused_naming_the_flag(tmp_path, capsys, argv, said
     assert not (tmp_path / "run").exists()
 
 
+def test_resume_of_a_lora_run_names_the_lora_flags_it_needs(tmp_path, capsys, monkeypatch):
+    """--resume of a --lora-rank run without the flag (or with another rank) is refused before any work, naming
+    --lora-rank with the checkpoint's rank, alpha and dropout."""
+    from infinity.cli import main
+    from infinity.commands import train
+    from test_hf_cli import _tiny_llama
+
+    _tiny_llama(tmp_path / "llama", 64, with_tokenizer=True)
+    data = tmp_path / "corpus.txt"
+    data.write_text(" ".join(f"w{(i * 7) % 60}" for i in range(3000)))
+    argv = ["train", "--hf-model", str(tmp_path / "llama"), "--data", str(data), "--steps", "2", "--micro-batch", "2",
+            "--seq-len", "32", "--precision", "fp32", "--lr", "1e-3", "--run-dir", str(tmp_path / "run"), "--overwrite"]
+    assert main([*argv, "--lora-rank", "4", "--save-dir", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(train, "_build_model", lambda *a, **k: pytest.fail("work started before the refusal"))
+    for lora, given in (([], "given no LoRA adapters"), (["--lora-rank", "8"], "given LoRA adapters of rank 8")):
+        assert main([*argv, *lora, "--resume", str(tmp_path / "ck")]) == 2
+        err = capsys.readouterr().err
+        assert f"--lora-rank: the checkpoint's run has LoRA adapters of rank 4, alpha 8, dropout 0, {given}" in err
+        assert "(give --lora-rank 4 --lora-alpha 8 --lora-dropout 0)" in err and "--lr" not in err
+
+
 def test_lora_checkpoints_leave_the_base_out_and_resume_bitwise_only_beside_the_same_base(tmp_path, capsys):
     """`--lora-rank --save-dir`: a checkpoint holds the adapters and their states, not the frozen base; --resume
     rebuilds the base from --hf-model and continues the run bit for bit; another base is refused by name."""
