@@ -32,6 +32,7 @@ SETTINGS = {
     "decay_fraction": "--decay-fraction", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
     "seq_len": "--seq-len", "seed": "--seed", "data": "--data", "max_bytes": "--max-bytes",
     "held_out": "--eval-every/--val-data/--val-fraction",
+    "optimizer": "--config's optimizer", "gradient_clipping": "--config's gradient_clipping",
 }
 """The settings that decide the training, each with the flag that sets it (a --config key may set it too)."""
 
@@ -60,7 +61,15 @@ def run_settings(args: argparse.Namespace, plan) -> dict:
         "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "seq_len": plan.seq_len, "seed": args.seed,
         "data": str(Path(args.data).resolve()) if args.data else None, "max_bytes": args.max_bytes,
         "held_out": held_out,
+        "optimizer": _optimizer_said(plan.config.optimizer), "gradient_clipping": plan.config.gradient_clipping,
     }
+
+
+def _optimizer_said(optimizer) -> str:
+    """The optimizer's settings but its learning rate (--lr's), in one comparable line."""
+    betas = ", ".join(f"{b:g}" for b in optimizer.betas)
+    return (f"{optimizer.type} (betas {betas}, eps {optimizer.eps:g}, weight decay {optimizer.weight_decay:g}"
+            + ("" if optimizer.bias_correction else ", no bias correction") + ")")
 
 
 def saved_settings(resume: str) -> dict | None:

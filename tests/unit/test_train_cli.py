@@ -336,8 +336,18 @@ RESUMED = ("--preset", "tiny", "--seq-len", "16", "--micro-batch", "2", "--max-b
     (["--steps", "2", "--lr-schedule", "linear"], "--lr-schedule: the checkpoint's run has cosine, given linear"),
     (["--steps", "1"], "--steps: the checkpoint's run has 2, given 1"),
     (["--steps", "5"], "--steps 5 extends the run of 2 steps: its cosine schedule would then follow a longer curve"),
+    (["--steps", "2", "--config", "{clipping}"],
+     "--config's gradient_clipping: the checkpoint's run has 1.0, given 0.5"),
+    (["--steps", "2", "--config", "{decay}"], "--config's optimizer: the checkpoint's run has AdamW (betas 0.9, 0.95, "
+                                              "eps 1e-08, weight decay 0.1), given AdamW (betas 0.9, 0.999, eps 1e-08, "
+                                              "weight decay 0)"),
 ])
 def test_resume_with_flags_that_change_the_training_is_refused_by_name(saved_run, no_work, capsys, argv, message):
+    for name, body in (("clipping", {"gradient_clipping": 0.5}),
+                       ("decay", {"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.0}}})):
+        if f"{{{name}}}" in argv:
+            (no_work / f"{name}.json").write_text(json.dumps(body))
+            argv = [str(no_work / f"{name}.json") if a == f"{{{name}}}" else a for a in argv]
     # (the checkpoint's own flags come first, the given ones after: later flags win)
     err = _fails(capsys, *RESUMED, *argv, "--resume", str(saved_run / "step1"))
     assert message in err and f"--resume {saved_run / 'step1'}" in err
