@@ -380,10 +380,12 @@ def _train(args: argparse.Namespace, plan: Plan, corpus, validation, cleanup: Cl
              stop=stop)
     save_dtype = args.save_dtype or DEFAULT_SAVE_DTYPE
     if getattr(args, "save_pretrained", None) and plan.lora is not None:
-        say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=save_dtype,
-                                     source=plan.hf_model))
+        with stop.writing_model(args.save_pretrained):
+            say(save_lora_with_tokenizer(engine, model, plan.lora, args.save_pretrained, dtype=save_dtype,
+                                         source=plan.hf_model))
     elif getattr(args, "save_pretrained", None):
-        say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=save_dtype, source=plan.hf_model))
+        with stop.writing_model(args.save_pretrained):
+            say(save_pretrained_with_tokenizer(engine, args.save_pretrained, dtype=save_dtype, source=plan.hf_model))
     engine.close()
     monitor.close()
 

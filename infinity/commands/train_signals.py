@@ -112,6 +112,8 @@ class GracefulStop:
         """--save-dir: a forced stop says which of its checkpoints is the latest."""
         self._saving: str | None = None
         """The tag of the checkpoint being written, if one is."""
+        self._writing_model: Path | None = None
+        """The --save-pretrained folder being written, if one is."""
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
@@ -158,8 +160,28 @@ class GracefulStop:
         finally:
             self._saving = None
 
+    @contextmanager
+    def writing_model(self, out_dir: str):
+        """Around --save-pretrained's write of ``out_dir``: a forced stop meanwhile removes the folder it was writing
+        beside it (``.OUT.tmp-<pid>-*``), and says the model is not saved."""
+        self._writing_model = Path(out_dir)
+        try:
+            yield
+        finally:
+            self._writing_model = None
+
+    def _model_said(self) -> str:
+        out = self._writing_model
+        if out is None:
+            return ""
+        partial = list(out.parent.glob(f".{out.name}{TMP_PREFIX}{os.getpid()}-*"))
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        return (f"the --save-pretrained model {out} was being written and is not saved"
+                + (f" (removed what it had written: {', '.join(p.name for p in partial)})" if partial else "") + "; ")
+
     def _force(self, why: str) -> None:
-        checkpoints = self._checkpoints_said()  # (first: the save folder's lock is let go below)
+        checkpoints = self._model_said() + self._checkpoints_said()  # (first: the save folder's lock goes below)
         removed = self.cleanup.emergency()
         said = (f"removed the swap folder{'s' if len(removed) > 1 else ''} {', '.join(removed)}" if removed else
                 "no swap folder to remove")

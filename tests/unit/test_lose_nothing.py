@@ -394,6 +394,38 @@ def test_a_second_signal_during_the_final_save_leaves_no_temporary_folder_and_sa
     assert sorted(tmp.iterdir()) == []  # (and the swap folder is gone)
 
 
+_SIGNALS_IN_SAVE_PRETRAINED = """
+import os, signal, sys
+from infinity.weights import export
+from infinity.cli import main
+
+fsync_dir = export.fsync_dir
+
+def signalled(path):  # every file of the model written in its temporary folder, not yet renamed into place
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+    fsync_dir(path)
+
+export.fsync_dir = signalled
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_signal_during_save_pretrained_leaves_no_temporary_folder_and_says_so(tmp_path):
+    script, out, tmp = tmp_path / "signalled.py", tmp_path / "models" / "tuned", tmp_path / "tmp"
+    script.write_text(_SIGNALS_IN_SAVE_PRETRAINED)
+    out.parent.mkdir()
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, str(script), "train", *TINY, "--steps", "1", "--offload-param", "cpu",
+                           "--offload-optimizer", "cpu", "--save-pretrained", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 143, done.stderr
+    assert sorted(out.parent.iterdir()) == []  # no `.tuned.tmp-...` folder, no half a model
+    said = done.stderr.split("stopping now, ")[1]
+    assert said.startswith(f"the --save-pretrained model {out} was being written and is not saved (removed what it "
+                           f"had written: .tuned.tmp-"), said
+
+
 # --------------------------------------------------------------------------- 10. a missing nvme_path
 
 
