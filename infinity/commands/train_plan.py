@@ -284,6 +284,10 @@ def _check_flags_that_need_others(args: argparse.Namespace) -> None:
     for name, flag, needed, said in NEEDED:
         if getattr(args, name, None) not in (None, False) and not getattr(args, needed, None):
             raise ValueError(f"{flag} needs {said}")
+    if getattr(args, "overwrite", False) and not any(getattr(args, name, None)
+                                                     for name in ("save_dir", "save_pretrained", "run_dir")):
+        raise ValueError("--overwrite needs --save-dir, --save-pretrained or --run-dir (a folder it lets this run "
+                         "write over); a run without them writes into a new runs/ folder")
 
 
 def engine_config(raw: dict, args: argparse.Namespace, *, micro_batch: int, grad_accum: int,

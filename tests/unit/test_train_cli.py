@@ -211,6 +211,7 @@ def test_no_disk_check_without_nvme(no_work, monkeypatch, capsys):
     (["--steps", "10", "--warmup", "11"], "--warmup 11 is more than --steps 10"),
     (["--save-dtype", "bf16"], "--save-dtype needs --save-pretrained"),
     (["--wait-for-lock"], "--wait-for-lock needs --save-dir"),
+    (["--overwrite"], "--overwrite needs --save-dir, --save-pretrained or --run-dir"),
     (["--offload-param", "cpu", "--offload-optimizer", "cpu", "--buffered-io"],
      "--buffered-io needs a tier on NVMe: nothing goes there (params -> cpu, optimizer -> cpu)"),
     (["--lr-schedule", "constant", "--min-lr", "1e-5"], "--min-lr has no effect with --lr-schedule constant"),
