@@ -100,8 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, metavar="N",
                    help="micro-batches per step; more than 1 keeps gradients in fp32 (default 1)")
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
-                   help=f"tokens per sample (with --preset; default: the preset's, at most {MAX_DEFAULT_SEQ_LEN}, "
-                        f"as in `infinity train`)")
+                   help=f"tokens per sample (with --preset or --hf-model; default: the model's context, at most "
+                        f"{MAX_DEFAULT_SEQ_LEN}, as in `infinity train`)")
     p.add_argument("--largest-layer", type=_count, default=None, metavar="N",
                    help="parameters of the largest layer (default: from the model, or a GPT of that size)")
     p.add_argument("--max-live-parameters", type=_count, metavar="N",
@@ -235,6 +235,18 @@ def _of_model(args: argparse.Namespace, model, weight_decay: float) -> dict:
             "param_trainable": trains}
 
 
+def _default_seq_len(args: argparse.Namespace, gpt_cfg) -> int | None:
+    """Train's sequence without --seq-len: the model's context (a preset's, or --hf-model's), at most
+    ``MAX_DEFAULT_SEQ_LEN``; None for a bare --params count."""
+    if gpt_cfg is not None:
+        context = gpt_cfg.seq_len
+    elif args.hf_model is not None:
+        context = read_hf_model_config(args.hf_model, weights=False)["max_position_embeddings"]
+    else:
+        return None
+    return min(context, MAX_DEFAULT_SEQ_LEN)
+
+
 def _hidden_size(args: argparse.Namespace) -> int | None:
     """The model's hidden size (for the config's ``"auto"`` bucket sizes, as train fills them)."""
     if args.preset is not None:
@@ -269,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum(model["param_numels"]) if model.get("param_numels") is not None else model["num_params"]
     trainable = trainable_params(args, total)
     micro_batch = config.micro_batch_size or 1
-    seq_len = args.seq_len or (min(gpt_cfg.seq_len, MAX_DEFAULT_SEQ_LEN) if gpt_cfg is not None else None)
+    seq_len = args.seq_len or _default_seq_len(args, gpt_cfg)
     shape = step_shape_of(gpt_cfg, micro_batch=micro_batch, seq_len=seq_len,
                           recompute=args.activation_checkpointing) if gpt_cfg is not None else None
 

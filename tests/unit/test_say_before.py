@@ -165,6 +165,26 @@ def test_estimate_with_trains_flags_describes_the_run_train_resolves(capsys, mon
     assert said == train.estimate_for(plan, train.get_preset(plan.preset))
 
 
+def test_estimate_predicts_the_step_train_predicts_for_a_hugging_face_folder(tmp_path, capsys, monkeypatch):
+    """Without --seq-len, a --hf-model's sequence is its context at most 256, as train takes it (it was 1024)."""
+    from infinity.commands.train_step_time import predicted_step
+    from infinity.hf.pretrained import build_meta_causal_lm
+    from infinity.runtime.machine_figures import cache_path, save
+    from test_step_time import figures
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save(figures(device="cpu"), cache_path())
+    model_dir = _llama(tmp_path / "llama")  # (a context of 64)
+    argv = ["--hf-model", str(model_dir), "--precision", "fp32", "--offload-optimizer", "cpu"]
+    assert main(["estimate", *argv, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_time"]
+    plan = _plan(*argv)
+    model = build_meta_causal_lm(model_dir)
+    plan.estimate = train.estimate_for(plan, model)
+    prediction, _ = predicted_step(plan, model)
+    assert plan.seq_len == 64 and said["predicted_s"] == prediction.predicted_s > 0
+
+
 def test_estimate_reads_a_hugging_face_folder_as_train_does(tmp_path, capsys):
     model_dir = _llama(tmp_path / "llama")
     plan = _plan("--hf-model", str(model_dir), "--precision", "fp32")
