@@ -26,7 +26,9 @@ PLOT_FILE = "metrics.png"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help=f"a run folder holding {METRICS_FILE} (or the CSV file itself)")
-    p.add_argument("-o", "--output", metavar="PNG", help=f"the picture to write (default RUN_DIR/{PLOT_FILE})")
+    p.add_argument("-o", "--output", metavar="PNG",
+                   help=f"the picture to write, in the format its suffix names (.png, .pdf, .svg) (default "
+                        f"RUN_DIR/{PLOT_FILE})")
     p.add_argument("--dpi", type=int, default=100, help="resolution of the picture (default 100)")
 
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dpi must be positive, got {args.dpi}")
     output = Path(args.output) if args.output else csv_path.parent / PLOT_FILE
     _check_output(output, "--output " if args.output else "the picture ")
-    plot_metrics(rows, output, title=csv_path.parent.name, dpi=args.dpi)
+    plot_metrics(rows, output, title=csv_path.parent.name, dpi=args.dpi, file_format=_file_format(output))
     print(f"wrote {output} ({len(rows)} steps)")
     return 0
 
@@ -59,8 +61,24 @@ def _check_output(output: Path, said: str) -> None:
         raise PermissionError(f"{where}: folder {str(folder)!r} is not writable")
 
 
-def plot_metrics(rows: list[dict], output: str | Path, *, title: str = "", dpi: int = 100) -> None:
-    """Draw ``rows`` (as :func:`read_metrics` returns them) into the PNG ``output`` (written atomically)."""
+def _file_format(output: Path) -> str:
+    """The picture's format, from its name's suffix (PNG where it has none); one matplotlib cannot write is named
+    before drawing, rather than PNG bytes written under its name."""
+    suffix = output.suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if suffix not in FigureCanvasAgg.get_supported_filetypes():
+        raise ValueError(f"--output {str(output)!r}: matplotlib cannot write .{suffix} files; name a .png (or .pdf, "
+                         f".svg)")
+    return suffix
+
+
+def plot_metrics(rows: list[dict], output: str | Path, *, title: str = "", dpi: int = 100,
+                 file_format: str = "png") -> None:
+    """Draw ``rows`` (as :func:`read_metrics` returns them) into the picture ``output`` (written atomically), in
+    ``file_format`` (png, pdf, svg, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -100,9 +118,9 @@ def plot_metrics(rows: list[dict], output: str | Path, *, title: str = "", dpi: 
         fig.suptitle(title)
     fig.tight_layout()
     output = Path(output)
-    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}.png")
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}.{file_format}")
     try:
-        fig.savefig(tmp, dpi=dpi, format="png")
+        fig.savefig(tmp, dpi=dpi, format=file_format)
         os.replace(tmp, output)
     except OSError as err:  # named as the user gave it, not by the temporary file beside it
         raise type(err)(f"cannot write the picture {str(output)!r}: {err.strerror or err}") from None

@@ -99,6 +99,15 @@ def test_plot_errors_name_the_users_output_not_a_temporary_file(capsys, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing left beside the run
 
 
+def test_plot_writes_the_format_its_output_names(capsys, tmp_path):
+    """It wrote PNG bytes under any name (x.svg, x.jpgz)."""
+    assert _train(capsys, "--steps", "2", "--run-dir", str(tmp_path))[0] == 0
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.jpgz")]) == 2
+    assert "--output" in capsys.readouterr().err and not (tmp_path / "x.jpgz").exists()
+    assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.svg")]) == 0
+    assert b"<svg" in (tmp_path / "x.svg").read_bytes()[:1000]
+
+
 def test_samples_are_printed_every_n_steps(capsys, tmp_path):
     code, out, _ = _train(capsys, "--steps", "4", "--run-dir", str(tmp_path), "--sample-every", "2", "--prompt", "def ",
                           "--sample-tokens", "5")
