@@ -202,12 +202,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if getattr(args, "extend_steps", False) and save_policy.resume is None:
         raise ValueError("--extend-steps needs --resume (of a checkpoint to extend)")
     saved = saved_settings(save_policy.resume) if save_policy.resume else None
-    # Resuming, a derived default is the saved run's: --warmup's is a share of --steps, which --extend-steps changes.
-    saved_default = (lambda key: saved.get(key)) if saved else (lambda key: None)
-    min_lr = pick(args.min_lr, saved_default("min_lr"), lr / 10)
+
+    def saved_default(key: str, at_most):
+        """Resuming, a derived default is the saved run's (--warmup's is a share of --steps, which --extend-steps
+        changes); one above its bound now follows a difference that check_resume names: not used."""
+        value = saved.get(key) if saved else None
+        return value if isinstance(value, (int, float)) and value <= at_most else None
+
+    min_lr = pick(args.min_lr, saved_default("min_lr", lr), lr / 10)
     if not 0 <= min_lr <= lr:
         raise ValueError(f"--min-lr must be in [0, lr={lr}], got {min_lr}")
-    warmup = pick(args.warmup, saved_default("warmup"), max(1, steps // 20))
+    warmup = pick(args.warmup, saved_default("warmup", steps), max(1, steps // 20))
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     if warmup > steps:  # (the learning rate would never reach --lr, nor decay)

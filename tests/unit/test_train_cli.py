@@ -329,6 +329,7 @@ RESUMED = ("--preset", "tiny", "--seq-len", "16", "--micro-batch", "2", "--max-b
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "2", "--lr", "1e-3"], "--lr: the checkpoint's run has 0.003, given 0.001"),
+    (["--steps", "2", "--lr", "1e-4"], "--lr: the checkpoint's run has 0.003, given 0.0001"),  # (below its min_lr)
     (["--steps", "2", "--micro-batch", "4"], "--micro-batch: the checkpoint's run has 2, given 4"),
     (["--steps", "2", "--warmup", "2"], "--warmup: the checkpoint's run has 1, given 2"),
     (["--steps", "2", "--seq-len", "32"], "--seq-len: the checkpoint's run has 16, given 32"),
