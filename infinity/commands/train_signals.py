@@ -145,8 +145,15 @@ class GracefulStop:
             self._force(f"a second {signal.Signals(signum).name}")
             return
         self.signum = signum
-        print(f"\ninfinity train: {self.name} received: stopping at the end of this step "
-              f"(at most {self.timeout_s:.0f} s; send it again to stop now)", file=sys.stderr, flush=True)
+        writing = (f"the checkpoint {self._saving}" if self._saving is not None else
+                   f"the --save-pretrained model {self._writing_model}" if self._writing_model is not None else None)
+        if writing is None:
+            print(f"\ninfinity train: {self.name} received: stopping at the end of this step "
+                  f"(at most {self.timeout_s:.0f} s; send it again to stop now)", file=sys.stderr, flush=True)
+        else:
+            print(f"\ninfinity train: {self.name} received: finishing {writing} being written, then stopping (at most "
+                  f"{self.timeout_s:.0f} s; send it again to stop now: what it wrote is then removed)",
+                  file=sys.stderr, flush=True)
         self._timer = threading.Timer(self.timeout_s, self._force, args=(f"{self.timeout_s:.0f} s passed",))
         self._timer.daemon = True
         self._timer.start()

@@ -394,6 +394,20 @@ def test_a_second_signal_during_the_final_save_leaves_no_temporary_folder_and_sa
     assert sorted(tmp.iterdir()) == []  # (and the swap folder is gone)
 
 
+def test_one_signal_during_the_final_save_finishes_it_and_says_so(tmp_path):
+    """It said "stopping at the end of this step" while the run's last checkpoint was being written."""
+    script, save_dir, tmp = tmp_path / "signalled.py", tmp_path / "ck", tmp_path / "tmp"
+    script.write_text(_SIGNALS_IN_THE_FINAL_SAVE.replace("        os.kill(os.getpid(), signal.SIGINT)\n", ""))
+    tmp.mkdir()
+    done = subprocess.run([sys.executable, str(script), "train", *TINY, "--steps", "2", "--save-every", "1",
+                           "--save-dir", str(save_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stderr  # every step ran, and the checkpoint is whole
+    assert "SIGTERM received: finishing the checkpoint step2 being written, then stopping" in done.stderr
+    assert (save_dir / "latest").read_text().strip() == "step2" and (save_dir / "step2" / "meta.json").is_file()
+    assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".tmp-")) == []
+
+
 _SIGNALS_IN_SAVE_PRETRAINED = """
 import os, signal, sys
 from infinity.weights import export
