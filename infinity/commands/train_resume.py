@@ -113,6 +113,9 @@ def check_resume(saved: dict, given: dict, *, resume: str, extend_steps: bool) -
     """``ValueError`` naming each setting of ``given`` that differs from the checkpoint's ``saved``, with both values;
     a larger ``steps`` passes with ``extend_steps`` (or a constant schedule). Settings the checkpoint does not hold
     (saved by an earlier version) are not compared."""
+    if extend_steps and isinstance(saved.get("steps"), int) and given["steps"] <= saved["steps"]:
+        raise ValueError(f"--extend-steps has no effect here: --steps {given['steps']} does not extend the "
+                         f"checkpoint's run of {saved['steps']} steps; give a larger --steps, or leave it out")
     differences = []
     for key, flag in SETTINGS.items():
         if key not in saved or saved[key] == given[key]:

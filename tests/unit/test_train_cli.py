@@ -369,6 +369,11 @@ def test_extend_steps_without_resume_is_refused(no_work, capsys):
     assert "--extend-steps needs --resume" in _fails(capsys, "--extend-steps")
 
 
+def test_extend_steps_that_extend_nothing_is_refused(saved_run, no_work, capsys):
+    err = _fails(capsys, *RESUMED, "--steps", "2", "--resume", str(saved_run), "--extend-steps")
+    assert "--extend-steps has no effect here: --steps 2 does not extend the checkpoint's run of 2 steps" in err
+
+
 def test_memory_too_small_is_refused_before_work(no_work, monkeypatch, capsys):
     import psutil
 
