@@ -23,7 +23,8 @@ crossings with the optimizer are ours:
   (:mod:`infinity.hf.trainer_logs`), and ``--log_level info`` shows the engine's placement;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
-  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both;
+  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both (a stock Trainer's
+  ``checkpoint-N/``, torch's optimizer state, is refused by name: :mod:`infinity.hf.resume`);
 * ``train()`` never writes over an earlier run's checkpoints in ``output_dir`` unless it resumes from them or
   ``overwrite_output_dir=True`` says to (:mod:`infinity.hf.output_dir`).
 
@@ -49,6 +50,7 @@ from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
+from infinity.hf.resume import checkpoint_to_resume, refuse_stock_checkpoint
 from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
@@ -259,7 +261,9 @@ class InfinityTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
         """The stock ``train``, refused before its first step where its saves would write over an earlier run's
-        checkpoints in ``output_dir`` (:func:`~infinity.hf.output_dir.refuse_earlier_checkpoints`)."""
+        checkpoints in ``output_dir`` (:func:`~infinity.hf.output_dir.refuse_earlier_checkpoints`), or where it would
+        resume from a stock Trainer's checkpoint (:func:`~infinity.hf.resume.refuse_stock_checkpoint`)."""
+        refuse_stock_checkpoint(checkpoint_to_resume(self.args, resume_from_checkpoint), peft=is_peft_model(self.model))
         if trial is None:  # a hyperparameter search's trial saves into a folder of its own (run-<id>)
             refuse_earlier_checkpoints(self.args, resume_from_checkpoint, overwrite=self._overwrite_output_dir,
                                        comm=self.engine.comm)

@@ -483,3 +483,32 @@ def test_positional_arguments_are_taken_as_the_stock_trainer_takes_them(tmp_path
     trainer.train()
     assert trainer.engine.global_step == 1
     trainer.engine.close()
+
+
+def test_resuming_from_a_stock_trainers_checkpoint_is_refused_naming_it_before_any_work(tmp_path):
+    """A checkpoint-N of the stock Trainer (the model whole, torch's optimizer.pt, no `latest`) is named as such,
+    by path or as output_dir's last (resume_from_checkpoint=True), with nothing loaded or written; the way on that
+    the error gives (the model from that folder, no resume) starts from the stock run's weights at that step."""
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", max_steps=2, save_steps=2),
+                                 train_dataset=dataset(), data_collator=collate)
+    stock.train()
+    checkpoint = tmp_path / "stock" / "checkpoint-2"
+    before = file_bytes(tmp_path / "stock")
+    for out, resume in ((tmp_path / "ours", str(checkpoint)), (tmp_path / "stock", True)):
+        ours = Trainer(model=tiny_llama(), args=training_args(out, max_steps=4, save_steps=2), train_dataset=dataset(),
+                       data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
+        with pytest.raises(ValueError, match=rf"'{checkpoint}' is a checkpoint of the stock transformers\.Trainer "
+                                             r"\(model\.safetensors, optimizer\.pt; no 'latest' file.*"
+                                             r"AutoModelForCausalLM\.from_pretrained\(that folder\).*without "
+                                             r"resume_from_checkpoint.*resume it with the stock transformers\.Trainer"):
+            ours.train(resume_from_checkpoint=resume)
+        assert ours.engine.global_step == 0 and ours.state.global_step == 0
+        ours.engine.close()
+    assert file_bytes(tmp_path / "stock") == before and file_bytes(tmp_path / "ours") == {}
+    started = Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
+                      args=training_args(tmp_path / "ours", save_strategy="no"), data_collator=collate,
+                      infinity_config={"zero_optimization": {"stage": 3}})
+    state = started.engine.full_state_dict()
+    for name, value in stock.model.state_dict().items():
+        assert torch.equal(state[name], value), name
+    started.engine.close()
