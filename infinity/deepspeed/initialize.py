@@ -19,6 +19,9 @@ config's (or None).
   learning rate (:mod:`~infinity.deepspeed.client_schedule`). Or the config's ``scheduler`` block, not both.
 * The config's ``tensorboard`` and ``csv_monitor`` blocks: each step's loss and lr, as DeepSpeed's monitor writes
   them (:mod:`~infinity.deepspeed.monitor`).
+* ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (or its older names): what the engine's
+  ``zero_gather_16bit_weights_on_model_save()`` answers, which accelerate's ``get_state_dict`` and ``save_model`` ask
+  before gathering the model, as under DeepSpeed (without it they refuse, naming the key).
 * Refused, naming the argument: ``mpu`` (model parallelism).
 """
 
@@ -71,6 +74,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     drop_last = bool(raw.get("dataloader_drop_last", False))
     zero = raw.get("zero_optimization") or {}
     gather_16bit_on_save = any(zero.get(key) is True for key in GATHER_16BIT_KEYS)
+    if any(key in zero for key in GATHER_16BIT_KEYS):  # the door's to honour (get_state_dict asks it), not the
+        # engine's: left in, the engine would log the key as one that means nothing here
+        raw = dict(raw, zero_optimization={key: value for key, value in zero.items() if key not in GATHER_16BIT_KEYS})
     monitors = {key: monitor_from_deepspeed(raw.pop(key), key) for key in MONITOR_BLOCKS if key in raw}
     infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
     if dist_init_required is not False:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 
 import pytest
 import torch
@@ -208,6 +209,21 @@ def test_save_16bit_model_writes_the_state_dict_in_the_compute_precision(tmp_pat
         expected = {name: value.to(torch.bfloat16) for name, value in engine.full_state_dict().items()}
     written = torch.load(tmp_path / "model.bin")
     assert written.keys() == expected.keys() and all(torch.equal(written[n], v) for n, v in expected.items())
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_the_gather_16bit_key_is_what_get_state_dict_asks_and_is_not_logged_as_meaning_nothing(caplog, gather):
+    """DeepSpeed's stage3_gather_16bit_weights_on_model_save is what accelerate's get_state_dict and save_model ask
+    (zero_gather_16bit_weights_on_model_save) before gathering the model, so the engine's log does not list it
+    among the keys that mean nothing here; a key that means nothing (overlap_comm) still is."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True,
+            "stage3_gather_16bit_weights_on_model_save": gather}
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        engine, _, _, _ = deepspeed.initialize(model=Regressor(), config=config(**ADAMW, zero_optimization=zero))
+    with engine:
+        assert engine.zero_gather_16bit_weights_on_model_save() is gather
+    notes = [r.getMessage() for r in caplog.records if "not applicable" in r.getMessage()]
+    assert notes == ["config keys accepted but not applicable here: zero_optimization.overlap_comm"]
 
 
 @pytest.mark.parametrize("kwargs, said", [
