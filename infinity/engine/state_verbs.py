@@ -40,14 +40,18 @@ class StateVerbs:
         """Every parameter gathered in fp32 under its original name(s), plus buffers. Collective: all ranks call it."""
         return gather_full_state_dict(self.shard_source())
 
-    def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None) -> dict:
+    def save_pretrained(self, out_dir, dtype="fp32", max_shard_nbytes: int | None = None, *,
+                        one_file_unindexed: bool = False) -> dict:
         """Write the model in the Hugging Face layout (sharded safetensors, index, config.json), tensor by tensor.
         Collective: all ranks call it, rank 0 writes. See :mod:`infinity.weights.export`.
 
         A ``peft`` model writes its adapters, as ``peft_model.save_pretrained`` does (``adapter_config.json``,
-        ``adapter_model.safetensors``; :func:`infinity.hf.merge.save_merged` writes the base with them merged)."""
+        ``adapter_model.safetensors``; :func:`infinity.hf.merge.save_merged` writes the base with them merged).
+        ``one_file_unindexed``: a model that fits one shard is ``model.safetensors`` without an index, as
+        transformers' ``save_pretrained`` writes it."""
         self._ensure_open()
-        return save_model(self.shard_source(), self.module, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes)
+        return save_model(self.shard_source(), self.module, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
+                          one_file_unindexed=one_file_unindexed)
 
     # -- checkpoints ---------------------------------------------------------------
     def shard_source(self) -> ShardSource:

@@ -354,7 +354,8 @@ class InfinityTrainerMixin:
         # A peft model's adapters are small, and a checkpoint holds them as the stock Trainer's does (what
         # PeftModel.from_pretrained(base, "checkpoint-N") loads).
         if not _internal_call or self.args.save_only_model or is_peft_model(self.model):
-            self.engine.save_pretrained(output_dir)  # collective; rank 0 writes (a peft model: its adapters)
+            # collective; rank 0 writes (a peft model: its adapters); one shard is model.safetensors, as the stock's
+            self.engine.save_pretrained(output_dir, one_file_unindexed=True)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             config = getattr(self.model, "config", None)

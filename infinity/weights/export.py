@@ -280,14 +280,15 @@ def generation_config_json(model: torch.nn.Module) -> dict[str, str]:
 
 
 def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dtype="fp32",
-                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES) -> dict:
+                    max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES, one_file_unindexed: bool = False) -> dict:
     """Write the run's ``model`` in the Hugging Face layout; every rank calls it, rank 0 writes.
 
     Trainable parameters are their fp32 masters (cast to ``dtype``), frozen
     ones their compute shards; each is gathered from the ranks' shards and
     written before the next, so memory holds one sub-group of masters and one
     full tensor at a time. ``model`` gives the Hugging Face config and the
-    names' prefix.
+    names' prefix. ``one_file_unindexed``: a model that fits one shard is
+    ``model.safetensors`` without an index, as transformers writes it.
     """
     require_step_boundary(source, "save_pretrained")
     out_dtype = save_dtype(dtype)
@@ -309,7 +310,7 @@ def save_pretrained(source: ShardSource, model: torch.nn.Module, out_dir, *, dty
     extra = generation_config_json(model)
     try:
         return write_hf_folder(out_dir, tensors, config=config, extra_files=extra, max_shard_nbytes=max_shard_nbytes,
-                               write=source.comm.rank == 0)
+                               write=source.comm.rank == 0, one_file_unindexed=one_file_unindexed)
     finally:
         gatherer.close()
 

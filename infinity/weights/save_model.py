@@ -12,11 +12,13 @@ from infinity.weights.export import DEFAULT_MAX_SHARD_NBYTES, save_pretrained
 
 
 def save_model(source: ShardSource, model: torch.nn.Module, out_dir, *, dtype="fp32",
-               max_shard_nbytes: int | None = None) -> dict:
+               max_shard_nbytes: int | None = None, one_file_unindexed: bool = False) -> dict:
     """Write ``model`` (rank 0 writes); a summary: ``path``, ``tensors``, ``files``, ``nbytes``, and ``adapters``
-    (True where only a ``peft`` model's adapters were written)."""
+    (True where only a ``peft`` model's adapters were written). ``one_file_unindexed``: a whole model that fits one
+    shard is ``model.safetensors`` without an index, as transformers writes it."""
     if is_peft_model(model):
         count, nbytes = save_adapters(source, model, out_dir, dtype=dtype, write=source.comm.rank == 0)
         return {"path": str(out_dir), "tensors": count, "files": 1, "nbytes": nbytes, "adapters": True}
     return save_pretrained(source, model, out_dir, dtype=dtype,
-                           max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES)
+                           max_shard_nbytes=max_shard_nbytes or DEFAULT_MAX_SHARD_NBYTES,
+                           one_file_unindexed=one_file_unindexed)

@@ -164,6 +164,20 @@ def test_saved_model_reloads_in_transformers_with_the_stock_runs_weights(runs):
         torch.testing.assert_close(value, stock_state[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_a_saved_model_in_one_shard_is_the_stock_trainers_files_model_safetensors_without_an_index(runs):
+    """save_model writes the files the stock Trainer's writes: a model that fits one shard is model.safetensors
+    (what a script reading that file, or a tool expecting it, opens), with the stock run's tensors."""
+    from safetensors.torch import load_file
+
+    tmp = runs["tmp"]
+    ours, stock = (sorted(p.name for p in (tmp / name).iterdir()) for name in ("ours-model", "stock-model"))
+    assert ours == stock and "model.safetensors" in ours and "model.safetensors.index.json" not in ours
+    mine, theirs = load_file(tmp / "ours-model" / "model.safetensors"), load_file(tmp / "stock-model" / "model.safetensors")
+    assert set(mine) == set(theirs)
+    for name, value in theirs.items():
+        torch.testing.assert_close(mine[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_the_trained_model_generates_as_the_stock_runs(runs):
     """``trainer.model.generate`` after training (the model itself, its parameters resting in their tiers) continues
     the prompts as the stock run's model does."""
