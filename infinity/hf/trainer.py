@@ -23,8 +23,9 @@ crossings with the optimizer are ours:
   (:mod:`infinity.hf.trainer_logs`), and ``--log_level info`` shows the engine's placement;
 * ``save_model()`` writes the Hugging Face layout tensor by tensor (a ``peft`` model: its adapters, as
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
-  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both (a stock Trainer's
-  ``checkpoint-N/``, torch's optimizer state, is refused by name: :mod:`infinity.hf.resume`);
+  included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both; a ``save_only_model``
+  checkpoint gives its weights with a fresh optimizer, as the stock Trainer's does, and a stock Trainer's
+  ``checkpoint-N/`` with torch's optimizer state is refused by name (:mod:`infinity.hf.resume`);
 * ``train()`` never writes over an earlier run's checkpoints in ``output_dir`` unless it resumes from them or
   ``overwrite_output_dir=True`` says to (:mod:`infinity.hf.output_dir`).
 
@@ -50,7 +51,7 @@ from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
-from infinity.hf.resume import checkpoint_to_resume, refuse_stock_checkpoint
+from infinity.hf.resume import checkpoint_to_resume, load_model_only, model_only, refuse_stock_checkpoint
 from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
@@ -376,6 +377,9 @@ class InfinityTrainerMixin:
             write_recovery_script(output_dir)  # as the stock DeepSpeed integration's checkpoint-N holds one
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if model_only(resume_from_checkpoint):  # save_only_model: the weights; a fresh optimizer, as the stock's
+            load_model_only(self.engine, self.model, resume_from_checkpoint)
+            return
         self.engine.load_checkpoint(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -526,3 +526,36 @@ def test_resuming_from_a_stock_trainers_checkpoint_is_refused_naming_it_before_a
     for name, value in stock.model.state_dict().items():
         assert torch.equal(state[name], value), name
     started.engine.close()
+
+
+def test_a_model_only_checkpoint_resumes_as_the_stock_trainer_resumes_it(tmp_path):
+    """save_only_model=True: checkpoint-2 holds model.safetensors and no optimizer state (the stock Trainer's and
+    ours alike). Resumed from it, the stock Trainer takes its weights, its step and its data position with a fresh
+    optimizer and schedule; ours, from the stock's folder or its own, continues with the same losses and weights."""
+    args = dict(max_steps=4, save_steps=2, save_total_limit=None, save_only_model=True)
+    first = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", **args),
+                                 train_dataset=dataset(), data_collator=collate)
+    first.train()
+    checkpoint = tmp_path / "stock" / "checkpoint-2"
+    assert {"model.safetensors", "trainer_state.json"} <= set(os.listdir(checkpoint))
+    assert not {"optimizer.pt", "latest"} & set(os.listdir(checkpoint))
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock-resumed", **args),
+                                 train_dataset=dataset(), data_collator=collate)
+    stock.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(stock)[3] != logged(first)[3]  # a fresh optimizer from step 3: not the run that went on
+    ours_first = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ours", **args), train_dataset=dataset(),
+                         data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
+    ours_first.train()
+    ours_first.engine.close()
+    assert not {"optimizer.pt", "latest"} & set(os.listdir(tmp_path / "ours" / "checkpoint-2"))
+    for source in (checkpoint, tmp_path / "ours" / "checkpoint-2"):
+        ours = Trainer(model=tiny_llama(), args=training_args(tmp_path / f"resumed-{source.parent.name}", **args),
+                       train_dataset=dataset(), data_collator=collate,
+                       infinity_config={"zero_optimization": {"stage": 3}})
+        ours.train(resume_from_checkpoint=str(source))
+        assert ours.state.global_step == 4 and len(logged(ours)) == 4
+        torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+        state = ours.engine.full_state_dict()
+        for name, value in stock.model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
+        ours.engine.close()
