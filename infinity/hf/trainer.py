@@ -396,6 +396,9 @@ class InfinityTrainerMixin:
     def _load_best_model(self):
         best = self.state.best_model_checkpoint
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
+        if model_only(best):  # save_only_model: its weights, as the stock Trainer loads them
+            load_model_only(self.engine, self.model, best)
+            return
         self.engine.load_checkpoint(best)
 
 

@@ -365,11 +365,13 @@ def mean_predicted_token(prediction):
     return {"mean_predicted_token": float(predicted[:, :-1][labels[:, 1:] != -100].mean())}
 
 
-def test_evaluation_during_training_and_the_best_model_at_the_end_are_the_stock_trainers(tmp_path):
+@pytest.mark.parametrize("save_only_model", [False, True], ids=["checkpoints", "model-only"])
+def test_evaluation_during_training_and_the_best_model_at_the_end_are_the_stock_trainers(tmp_path, save_only_model):
     """eval_strategy steps with compute_metrics, checkpoints every 5 steps and load_best_model_at_end: at lr 3e-2
-    the held-out loss is lowest at step 5, so both runs end holding checkpoint-5's weights."""
+    the held-out loss is lowest at step 5, so both runs end holding checkpoint-5's weights (with save_only_model,
+    checkpoint-5 holds the model alone, and its weights are loaded as the stock Trainer loads them)."""
     args = dict(max_steps=20, eval_strategy="steps", eval_steps=5, save_steps=5, save_total_limit=2,
-                load_best_model_at_end=True, learning_rate=3e-2)
+                load_best_model_at_end=True, learning_rate=3e-2, save_only_model=save_only_model)
     runs = {}
     for name, cls, extra in (("stock", transformers.Trainer, {}),
                              ("ours", Trainer, {"infinity_config": nvme_config(tmp_path / "swap")})):
