@@ -64,6 +64,8 @@ SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file names
 TRAINING_ARGS_NAME = "training_args.bin"
 MIN_TRANSFORMERS_MAJOR = 5
 """The training loop whose hooks the Trainer takes over (checked against 5.24)."""
+SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes ``save_model`` writes a model in (the model's own; another is written in fp32)."""
 ADAM_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values the engine's AdamW stands for (its CPU kernel or the device's fused AdamW)."""
 
@@ -124,6 +126,16 @@ def _weights_folder(model: nn.Module):
                          f"local model folder to stream weights from; build it with "
                          f"AutoConfig.from_pretrained(folder) under torch.device('meta'), or pass a real model")
     return folder
+
+
+def _saved_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the stock Trainer's ``save_model`` writes: the model's own as the script built it (a ``peft``
+    model's: its adapters'), read before the engine casts the model to its compute precision; fp32 for an fp32 model
+    trained with ``bf16=True``, bf16 for a model loaded in bf16."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if is_peft_model(model):
+        params = [p for p in params if p.requires_grad] or params
+    return params[0].dtype if params and params[0].dtype in SAVED_DTYPES else torch.float32
 
 
 def _hidden_size(model: nn.Module) -> int | None:
@@ -239,6 +251,7 @@ class InfinityTrainerMixin:
         if not isinstance(model, nn.Module):
             raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
         weights = _weights_folder(model)
+        self._saved_dtype = _saved_dtype(model)  # before the engine casts it to its compute precision
         _engine_logs_as_the_trainers(self.args)
         config = trainer_config(self._infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
@@ -348,7 +361,8 @@ class InfinityTrainerMixin:
 
     # -- saving and resuming ------------------------------------------------------------------
     def save_model(self, output_dir=None, _internal_call=False):
-        """The model in the Hugging Face layout (a peft model: its adapters), the tokenizer and the arguments.
+        """The model in the Hugging Face layout (a peft model: its adapters), in the model's own dtype as the stock
+        Trainer writes it (:func:`_saved_dtype`), the tokenizer and the arguments.
         Inside a checkpoint the weights are in our sharded checkpoint, so only the small files are written
         (unless ``save_only_model``), and a peft model's adapters."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -356,7 +370,7 @@ class InfinityTrainerMixin:
         # PeftModel.from_pretrained(base, "checkpoint-N") loads).
         if not _internal_call or self.args.save_only_model or is_peft_model(self.model):
             # collective; rank 0 writes (a peft model: its adapters); one shard is model.safetensors, as the stock's
-            self.engine.save_pretrained(output_dir, one_file_unindexed=True)
+            self.engine.save_pretrained(output_dir, dtype=self._saved_dtype, one_file_unindexed=True)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             config = getattr(self.model, "config", None)

@@ -561,3 +561,28 @@ def test_a_model_only_checkpoint_resumes_as_the_stock_trainer_resumes_it(tmp_pat
         for name, value in stock.model.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=name)
         ours.engine.close()
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float32], ids=["bf16-model", "fp32-model"])
+def test_save_model_writes_the_models_own_dtype_as_the_stock_trainers(tmp_path, model_dtype):
+    """bf16=True, a model loaded in bf16 or in fp32: save_model writes each in the model's own dtype (and names it in
+    config.json), as the stock Trainer's does, not in the engine's fp32 masters' (twice a bf16 model's size)."""
+    from safetensors.torch import load_file
+
+    args = dict(max_steps=2, save_strategy="no", bf16=True)
+    saved = {}
+    for name, cls, extra in (("stock", transformers.Trainer, {}),
+                             ("ours", Trainer, {"infinity_config": {"zero_optimization": {"stage": 3}}})):
+        trainer = cls(model=tiny_llama().to(model_dtype), args=training_args(tmp_path / name, **args),
+                      train_dataset=dataset(), data_collator=collate, **extra)
+        trainer.train()
+        trainer.save_model(tmp_path / f"{name}-model")
+        config = json.loads((tmp_path / f"{name}-model" / "config.json").read_text())
+        saved[name] = (load_file(tmp_path / f"{name}-model" / "model.safetensors"), config["dtype"])
+        if name == "ours":
+            trainer.engine.close()
+    (ours, ours_dtype), (stock, stock_dtype) = saved["ours"], saved["stock"]
+    assert ours_dtype == stock_dtype == str(model_dtype).removeprefix("torch.")
+    assert set(ours) == set(stock) and {v.dtype for v in ours.values()} == {model_dtype}
+    for name, value in stock.items():  # bf16 arithmetic in both runs, autocast in the stock one: bf16's tolerance
+        torch.testing.assert_close(ours[name].float(), value.float(), rtol=0, atol=2e-2, msg=name)
