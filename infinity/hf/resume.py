@@ -1,12 +1,12 @@
-"""What ``train(resume_from_checkpoint=...)`` resumes from: a ``checkpoint-N/`` that an ``infinity.hf.Trainer``
-wrote, our sharded checkpoint (its ``latest`` file) beside the Trainer's own files; or one that holds the model
-alone (``save_only_model=True``, ours or the stock Trainer's: ``model.safetensors``, no optimizer state), whose
-weights become the engine's while the optimizer and schedule start afresh, as the stock Trainer resumes it.
+"""What ``train(resume_from_checkpoint=...)`` and ``load_best_model_at_end`` load: a ``checkpoint-N/`` that an
+``infinity.hf.Trainer`` wrote, our sharded checkpoint (its ``latest`` file) beside the Trainer's own files; or one
+that holds the model alone (``save_only_model=True``, ours or the stock Trainer's: ``model.safetensors``, a peft
+model's ``adapter_model.safetensors``, no optimizer state), whose weights become the engine's while the optimizer
+and schedule start afresh, as the stock Trainer loads it.
 
 A ``checkpoint-N/`` of the stock ``transformers.Trainer`` that holds torch's optimizer state (``optimizer.pt``) is
 named for what it is before any work, with what the user can do (start from its weights with a fresh optimizer, or
-go on with the stock Trainer), rather than failing in the engine's loader for want of a ``latest`` file; so is a
-peft model's adapters-only checkpoint without our ``latest``.
+go on with the stock Trainer), rather than failing in the engine's loader for want of a ``latest`` file.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ and torch's optimizer state."""
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
 """Torch's optimizer state, as the stock Trainer saves it (absent under ``save_only_model``)."""
 WEIGHTS_FILE, WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+ADAPTERS_FILE = "adapter_model.safetensors"
 
 
 def checkpoint_to_resume(args, resume_from_checkpoint):
@@ -44,7 +45,7 @@ def refuse_stock_checkpoint(path, *, peft: bool) -> None:
     if path is None or not os.path.isdir(path) or os.path.exists(os.path.join(path, LATEST_FILE)):
         return
     stock = [name for name in STOCK_FILES if os.path.isfile(os.path.join(path, name))]
-    if not stock or (model_only(path) and not peft):
+    if not stock or model_only(path, peft=peft):
         return  # nothing of the stock Trainer's (the loader says so), or the model alone: its weights are resumed
     load = ("PeftModel.from_pretrained(base, that folder, is_trainable=True)" if peft
             else "AutoModelForCausalLM.from_pretrained(that folder)")
@@ -54,8 +55,8 @@ def refuse_stock_checkpoint(path, *, peft: bool) -> None:
                             "transformers.Trainer")
     else:
         what, why, other = ("a checkpoint of the model alone (save_only_model=True)", "this Trainer resumes such a "
-                            "checkpoint from a whole model's model.safetensors only, not from a peft model's adapters "
-                            "or .bin files", "the stock transformers.Trainer resumes it with a fresh optimizer")
+                            f"checkpoint of this model from {ADAPTERS_FILE if peft else WEIGHTS_FILE} only",
+                            "the stock transformers.Trainer resumes it with a fresh optimizer")
     raise ValueError(
         f"resume_from_checkpoint: {path!r} is {what} ({', '.join(stock)}; no {LATEST_FILE!r} file of an "
         f"infinity.hf.Trainer checkpoint): {why}. To start from its weights with a fresh optimizer and schedule, "
@@ -63,12 +64,29 @@ def refuse_stock_checkpoint(path, *, peft: bool) -> None:
         f"or written")
 
 
-def model_only(path) -> bool:
-    """``path`` holds the whole model in safetensors and no optimizer state nor ``latest``: a ``save_only_model``
-    checkpoint (ours or the stock Trainer's)."""
+def model_only(path, *, peft: bool) -> bool:
+    """``path`` holds the whole model in safetensors (``peft``: a peft model's adapters) and no optimizer state nor
+    ``latest``: a ``save_only_model`` checkpoint (ours or the stock Trainer's)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
-    return ((has(WEIGHTS_FILE) or has(WEIGHTS_INDEX)) and not has(LATEST_FILE)
-            and not any(has(name) for name in OPTIMIZER_FILES))
+    weights = has(ADAPTERS_FILE) if peft else (has(WEIGHTS_FILE) or has(WEIGHTS_INDEX))
+    return weights and not has(LATEST_FILE) and not any(has(name) for name in OPTIMIZER_FILES)
+
+
+def load_adapters_only(engine, model: torch.nn.Module, path) -> None:
+    """A peft model's :func:`model_only` checkpoint: its adapters (and ``modules_to_save`` copies) loaded by peft's
+    own ``set_peft_model_state_dict`` into the trainable parameters, held whole for it and sharded again; the
+    optimizer stays a fresh run's, as the stock Trainer's. Collective: every rank calls it."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    weights = load_peft_weights(str(path), device="cpu")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with engine.gathered_parameters(trainable, modifier_rank=0):
+        result = set_peft_model_state_dict(model, weights)
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    if unexpected:
+        raise ValueError(f"resume_from_checkpoint: {str(path)!r} holds adapters this model has not "
+                         f"({', '.join(unexpected[:3])}): it is not this model's checkpoint")
 
 
 def load_model_only(engine, model: torch.nn.Module, path) -> None:

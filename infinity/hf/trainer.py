@@ -51,7 +51,8 @@ from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
-from infinity.hf.resume import checkpoint_to_resume, load_model_only, model_only, refuse_stock_checkpoint
+from infinity.hf.resume import (checkpoint_to_resume, load_adapters_only, load_model_only, model_only,
+                                refuse_stock_checkpoint)
 from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
@@ -390,11 +391,18 @@ class InfinityTrainerMixin:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             write_recovery_script(output_dir)  # as the stock DeepSpeed integration's checkpoint-N holds one
 
+    def _load_weights_only(self, checkpoint) -> bool:
+        """A ``save_only_model`` checkpoint's weights (a peft model's: its adapters) made the engine's, as the stock
+        Trainer loads them (its optimizer fresh); False where ``checkpoint`` is not one."""
+        peft = is_peft_model(self.model)
+        if not model_only(checkpoint, peft=peft):
+            return False
+        (load_adapters_only if peft else load_model_only)(self.engine, self.model, checkpoint)
+        return True
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        if model_only(resume_from_checkpoint):  # save_only_model: the weights; a fresh optimizer, as the stock's
-            load_model_only(self.engine, self.model, resume_from_checkpoint)
-            return
-        self.engine.load_checkpoint(resume_from_checkpoint)
+        if not self._load_weights_only(resume_from_checkpoint):
+            self.engine.load_checkpoint(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
@@ -410,10 +418,8 @@ class InfinityTrainerMixin:
     def _load_best_model(self):
         best = self.state.best_model_checkpoint
         logger.info("loading the best model from %s (score: %s)", best, self.state.best_metric)
-        if model_only(best):  # save_only_model: its weights, as the stock Trainer loads them
-            load_model_only(self.engine, self.model, best)
-            return
-        self.engine.load_checkpoint(best)
+        if not self._load_weights_only(best):
+            self.engine.load_checkpoint(best)
 
 
 

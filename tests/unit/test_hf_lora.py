@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 
@@ -534,3 +535,32 @@ def test_peft_counts_the_trainable_parameters_of_a_partitioned_model_as_before(t
         assert all(p.numel() == 0 for p in model.parameters())
         assert model.get_nb_trainable_parameters() == before
     assert before[0] > 0
+
+
+def test_the_best_adapters_of_a_model_only_run_are_loaded_at_the_end_as_the_stock_trainer_loads_them(tmp_path):
+    """save_only_model=True with load_best_model_at_end, a LoRA model with modules_to_save: each checkpoint holds
+    the adapters alone (adapter_model.safetensors), and both runs end holding the best one's (checkpoint-10, not the
+    last step's): peft's own loader fills our trainable parameters, as the stock Trainer's does."""
+    args = dict(max_steps=20, eval_strategy="steps", eval_steps=5, save_steps=5, save_total_limit=2,
+                load_best_model_at_end=True, learning_rate=1e-1, save_only_model=True)
+    runs = {}
+    for name, cls, extra in (("stock", transformers.Trainer, {}),
+                             ("ours", Trainer, {"infinity_config": {"zero_optimization": {"stage": 3}}})):
+        model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM",
+            modules_to_save=["lm_head"]))
+        trainer = cls(model=model, args=training_args(tmp_path / name, **args), train_dataset=dataset(),
+                      eval_dataset=dataset(8, seed=2), data_collator=collate, **extra)
+        trainer.train()
+        runs[name] = trainer
+    stock, ours = runs["stock"], runs["ours"]
+    assert "adapter_model.safetensors" in os.listdir(ours.state.best_model_checkpoint)
+    assert os.path.basename(ours.state.best_model_checkpoint) == "checkpoint-10" == \
+        os.path.basename(stock.state.best_model_checkpoint)
+    evaluations = [h["eval_loss"] for h in stock.state.log_history if "eval_loss" in h]
+    assert evaluations[-1] > evaluations[1]  # the last step is not the best
+    assert ours.evaluate()["eval_loss"] == pytest.approx(stock.evaluate()["eval_loss"], rel=1e-5)
+    state = ours.engine.full_state_dict()
+    for name, value in stock.model.state_dict().items():  # lr 1e-1 amplifies float differences: 1e-4
+        torch.testing.assert_close(state[name], value, rtol=0, atol=1e-4, msg=name)
+    ours.engine.close()
