@@ -23,7 +23,7 @@ from infinity.config.sections import (AioConfig, LossScaleConfig, OffloadOptimiz
                                       OptimizerConfig, TilingConfig, TraceConfig, ZeroConfig)
 from infinity.runtime.hardware import resolve_precision
 
-__all__ = ["asked_precision", "translate"]
+__all__ = ["GATHER_16BIT_KEYS", "asked_precision", "gathers_16bit_on_save", "translate", "without_gather_16bit_keys"]
 
 
 def translate(raw: dict) -> dict[str, Any]:
@@ -45,6 +45,28 @@ def asked_precision(raw: dict) -> str | None:
     if isinstance(fp16, dict) and fp16.get("enabled"):
         return "fp16"
     return "fp32" if ("bf16" in raw or "fp16" in raw) else None
+
+
+GATHER_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                     "stage3_gather_fp16_weights_on_model_save")
+"""The ``zero_optimization`` keys (DeepSpeed's names over its releases) that have the model gathered whole when it
+is saved: accelerate's ``get_state_dict`` asks them, and the Trainer writes the model's weights into each
+``checkpoint-N`` where one is true. The doors honour them, not the engine (:func:`without_gather_16bit_keys`)."""
+
+
+def gathers_16bit_on_save(raw: dict) -> bool:
+    """Whether ``raw``'s ``zero_optimization`` sets one of :data:`GATHER_16BIT_KEYS` true."""
+    zero = raw.get("zero_optimization")
+    return isinstance(zero, dict) and any(zero.get(key) is True for key in GATHER_16BIT_KEYS)
+
+
+def without_gather_16bit_keys(raw: dict) -> dict:
+    """``raw`` without :data:`GATHER_16BIT_KEYS` (a shallow copy where it had one): a door has honoured them, and
+    left in, the engine would log them among the keys that mean nothing here."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict) or not any(key in zero for key in GATHER_16BIT_KEYS):
+        return raw
+    return dict(raw, zero_optimization={key: value for key, value in zero.items() if key not in GATHER_16BIT_KEYS})
 
 
 _TOP_LEVEL_NOT_APPLICABLE = {

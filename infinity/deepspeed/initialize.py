@@ -35,6 +35,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from infinity.config.deepspeed import gathers_16bit_on_save, without_gather_16bit_keys
 from infinity.config.monitors import MONITOR_BLOCKS, monitor_from_deepspeed
 from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.deepspeed.client_schedule import ClientSchedule
@@ -47,9 +48,6 @@ logger = logging.getLogger(__name__)
 
 CLIENT_ADAMS = (torch.optim.AdamW, torch.optim.Adam, DeepSpeedCPUAdam, FusedAdam)
 """The optimizers a script may make and pass: their hyperparameters become the engine's Adam's."""
-GATHER_16BIT_KEYS = ("stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-                     "stage3_gather_fp16_weights_on_model_save")
-"""The ``zero_optimization`` keys (DeepSpeed's names over its releases) that let ``get_state_dict`` gather the model."""
 _TORCH_ADAM_HOW = {"foreach", "fused", "capturable", "differentiable"}
 """Options of torch's Adam and AdamW that say how torch runs it, not what it computes: nothing to honour."""
 
@@ -72,11 +70,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raw, param_groups = _with_client_optimizer(raw, optimizer)
     client_schedule = _client_schedule(lr_scheduler, optimizer, raw)
     drop_last = bool(raw.get("dataloader_drop_last", False))
-    zero = raw.get("zero_optimization") or {}
-    gather_16bit_on_save = any(zero.get(key) is True for key in GATHER_16BIT_KEYS)
-    if any(key in zero for key in GATHER_16BIT_KEYS):  # the door's to honour (get_state_dict asks it), not the
-        # engine's: left in, the engine would log the key as one that means nothing here
-        raw = dict(raw, zero_optimization={key: value for key, value in zero.items() if key not in GATHER_16BIT_KEYS})
+    gather_16bit_on_save = gathers_16bit_on_save(raw)  # the door's to honour (get_state_dict asks it)
+    raw = without_gather_16bit_keys(raw)
     monitors = {key: monitor_from_deepspeed(raw.pop(key), key) for key in MONITOR_BLOCKS if key in raw}
     infinity_config = InfinityConfig.from_deepspeed(raw)  # a bad key is named here, before the ranks meet
     if dist_init_required is not False:

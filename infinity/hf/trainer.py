@@ -53,7 +53,8 @@ from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
 from infinity.hf.resume import (checkpoint_to_resume, load_adapters_only, load_model_only, model_only,
                                 refuse_stock_checkpoint)
-from infinity.hf.trainer_config import ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config
+from infinity.hf.trainer_config import (ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config,
+                                       weights_in_checkpoints)
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
@@ -253,6 +254,7 @@ class InfinityTrainerMixin:
             raise ValueError(f"infinity.hf.Trainer needs model= (a torch.nn.Module), got {type(model).__name__}")
         weights = _weights_folder(model)
         self._saved_dtype = _saved_dtype(model)  # before the engine casts it to its compute precision
+        self._weights_in_checkpoints = weights_in_checkpoints(self._infinity_config)
         _engine_logs_as_the_trainers(self.args)
         config = trainer_config(self._infinity_config, self.args, world_size=self.args.world_size,
                                 hidden_size=_hidden_size(model))
@@ -365,11 +367,13 @@ class InfinityTrainerMixin:
         """The model in the Hugging Face layout (a peft model: its adapters), in the model's own dtype as the stock
         Trainer writes it (:func:`_saved_dtype`), the tokenizer and the arguments.
         Inside a checkpoint the weights are in our sharded checkpoint, so only the small files are written
-        (unless ``save_only_model``), and a peft model's adapters."""
+        (unless ``save_only_model``, or the config's ``stage3_gather_16bit_weights_on_model_save``), and a peft
+        model's adapters."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # A peft model's adapters are small, and a checkpoint holds them as the stock Trainer's does (what
         # PeftModel.from_pretrained(base, "checkpoint-N") loads).
-        if not _internal_call or self.args.save_only_model or is_peft_model(self.model):
+        if (not _internal_call or self.args.save_only_model or is_peft_model(self.model)
+                or self._weights_in_checkpoints):
             # collective; rank 0 writes (a peft model: its adapters); one shard is model.safetensors, as the stock's
             self.engine.save_pretrained(output_dir, dtype=self._saved_dtype, one_file_unindexed=True)
         if self.args.should_save:

@@ -39,6 +39,10 @@ same way:
 ========================================  ==============================================================
 
 An :class:`InfinityConfig` given as it is gets the same fields replaced by the arguments' values.
+
+``zero_optimization.stage3_gather_16bit_weights_on_model_save: true`` (or its older names) has the Trainer write the
+model's weights into each ``checkpoint-N`` too, as the stock DeepSpeed integration then does
+(:func:`weights_in_checkpoints`); the engine's sharded checkpoint is there either way.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import copy
 import os
 
 from infinity.config.auto import AUTO, fill_auto
+from infinity.config.deepspeed import gathers_16bit_on_save, without_gather_16bit_keys
 from infinity.config.lr_schedule import DeepSpeedScheduler, scheduler_from_deepspeed
 from infinity.config.schema import InfinityConfig, read_config_json
 
@@ -101,7 +106,16 @@ def trainer_config(infinity_config, args, *, world_size: int, hidden_size: int |
         _set(raw, key, value)
     raw.setdefault("optimizer", {}).setdefault("type", "AdamW")
     raw.pop("scheduler", None)  # the Trainer's scheduler runs it (deepspeed_scheduler), not the engine
-    return InfinityConfig.from_deepspeed(raw)
+    return InfinityConfig.from_deepspeed(without_gather_16bit_keys(raw))  # (the Trainer's: weights_in_checkpoints)
+
+
+def weights_in_checkpoints(source) -> bool:
+    """Whether each ``checkpoint-N`` holds the model's weights in the Hugging Face layout besides the engine's
+    shards: where the config (``source``, as :func:`config_source` read it) sets
+    ``stage3_gather_16bit_weights_on_model_save``, as the stock DeepSpeed integration's checkpoints then do (so
+    ``from_pretrained("checkpoint-N")`` loads); else the weights are the sharded checkpoint's alone, which its
+    ``zero_to_fp32.py`` writes out."""
+    return not isinstance(source, InfinityConfig) and gathers_16bit_on_save(source)
 
 
 def deepspeed_scheduler(infinity_config, args, num_training_steps: int) -> DeepSpeedScheduler | None:

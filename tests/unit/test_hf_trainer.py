@@ -211,6 +211,30 @@ def test_a_checkpoints_zero_to_fp32_script_writes_the_stock_runs_weights(runs):
             torch.testing.assert_close(written.get_tensor(name), stock[name], rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"])
+def test_the_gather_16bit_key_puts_the_weights_in_each_checkpoint_as_the_stock_deepspeed_integration(runs, tmp_path,
+                                                                                                    key):
+    """With the key true, ``from_pretrained("checkpoint-N")`` loads the stock run's weights there, as a stock
+    DeepSpeed run's checkpoint holds them; the engine's shards are beside them, and resuming reads those."""
+    options = dict(max_steps=2, save_steps=2, save_total_limit=None)
+    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", **options),
+                                 train_dataset=runs["data"], data_collator=collate)
+    stock.train()
+    config = nvme_config(tmp_path / "swap")
+    config["zero_optimization"][key] = True
+    ours = Trainer(model=tiny_llama(), args=training_args(tmp_path / "ours", **options), train_dataset=runs["data"],
+                   data_collator=collate, infinity_config=config)
+    ours.train()
+    ours.engine.close()
+    checkpoint = tmp_path / "ours" / "checkpoint-2"
+    assert (checkpoint / "latest").is_file() and (checkpoint / "model.safetensors").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "stock" / "checkpoint-2").state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, value in loaded.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_resume_from_a_checkpoint_continues_the_run_bitwise(runs):
     tmp = runs["tmp"]
     first = Trainer(model=tiny_llama(), args=training_args(tmp / "resumed"), train_dataset=runs["data"],
