@@ -15,8 +15,8 @@ Three trials of `infinity train` itself, each ending with nothing lost and nothi
     python benchmarks/fault_trials.py --kills 0 --trials shared-save-dir,tight-restart,double-signal
 
 * ``shared-save-dir``: a second run started on a run's --save-dir is refused, naming the first; a third with
-  --wait-for-lock --resume waits, then continues from the first's last checkpoint; every checkpoint of the first
-  is intact, byte for byte, at the end.
+  --wait-for-lock --resume --extend-steps waits, then continues from the first's last checkpoint; every checkpoint
+  of the first is intact, byte for byte, at the end.
 * ``tight-restart``: a run on a small disk (a loop-mounted ext4 image when run as root, else a disk whose free
   room is reported as that small) is killed with kill -9 and restarted within a second: the restart reclaims the
   dead run's swap folder and trains; the disk is empty after it.
@@ -185,7 +185,7 @@ def trial_shared_save_dir(work: Path) -> tuple[bool, str]:
         _, err2 = second.communicate(timeout=600)
         refused = second.returncode == 2 and f"pid {first.pid}" in err2
         third = _cli(work, *TINY, "--steps", "60", "--save-dir", str(save_dir), "--save-every", "2", "--resume",
-                     "--wait-for-lock", tmpdir=tmp)
+                     "--extend-steps", "--wait-for-lock", tmpdir=tmp)
         first.communicate(timeout=600)
         firsts = _digests(save_dir)
         out3, err3 = third.communicate(timeout=600)
