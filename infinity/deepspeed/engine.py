@@ -33,13 +33,15 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, model: torch.nn.Module, config, *, drop_last: bool = False, lr_scheduler=None,
                  monitors: dict | None = None, client_optimizer: torch.optim.Optimizer | None = None,
-                 gather_16bit_on_save: bool = False, **kwargs):
+                 gather_16bit_on_save: bool = False, trains: bool = True, **kwargs):
         """``drop_last``: the config's ``dataloader_drop_last``, for :meth:`deepspeed_io`. ``lr_scheduler``: the
         script's (a :class:`ClientSchedule`, or a callable making a scheduler from an optimizer). ``monitors``: the
         config's monitor blocks by name (:mod:`~infinity.deepspeed.monitor`). ``client_optimizer``: the optimizer
         the script made and gave ``initialize``, whose groups' ``lr`` the engine follows. ``gather_16bit_on_save``:
-        the config's ``stage3_gather_16bit_weights_on_model_save``."""
+        the config's ``stage3_gather_16bit_weights_on_model_save``. ``trains``: False where ``initialize`` was given
+        no optimizer (neither the config's block nor ``optimizer=``): forwards only, as DeepSpeed's engine then."""
         super().__init__(model, config, **kwargs)
+        self.trains = trains
         self._drop_last = drop_last
         self._gather_16bit_on_save = gather_16bit_on_save
         self._client_optimizer = client_optimizer
@@ -151,6 +153,7 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor, allreduce_gradients: bool = True, release_loss: bool = False,
                  retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        self._refuse_without_optimizer("backward")
         _refuse_non_default("backward", allreduce_gradients=(allreduce_gradients, True),
                             retain_graph=(retain_graph, False))
         self._follow_client_lr()
@@ -159,6 +162,7 @@ class DeepSpeedEngine(Engine):
             self._step_losses.append(loss.detach().float())
 
     def step(self, lr_kwargs=None) -> None:
+        self._refuse_without_optimizer("step")
         _refuse_non_default("step", lr_kwargs=(lr_kwargs, None))
         before, lr = self.global_step, self.lr
         super().step()
@@ -168,6 +172,13 @@ class DeepSpeedEngine(Engine):
             self._write_step_events(lr)
         if stepped and self.client_schedule is not None and self.was_step_applied():
             self.set_lr(self.client_schedule.step())  # as DeepSpeed's engine: not after a skipped fp16 step
+
+    def _refuse_without_optimizer(self, method: str) -> None:
+        """DeepSpeed's engine asserts an optimizer before ``backward`` and ``step``; this one says which to give."""
+        if not self.trains:
+            raise RuntimeError(f"engine.{method}(): the engine has no optimizer to train with: the DeepSpeed config "
+                               f"has no \"optimizer\" block and deepspeed.initialize() was given no optimizer=...; "
+                               f"give one of them to train (forwards and evaluation run without)")
 
     def _follow_client_lr(self) -> None:
         """DeepSpeed's engine steps with the ``lr`` of the script's own optimizer's groups, so a rate written there

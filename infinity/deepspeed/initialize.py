@@ -17,6 +17,10 @@ config's (or None).
 * ``lr_scheduler``: the script's scheduler over its ``optimizer`` (``transformers.get_scheduler``, torch's), or a
   callable making one from an optimizer; the engine steps it after each applied optimizer step and takes its
   learning rate (:mod:`~infinity.deepspeed.client_schedule`). Or the config's ``scheduler`` block, not both.
+* Neither an ``optimizer`` block nor ``optimizer=...``: an engine that runs forwards only (inference, evaluation),
+  whose ``backward`` and ``step`` refuse, as DeepSpeed's; the optimizer returned is None (DeepSpeed's ZeRO-3 returns
+  its parameter offloader there, ``DeepSpeedZeRoOffload``, which is no optimizer either: no ``param_groups``, no
+  ``step``).
 * The config's ``tensorboard`` and ``csv_monitor`` blocks: each step's loss and lr, as DeepSpeed's monitor writes
   them (:mod:`~infinity.deepspeed.monitor`).
 * ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (or its older names): what the engine's
@@ -65,6 +69,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ValueError("initialize(mpu=...): model parallelism is not supported (the engine is data parallel, "
                          "ZeRO stage 3)")
     raw = _config_dict(args, config, config_params)
+    trains = optimizer is not None or "optimizer" in raw  # as DeepSpeed's has_optimizer
     param_groups = _groups_of_model_parameters(model, model_parameters)
     if optimizer is not None:
         raw, param_groups = _with_client_optimizer(raw, optimizer)
@@ -78,9 +83,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         init_distributed()
     engine = DeepSpeedEngine(model, infinity_config, param_groups=param_groups, drop_last=drop_last,
                              lr_scheduler=client_schedule, monitors=monitors, client_optimizer=optimizer,
-                             gather_16bit_on_save=gather_16bit_on_save, weights=streamed_from(model))
+                             gather_16bit_on_save=gather_16bit_on_save, weights=streamed_from(model),
+                             trains=trains)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    return engine, OptimizerView(engine), loader, engine.lr_scheduler
+    return engine, OptimizerView(engine) if trains else None, loader, engine.lr_scheduler
 
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

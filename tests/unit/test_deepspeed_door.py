@@ -354,3 +354,26 @@ def test_a_module_only_load_starts_a_fresh_optimizer_from_the_saved_weights_as_p
         expected = reference(ref, torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01), batches, 4)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0, msg=how)
 
+
+
+def test_without_an_optimizer_forwards_run_and_training_is_refused_naming_what_to_give():
+    """DeepSpeed's ``initialize`` without an optimizer block or ``optimizer=``: an engine whose forwards work and
+    whose ``backward`` and ``step`` refuse (its ZeRO-3 returns no optimizer to step); never a default AdamW."""
+    torch.manual_seed(4)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    x, y = data(8).tensors
+    engine, optimizer, _, schedule = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                          config=config())
+    with engine:
+        assert optimizer is None and schedule is None
+        loss = engine(x, y)
+        torch.testing.assert_close(loss, ref(x, y), rtol=1e-6, atol=0)
+        for call in (lambda: engine.backward(loss), engine.step):
+            with pytest.raises(RuntimeError, match=r'"optimizer" block .*optimizer=\.\.\.'):
+                call()
+        with torch.no_grad():
+            engine.eval()
+            torch.testing.assert_close(engine(x, y), ref(x, y), rtol=1e-6, atol=0)
+        assert engine.global_steps == 0
+        assert_same_model(engine, ref)  # nothing trained
