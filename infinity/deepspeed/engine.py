@@ -20,6 +20,7 @@ from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint, write_s
 from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
 from infinity.deepspeed.monitor import DeepSpeedMonitor
+from infinity.deepspeed.optimizer_view import OptimizerView
 from infinity.deepspeed.throughput import ThroughputTimer
 from infinity.deepspeed.zero import ZeroParamStatus
 from infinity.engine.engine import Engine
@@ -41,6 +42,7 @@ class DeepSpeedEngine(Engine):
         the config's ``stage3_gather_16bit_weights_on_model_save``. ``trains``: False where ``initialize`` was given
         no optimizer (neither the config's block nor ``optimizer=``): forwards only, as DeepSpeed's engine then."""
         super().__init__(model, config, **kwargs)
+        self.optimizer = OptimizerView(self, self.optimizer)  # DeepSpeed's engine.optimizer: param_groups, cur_scale
         self.trains = trains
         self._drop_last = drop_last
         self._gather_16bit_on_save = gather_16bit_on_save

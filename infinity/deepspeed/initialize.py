@@ -1,9 +1,9 @@
 """``deepspeed.initialize`` and its companions (``init_distributed``, ``add_config_arguments``) over the engine.
 
 ``initialize`` takes DeepSpeed's arguments and returns DeepSpeed's four: the engine
-(:class:`~infinity.deepspeed.engine.DeepSpeedEngine`), the optimizer as a script sees it (:class:`OptimizerView`:
-its ``param_groups``), a loader of ``training_data`` (or None) and the learning-rate scheduler: the script's, or the
-config's (or None).
+(:class:`~infinity.deepspeed.engine.DeepSpeedEngine`), the optimizer as a script sees it (``engine.optimizer``, as
+DeepSpeed's: :class:`~infinity.deepspeed.optimizer_view.OptimizerView`), a loader of ``training_data`` (or None) and
+the learning-rate scheduler: the script's, or the config's (or None).
 
 * The config: ``config`` (a dict or a JSON file's path; ``config_params``, its older name) or ``args.deepspeed_config``,
   not both. Any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
@@ -86,7 +86,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                              gather_16bit_on_save=gather_16bit_on_save, weights=streamed_from(model),
                              trains=trains)
     loader = None if training_data is None else engine.deepspeed_io(training_data, collate_fn=collate_fn)
-    return engine, OptimizerView(engine) if trains else None, loader, engine.lr_scheduler
+    return engine, engine.optimizer if trains else None, loader, engine.lr_scheduler
 
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -113,62 +113,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="run under the engine (accepted for DeepSpeed's scripts; always on here)")
     group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed JSON config file")
     return parser
-
-
-class OptimizerView:
-    """The optimizer ``initialize`` returns: ``param_groups`` as ``torch.optim`` shows them. The engine has one
-    learning rate: setting a group's ``"lr"`` sets it (a value other than the other groups' is refused), and the
-    other keys are read-only. ``zero_grad()`` does nothing, as the engine's step starts each accumulation afresh."""
-
-    def __init__(self, engine: DeepSpeedEngine):
-        self._engine = engine
-        default = engine.config.optimizer.weight_decay
-        decays = sorted({default if slot.weight_decay is None else slot.weight_decay
-                         for slot in engine.layout.slots if slot.trainable}) or [default]
-        lr_set: dict[int, tuple[int, float]] = {}  # group -> (the step it was set at, the value), shared
-        self._groups = [_LiveGroup(engine, decay, index, lr_set) for index, decay in enumerate(decays)]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self._groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do (see the class)."""
-
-    def step(self, *args, **kwargs):
-        raise RuntimeError("call engine.step(): the optimizer steps inside the engine")
-
-
-class _LiveGroup(dict):
-    """One group of :class:`OptimizerView`: ``lr`` read from and written to the engine."""
-
-    def __init__(self, engine: DeepSpeedEngine, weight_decay: float, index: int, lr_set: dict):
-        optimizer = engine.config.optimizer
-        super().__init__(betas=optimizer.betas, eps=optimizer.eps, weight_decay=weight_decay)
-        self._engine = engine
-        self._index = index
-        self._lr_set = lr_set
-
-    def __getitem__(self, key):
-        return self._engine.lr if key == "lr" else super().__getitem__(key)
-
-    def get(self, key, default=None):
-        return self[key] if key == "lr" or key in self else default
-
-    def __contains__(self, key) -> bool:
-        return key == "lr" or super().__contains__(key)
-
-    def __setitem__(self, key, value) -> None:
-        if key != "lr":
-            raise ValueError(f"param_groups[...][{key!r}] cannot be set: the engine's optimizer takes it from the "
-                             f"config (only 'lr' may be set)")
-        value, step = float(value), self._engine.global_step
-        for other, (at, other_value) in self._lr_set.items():
-            if other != self._index and at == step and other_value != value:
-                raise ValueError(f"param_groups[{self._index}]['lr'] = {value} but param_groups[{other}]['lr'] was set "
-                                 f"to {other_value} for the same step: the engine has one learning rate")
-        self._lr_set[self._index] = (step, value)
-        self._engine.set_lr(value)
 
 
 def _client_schedule(lr_scheduler, optimizer, raw: dict):

@@ -377,3 +377,34 @@ def test_without_an_optimizer_forwards_run_and_training_is_refused_naming_what_t
             torch.testing.assert_close(engine(x, y), ref(x, y), rtol=1e-6, atol=0)
         assert engine.global_steps == 0
         assert_same_model(engine, ref)  # nothing trained
+
+
+def test_engine_optimizer_is_the_returned_one_and_an_lr_set_in_its_groups_trains_as_torch_adamw_does():
+    """DeepSpeed's ``initialize`` returns ``engine.optimizer``; scripts set ``engine.optimizer.param_groups[i]["lr"]``
+    by hand and log ``cur_scale``/``loss_scale`` (1.0 without fp16, ``2**initial_scale_power`` with it)."""
+    torch.manual_seed(5)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    batches = [tuple(t[i:i + 4] for t in data().tensors) for i in range(0, 64, 4)]
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=config(**ADAMW))
+    with engine:
+        assert optimizer is engine.optimizer
+        assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == 1.0
+        for i, batch in enumerate(batches):
+            if i == 8:  # after two steps: a quarter of the rate, through engine.optimizer
+                for group in engine.optimizer.param_groups:
+                    group["lr"] = LR / 4
+            engine.backward(engine(*batch))
+            engine.step()
+        assert engine.optimizer.param_groups[0]["lr"] == LR / 4
+        reference(ref, ref_optimizer, batches[:8], 4)
+        for group in ref_optimizer.param_groups:
+            group["lr"] = LR / 4
+        reference(ref, ref_optimizer, batches[8:], 4)
+        assert_same_model(engine, ref)
+    fp16 = config(**ADAMW, fp16={"enabled": True, "initial_scale_power": 8})
+    engine, _, _, _ = deepspeed.initialize(model=Regressor(), config=fp16)
+    with engine:
+        assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == 2.0 ** 8
