@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from infinity.checkpoint.files import META_FILE
 from infinity.checkpoint.publish import LATEST_FILE, resolve_checkpoint, write_state_dict_atomic
 from infinity.checkpoint.recovery_script import write_recovery_script
+from infinity.deepspeed import client_state as client_states
 from infinity.deepspeed.client_schedule import CHECKPOINT_KEY as SCHEDULE_KEY, ClientSchedule, ScheduleView
 from infinity.deepspeed.monitor import DeepSpeedMonitor
 from infinity.deepspeed.optimizer_view import OptimizerView
@@ -231,7 +232,8 @@ class DeepSpeedEngine(Engine):
     # -- checkpoints, with DeepSpeed's returns -------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag: str | int | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns."""
+        """As :meth:`Engine.save_checkpoint` (``latest`` always names the newest); True, as DeepSpeed returns.
+        ``client_state``: anything ``torch.save`` stores, as DeepSpeed's (:mod:`~infinity.deepspeed.client_state`)."""
         _refuse_non_default("save_checkpoint", save_latest=(save_latest, True))
         tag = None if tag is None else str(tag)  # DeepSpeed's str(tag): a script's step number names the folder
         self._follow_client_lr()  # a rate the script set since the last step is the one the resumed run goes on with
@@ -240,7 +242,8 @@ class DeepSpeedEngine(Engine):
                 raise ValueError(f"save_checkpoint(client_state=...): the key {SCHEDULE_KEY!r} holds the "
                                  "lr_scheduler's state; name yours otherwise")
             client_state = dict(client_state or {}, **{SCHEDULE_KEY: self.client_schedule.state_dict()})
-        super().save_checkpoint(save_dir, tag=tag, client_state=client_state or None,
+        stored = client_states.encode(client_state if client_state is not None else {})  # refused before any file
+        super().save_checkpoint(save_dir, tag=tag, client_state=stored,
                                 exclude_frozen_parameters=exclude_frozen_parameters)
         if self.rank == 0:
             write_recovery_script(save_dir)  # where DeepSpeed writes its own: `python zero_to_fp32.py . OUT` works
@@ -271,6 +274,7 @@ class DeepSpeedEngine(Engine):
             self._client_lr = self.lr  # the groups hold the loaded rate, as DeepSpeed's load restores them
             for group in self._client_optimizer.param_groups:
                 group["lr"] = self.lr
+        client_state = client_states.decode(client_state)
         schedule_state = client_state.pop(SCHEDULE_KEY, None) if isinstance(client_state, dict) else None
         if self.client_schedule is not None and load_lr_scheduler_states and not load_module_only:
             if schedule_state is None:

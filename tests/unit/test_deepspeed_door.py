@@ -408,3 +408,29 @@ def test_engine_optimizer_is_the_returned_one_and_an_lr_set_in_its_groups_trains
     engine, _, _, _ = deepspeed.initialize(model=Regressor(), config=fp16)
     with engine:
         assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == 2.0 ** 8
+
+
+def test_client_state_is_anything_torch_save_stores_and_comes_back_as_it_was_given(tmp_path):
+    """DeepSpeed keeps ``client_state`` in its checkpoint with ``torch.save``: tensors, tuples, numpy values and
+    nested dicts come back as they were; what cannot be stored is named before a file is written; a checkpoint
+    written before (its client_state plain JSON) still loads."""
+    numpy = pytest.importorskip("numpy")
+    from infinity.engine.engine import Engine
+
+    given = {"t": torch.arange(6, dtype=torch.float64).reshape(2, 3), "pair": (3, "a"),
+             "nested": {"step": numpy.int64(7), "lrs": [1e-3, (0.9, 0.95)], 4: {"deep": torch.ones(2)}}}
+    engine, _, _, _ = deepspeed.initialize(model=Regressor(), config=config(**ADAMW))
+    with engine:
+        with pytest.raises(ValueError, match=r"client_state\['nested'\]\['bad'\]"):
+            engine.save_checkpoint(tmp_path / "refused", client_state={"nested": {"ok": 1, "bad": lambda: 0}})
+        assert not (tmp_path / "refused").exists()
+        engine.save_checkpoint(tmp_path / "ckpt", client_state=given)
+        Engine.save_checkpoint(engine, tmp_path / "before", client_state={"epoch": 3, "seen": [1, 2]})  # as before
+        _, loaded = engine.load_checkpoint(tmp_path / "ckpt")
+        _, before = engine.load_checkpoint(tmp_path / "before")
+    assert set(loaded) == set(given) and torch.equal(loaded["t"], given["t"]) and loaded["t"].dtype == torch.float64
+    assert type(loaded["pair"]) is tuple and loaded["pair"] == (3, "a")
+    nested = loaded["nested"]
+    assert type(nested["step"]) is numpy.int64 and nested["step"] == 7 and nested["lrs"] == [1e-3, (0.9, 0.95)]
+    assert torch.equal(nested[4]["deep"], torch.ones(2))
+    assert before == {"epoch": 3, "seen": [1, 2]}
