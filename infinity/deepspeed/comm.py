@@ -12,7 +12,7 @@ from torch.distributed import ReduceOp
 from infinity.deepspeed.initialize import init_distributed
 
 __all__ = ["ReduceOp", "all_gather", "all_reduce", "barrier", "broadcast", "get_local_rank", "get_rank",
-           "get_world_size", "init_distributed", "is_initialized"]
+           "get_world_size", "init_distributed", "is_initialized", "new_group"]
 
 
 def is_initialized() -> bool:
@@ -49,3 +49,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     tensor_list[0].copy_(tensor)
     return None
+
+
+def new_group(ranks=None, timeout=None, backend=None, **options):
+    """A process group of ``ranks`` (None: every rank), as ``torch.distributed.new_group`` makes it; every rank of
+    the run calls it, as there."""
+    if timeout is not None:
+        options["timeout"] = timeout
+    return _dist.new_group(ranks=ranks, backend=backend, **options)

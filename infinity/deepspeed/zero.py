@@ -82,3 +82,24 @@ class GatheredParameters:
             if hasattr(param, "ds_status"):
                 param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         return self._context.__exit__(*exc)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's mark that ``module``'s forward uses ``parameter`` although another module owns it (a tied or
+    shared weight), so that its ZeRO-3 gathers it for that forward. Nothing to do here: the engine's forward fetches
+    any released parameter an op touches, wherever it is used (:class:`~infinity.params.hooks.FetchOnUse`), and its
+    gradient is reduced wherever backward makes it. The arguments are checked as DeepSpeed's are."""
+    _check_external("register_external_parameter", module, parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Undoes :func:`register_external_parameter`: nothing to undo (see there)."""
+    _check_external("unregister_external_parameter", module, parameter)
+
+
+def _check_external(function: str, module, parameter) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"zero.{function}(module=...) must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise ValueError(f"zero.{function}(parameter=...) must be a torch.nn.Parameter, got "
+                         f"{type(parameter).__name__}")

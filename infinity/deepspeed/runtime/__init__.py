@@ -2,6 +2,6 @@
 :mod:`~.lr_schedules`), loaded with the package as DeepSpeed's are: accelerate reads
 ``deepspeed.runtime.lr_schedules`` without importing it."""
 
-from infinity.deepspeed.runtime import lr_schedules, zero
+from infinity.deepspeed.runtime import lr_schedules, utils, zero
 
-__all__ = ["lr_schedules", "zero"]
+__all__ = ["lr_schedules", "utils", "zero"]
