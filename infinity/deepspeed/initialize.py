@@ -45,6 +45,7 @@ from infinity.config.schema import InfinityConfig, read_config_json
 from infinity.deepspeed.client_schedule import ClientSchedule
 from infinity.deepspeed.engine import DeepSpeedEngine
 from infinity.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from infinity.optim.param_groups import is_label
 from infinity.runtime.comm import process_group_backend
 from infinity.weights.pretrained import streamed_from
 
@@ -190,8 +191,9 @@ def _with_client_optimizer(raw: dict, optimizer) -> tuple[dict, list[dict]]:
                 raise ValueError(f"initialize(optimizer=...): param_groups[{i}]['{key}'] is {group[key]!r} but group "
                                  f"0's is {first[key]!r}: the engine's Adam has one {key} (only the weight decay may "
                                  f"differ between groups)")
-        unknown = set(group) - {"params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
-                                "decoupled_weight_decay", "initial_lr"} - _TORCH_ADAM_HOW
+        unknown = {key for key, value in group.items() if not is_label(value)} - {
+            "params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay",
+            "initial_lr"} - _TORCH_ADAM_HOW  # a label (a group's name, torch's param_names) tunes nothing
         if unknown:
             raise ValueError(f"initialize(optimizer=...): param_groups[{i}] has key(s) {sorted(unknown)} the engine "
                              f"cannot honour")

@@ -3,8 +3,10 @@
 The engine's AdamW has one learning rate, one pair of betas and one eps (the config's ``optimizer.params``), so
 a group may differ from the others only in ``weight_decay`` (the usual reason for groups: no decay for biases and
 norms). A group's ``lr``, ``betas`` or ``eps`` equal to the config's says nothing new and is accepted; any other
-value, or any other key, is refused by name. A group without ``weight_decay`` takes the config's, as a
-``torch.optim`` group takes the optimizer's default.
+value, or any other key, is refused by name, except a label (:func:`is_label`: a string, or strings, such as a
+group's ``name`` or torch's ``param_names``), which says nothing to the optimizer and is kept out of its way, as
+``torch.optim`` keeps it. A group without ``weight_decay`` takes the config's, as a ``torch.optim`` group takes the
+optimizer's default.
 
 The groups are read once, before the engine does any work, into each trainable parameter's decay by name
 (:func:`weight_decay_by_name`); the layout then gives every sub-group one decay
@@ -30,6 +32,15 @@ PARAMS = "params"
 WEIGHT_DECAY = "weight_decay"
 SHARED = ("lr", "betas", "eps")
 """Keys a group may hold only with the config's value: the engine's AdamW has one of each."""
+
+
+def is_label(value) -> bool:
+    """Whether a group's value names rather than tunes: a string, or a list or tuple of strings (a group's
+    ``"name": "decay"``, torch's ``param_names``). No hyperparameter of Adam is one, so a label is never a setting
+    the engine would drop silently."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, str) for v in value)
 
 
 def weight_decay_by_name(model: torch.nn.Module, param_groups, optimizer: OptimizerConfig) -> dict[str, float]:
@@ -101,11 +112,12 @@ def _check_group(group, where: str, optimizer: OptimizerConfig) -> float:
     if PARAMS not in group:
         raise ValueError(f"{where} has no 'params'")
     for key, value in group.items():
-        if key in (PARAMS, WEIGHT_DECAY):
+        if key in (PARAMS, WEIGHT_DECAY) or (key not in SHARED and is_label(value)):
             continue
         if key not in SHARED:
             raise ValueError(f"{where} has key {key!r}, which the engine cannot honour per group: a group may set "
-                             f"'params' and 'weight_decay' (and {', '.join(map(repr, SHARED))} equal to the config's)")
+                             f"'params' and 'weight_decay' (and {', '.join(map(repr, SHARED))} equal to the config's, and "
+                             f"labels: strings)")
         if not _same(value, getattr(optimizer, key)):
             raise ValueError(f"{where}['{key}'] is {value!r} but the config's optimizer.params.{key} is "
                              f"{getattr(optimizer, key)!r}: the engine's AdamW has one {key} for every parameter "

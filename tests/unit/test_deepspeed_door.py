@@ -105,9 +105,9 @@ def test_a_client_adam_is_the_engines_optimizer_with_its_groups_decay(make):
     model = Regressor()
     ref = copy.deepcopy(model)
 
-    def groups(m):
-        return [{"params": [m.hidden.weight, m.out.weight], "weight_decay": 0.1},
-                {"params": [m.hidden.bias, m.out.bias], "weight_decay": 0.0}]
+    def groups(m):  # each named, as scripts label their groups (torch.optim keeps the key)
+        return [{"params": [m.hidden.weight, m.out.weight], "weight_decay": 0.1, "name": "decay"},
+                {"params": [m.hidden.bias, m.out.bias], "weight_decay": 0.0, "name": "no_decay"}]
     engine, optimizer, loader, _ = deepspeed.initialize(model=model, optimizer=make(groups(model)),
                                                         training_data=data(), config=config())
     with engine:

@@ -147,6 +147,23 @@ def _named(model, *names):
     return [params[n] for n in names]
 
 
+def test_groups_with_labels_train_like_torch_adamw_with_the_same_groups(gpt, reference, tmp_path):
+    """A group's ``name`` (and torch's ``param_names``) names the group; torch.optim keeps such keys, and so do we."""
+    model, batches = gpt
+
+    def labelled(model):
+        named = list(model.named_parameters())
+        groups = decay_groups(model)
+        groups[0].update(name="decay", param_names=[n for n, _ in named if not no_decay(n)])
+        groups[1]["name"] = "no_decay"
+        return groups
+
+    config = engine_config(param="cpu", optimizer="cpu", nvme_path=str(tmp_path), accum=ACCUM, clip=CLIP, lr=LR,
+                           weight_decay=DECAY, sub_group_size=SUB_GROUP_SIZE)
+    result = engine_steps(model, config, batches, steps=STEPS, accum=ACCUM, param_groups=labelled)
+    assert_matches(result, reference, "param groups with labels")
+
+
 @pytest.mark.parametrize("groups, message", [
     (lambda m: [{"params": list(m.parameters()), "lr": 1e-4}], r"param_groups\[0\]\['lr'\] is 0.0001 but .*lr"),
     (lambda m: [{"params": list(m.parameters()), "betas": (0.9, 0.95)}], r"param_groups\[0\]\['betas'\]"),
@@ -159,6 +176,8 @@ def _named(model, *names):
     (lambda m: [{"params": list(m.parameters()), "weight_decay": -1.0}], r"weight_decay'\] must be a finite"),
     (lambda m: {"params": list(m.parameters())}, "param_groups must be a list of dicts"),
     (lambda m: [list(m.parameters())], r"param_groups\[0\] must be a dict"),
+    (lambda m: [{"params": list(m.parameters()), "name": "all", "weight_deacy": 0.0}],
+     r"param_groups\[0\] has key 'weight_deacy'"),  # a label is kept, a misspelt setting is not
 ])
 def test_what_cannot_be_honoured_is_refused_by_name_before_any_work(tmp_path, groups, message):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
