@@ -51,6 +51,12 @@ class OptimizerView:
         """:attr:`cur_scale` (DeepSpeed's other name for it)."""
         return self.cur_scale
 
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped for an fp16 overflow (DeepSpeed's name; accelerate's
+        ``optimizer_step_was_skipped`` reads it)."""
+        return not self._engine.was_step_applied()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do (see the class)."""
 

@@ -410,6 +410,20 @@ def test_engine_optimizer_is_the_returned_one_and_an_lr_set_in_its_groups_trains
         assert engine.optimizer.cur_scale == engine.optimizer.loss_scale == 2.0 ** 8
 
 
+def test_the_optimizers_overflow_is_a_skipped_step_as_accelerate_reads_it():
+    """accelerate's DeepSpeed wrapper reads ``optimizer.overflow`` for ``step_was_skipped`` (and a script's
+    ``accelerator.optimizer_step_was_skipped``); without it every skipped fp16 step read as applied."""
+    batch = tuple(t[:4] for t in data().tensors)
+    for precision, expected in (({"fp16": {"enabled": True, "initial_scale_power": 32}}, True), ({}, False)):
+        engine, optimizer, _, _ = deepspeed.initialize(model=Regressor(), config=config(**ADAMW, **precision))
+        with engine:
+            for _ in range(engine.gradient_accumulation_steps()):  # to the step
+                engine.backward(engine(*batch))
+                engine.step()
+            assert engine.global_steps == 1 and engine.was_step_applied() is not expected  # 2**32 x the loss: inf
+            assert hasattr(optimizer, "overflow") and optimizer.overflow is expected  # as accelerate reads it
+
+
 def test_client_state_is_anything_torch_save_stores_and_comes_back_as_it_was_given(tmp_path):
     """DeepSpeed keeps ``client_state`` in its checkpoint with ``torch.save``: tensors, tuples, numpy values and
     nested dicts come back as they were; what cannot be stored is named before a file is written; a checkpoint
