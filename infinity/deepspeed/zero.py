@@ -1,6 +1,6 @@
-"""``deepspeed.zero``'s construction context: a model built inside ``zero.Init(...)`` stays shapes-only (the meta
-device) until ``initialize`` shards it, and gets its initial values there, module by module
-(:mod:`infinity.engine.materialize`)."""
+"""``deepspeed.zero``'s construction context: the parameters of a model built inside ``zero.Init(...)`` stay
+shapes-only (the meta device) until ``initialize`` shards them, and get their initial values there, module by module;
+its buffers are what the constructor computes, as under DeepSpeed (:func:`infinity.engine.materialize.Init`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Initial values of parameters, one module at a time.
 
-A model built under ``torch.device("meta")`` (or :func:`infinity.Init`) has
-shapes but no values: each module that owns parameters is given real storage
-for its own parameters only and initialized, so host memory holds one
-module's values at a time, never the whole model's.
+A model built under ``torch.device("meta")`` (or :func:`infinity.Init`, which
+keeps the buffers its constructor computes) has parameters with shapes but no
+values: each module that owns parameters is given real storage for its own
+parameters only and initialized, so host memory holds one module's values at a
+time, never the whole model's.
 
 Each module is initialized by, in order of preference:
 
@@ -36,6 +37,7 @@ import sys
 from typing import Callable
 
 import torch
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from tqdm import tqdm
 
 from infinity.checkpoint.frozen import FrozenDigest
@@ -56,9 +58,40 @@ PROGRESS_AFTER_S = 2.0
 ParamInit = Callable[[torch.nn.Module], None]
 
 
+@contextlib.contextmanager
 def Init():
-    """Build a model inside this context and it stays shapes-only until ``initialize`` shards it."""
-    return torch.device("meta")
+    """Build a model inside this context and its parameters stay shapes-only (the meta device) until ``initialize``
+    shards them and gives each module's values; everything else the constructor computes is real, as it computes it
+    (a rotary ``inv_freq``, a causal mask, a position table: buffers built under ``torch.device("meta")`` have no
+    values, and only a module's ``reset_parameters``/``_init_weights`` could give them some).
+
+    Each parameter is moved to the meta device as a module registers it (torch's parameter-registration hook), the
+    same Python object (ties kept), before the constructor initializes it: the initializers then draw nothing, as on
+    the meta device, and :class:`Initializer` replays their draws at ``initialize``. Its storage, allocated but
+    never written, is freed at once. The hook is torch's global one: a model built in another thread meanwhile is
+    built so too."""
+    handle = register_module_parameter_registration_hook(_to_meta_as_registered)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _to_meta_as_registered(module: torch.nn.Module, name: str, param):
+    """Inside :func:`Init`: a parameter a module registers is made shapes-only, in place where it can be (the same
+    object, so that a tied parameter registered again is the meta one already)."""
+    if param is None or param.is_meta:
+        return None
+    meta = torch.nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    if type(param) is torch.nn.Parameter:
+        try:
+            torch.utils.swap_tensors(param, meta)  # `param` is now the meta one; its real storage goes with `meta`
+            return None
+        except RuntimeError:  # (a weak reference held to it): registered as a new object instead
+            pass
+    logger.debug("Init: %s.%s (%s) registered as a new meta parameter", type(module).__name__, name,
+                 type(param).__name__)
+    return meta
 
 
 class Initializer:

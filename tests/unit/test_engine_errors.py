@@ -64,9 +64,9 @@ def test_an_engine_that_failed_to_build_leaves_nothing_for_the_exit_to_close():
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(3, 1)
-            self.register_buffer("pos", torch.arange(3.0))  # on meta under Init: no value to give it
+            self.register_buffer("pos", torch.arange(3.0))  # on meta under the meta device: no value to give it
 
-    with infinity.Init():
+    with torch.device("meta"):
         model = WithBuffer()
     with pytest.raises(ValueError, match="buffer 'pos'") as failed:
         infinity.initialize(model, {})

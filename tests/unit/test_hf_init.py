@@ -131,3 +131,41 @@ def test_a_real_model_is_not_reinitialized_and_draws_nothing():
     assert torch.equal(torch.get_rng_state(), after)
     for name, value in expected.items():
         assert torch.equal(state[name], value), name
+
+
+class Rotary(nn.Module):
+    """Buffers computed in the constructor (a frequency table, a mask, positions) and a tied head, with no
+    ``reset_parameters`` of its own: under ``torch.device("meta")`` its buffers would have no values."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+        self.register_buffer("pos", torch.arange(5))
+
+    def forward(self, ids):
+        return self.head(self.proj(self.embed(ids)) * self.inv_freq.repeat(2)).sum() + self.mask.sum()
+
+
+@pytest.mark.parametrize("context", ["infinity.Init", "deepspeed.zero.Init"])
+def test_buffers_the_constructor_computes_are_real_and_parameters_replayed(context):
+    import infinity.deepspeed as deepspeed
+
+    torch.manual_seed(3)
+    real = Rotary()
+    torch.manual_seed(3)
+    with (infinity.Init() if context == "infinity.Init" else deepspeed.zero.Init()):
+        built = Rotary()
+    assert all(p.is_meta for p in built.parameters()) and built.head.weight is built.embed.weight
+    assert all(not b.is_meta for b in built.buffers())
+    with infinity.initialize(built, {"zero_optimization": {"stage": 3, "sub_group_size": 4096}}) as engine:
+        state = engine.full_state_dict()
+        ids = torch.randint(0, 16, (2, 4))
+        assert torch.equal(engine(ids), real(ids))
+    assert_module_by_module(real, state)
+    for name, value in real.named_buffers():
+        assert torch.equal(dict(built.named_buffers())[name], value), name
