@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from infinity.checkpoint import load_checkpoint, save_checkpoint
+from infinity.checkpoint.save_dir_lock import release_save_dir
 from infinity.checkpoint.shard_source import ShardSource
 from infinity.checkpoint.state_dict import gather_full_state_dict
 from infinity.engine.gathered import WholeParams
@@ -75,6 +76,14 @@ class StateVerbs:
                               exclude_frozen_parameters=exclude_frozen_parameters)
         self._save_dirs.add(str(save_dir))  # rank 0 holds it now (one live run saves there), until close()
         return tag
+
+    def release_save_dir(self, save_dir) -> None:
+        """Let another live run save into ``save_dir`` from now on: its lock, which this run's first save there took
+        (held until close() otherwise), is released; a later save there takes it again. For a folder written once,
+        as the Trainer's ``checkpoint-N``: a long run would otherwise hold one lock (a file, a descriptor) for each
+        checkpoint it ever wrote."""
+        self._save_dirs.discard(str(save_dir))
+        release_save_dir(save_dir)
 
     def load_checkpoint(self, load_dir, tag: str | None = None, *, optimizer_states: bool = True,
                         counters: bool = True) -> dict:

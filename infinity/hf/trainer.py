@@ -391,6 +391,7 @@ class InfinityTrainerMixin:
         # collective: every rank writes its shards. A frozen base (LoRA) is left out: the script builds it again
         # from its weights to resume, and the checkpoint's fingerprint of it checks that it did
         self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=True)
+        self.engine.release_save_dir(output_dir)  # written once: no lock held for it until the engine closes
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
             write_recovery_script(output_dir)  # as the stock DeepSpeed integration's checkpoint-N holds one

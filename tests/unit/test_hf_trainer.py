@@ -15,6 +15,7 @@ from safetensors import safe_open
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from infinity.checkpoint.save_dir_lock import LOCK_FILE  # noqa: E402
 from infinity.hf import InfinityTrainerMixin, Trainer  # noqa: E402
 from infinity.hf.trainer_config import trainer_config  # noqa: E402
 
@@ -195,6 +196,7 @@ def test_checkpoints_hold_our_shards_and_the_trainers_state_and_rotate(runs):
     files = set(os.listdir(out / "checkpoint-20"))
     assert {"latest", "global_step20", "trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= files
     assert not any(f.endswith(".safetensors") for f in files)  # the weights are in the sharded checkpoint
+    assert LOCK_FILE not in files  # written once: its save-folder lock is not held while the engine lives on
 
 
 def test_a_checkpoints_zero_to_fp32_script_writes_the_stock_runs_weights(runs):
