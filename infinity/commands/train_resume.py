@@ -19,7 +19,8 @@ from pathlib import Path
 
 from infinity.checkpoint import CheckpointError
 from infinity.checkpoint.files import read_meta
-from infinity.commands.train_checkpoints import LATEST_FILE, checkpoint_dir_and_tag
+from infinity.checkpoint.publish import resolve_checkpoint
+from infinity.commands.train_checkpoints import checkpoint_dir_and_tag
 
 __all__ = ["RUN_KEY", "SETTINGS", "add_arguments", "check_resume", "run_settings", "saved_settings"]
 
@@ -76,11 +77,9 @@ def saved_settings(resume: str) -> dict | None:
     """The settings saved with the checkpoint ``resume`` names (``DIR`` or ``DIR/TAG``): only ``lora`` where it was
     saved by an earlier version; None where its ``meta.json`` cannot be read (the load says why, with the tags
     beside it)."""
-    save_dir, tag = checkpoint_dir_and_tag(resume)
     try:
-        tag = tag or (Path(save_dir) / LATEST_FILE).read_text().strip()
-        meta = read_meta(Path(save_dir) / tag)
-    except (OSError, CheckpointError):
+        meta = read_meta(resolve_checkpoint(*checkpoint_dir_and_tag(resume)))  # the checkpoint the load reads
+    except (OSError, ValueError, CheckpointError):
         return None
     client_state = meta.get("client_state") or {}
     settings = client_state.get(RUN_KEY)
