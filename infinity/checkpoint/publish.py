@@ -94,6 +94,21 @@ def _tmp_dir_name(pid: int, nonce: int, tag: str) -> str:
     return f"{TMP_PREFIX}{pid}-{nonce:012x}-{tag}"
 
 
+def remove_own_partial_save(save_dir, tag: str) -> list[Path]:
+    """What this process' save of ``tag`` into ``save_dir`` has written and not published (its temporary folder,
+    :func:`_tmp_dir_name`; a ``latest`` being replaced, :func:`write_file_atomic`'s), removed: a save this process
+    stops part-way. Returns the paths removed."""
+    save_dir, pid = Path(save_dir), os.getpid()
+    partial = [*save_dir.glob(f"{TMP_PREFIX}{pid}-*-{tag}"), *save_dir.glob(f"{LATEST_FILE}{TMP_PREFIX}{pid}-*")]
+    for path in partial:
+        _remove(path)
+    return partial
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 def _remove_leftovers(save_dir: Path, keep: str) -> None:
     """Remove what interrupted saves left in ``save_dir``: temporary folders of dead processes, backups."""
     for entry in save_dir.iterdir():
@@ -104,7 +119,7 @@ def _remove_leftovers(save_dir: Path, keep: str) -> None:
             pid_text = name.split(TMP_PREFIX, 1)[1].split("-", 1)[0]
             if pid_text.isdigit() and int(pid_text) != os.getpid() and not psutil.pid_exists(int(pid_text)):
                 logger.info("removing %s, left by an interrupted save", entry)
-                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+                _remove(entry)
         elif name.startswith(_OLD_PREFIX) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
 

@@ -23,9 +23,10 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from infinity.checkpoint.publish import LATEST_FILE, TMP_PREFIX, read_latest
+from infinity.checkpoint.publish import read_latest, remove_own_partial_save
 from infinity.storage.lock_file import LockFile, LockHeld
 from infinity.storage.swap_dir import remove_live_swap_dirs
+from infinity.weights.export import remove_own_partial_folder
 
 __all__ = ["Cleanup", "FOLDER_LOCK", "GracefulStop", "STOP_TIMEOUT_S"]
 
@@ -181,11 +182,8 @@ class GracefulStop:
         out = self._writing_model
         if out is None:
             return ""
-        partial = list(out.parent.glob(f".{out.name}{TMP_PREFIX}{os.getpid()}-*"))
-        for path in partial:
-            shutil.rmtree(path, ignore_errors=True)
-        return (f"the --save-pretrained model {out} was being written and is not saved"
-                + (f" (removed what it had written: {', '.join(p.name for p in partial)})" if partial else "") + "; ")
+        partial = remove_own_partial_folder(out)
+        return f"the --save-pretrained model {out} was being written and is not saved{_removed_said(partial)}; "
 
     def _force(self, why: str) -> None:
         checkpoints = self._model_said() + self._checkpoints_said()  # (first: the save folder's lock goes below)
@@ -203,18 +201,10 @@ class GracefulStop:
             return "without a checkpoint (no --save-dir)"
         tag, said = self._saving, "without a new checkpoint: "
         if tag is not None:
-            pid = os.getpid()
-            partial = [*self.save_dir.glob(f"{TMP_PREFIX}{pid}-*-{tag}"),
-                       *self.save_dir.glob(f"{LATEST_FILE}{TMP_PREFIX}{pid}-*")]
-            for path in partial:
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+            partial = remove_own_partial_save(self.save_dir, tag)
             if not partial and read_latest(self.save_dir) == tag:
                 return f"the checkpoint {self.save_dir / tag} was saved (resume with --resume)"
-            said += f"the checkpoint {tag} was being written and is not saved" + (
-                f" (removed what it had written: {', '.join(p.name for p in partial)})" if partial else "") + "; "
+            said += f"the checkpoint {tag} was being written and is not saved{_removed_said(partial)}; "
         latest = read_latest(self.save_dir)
         if latest is None:
             return said + f"{self.save_dir} holds no checkpoint"
@@ -233,3 +223,8 @@ class GracefulStop:
         if self.signum is None and int(t) > 0:
             self.signum = int(t)
         return int(t) > 0
+
+
+def _removed_said(partial: list[Path]) -> str:
+    """The part of a forced stop's line naming what a write stopped part-way had written and is removed."""
+    return f" (removed what it had written: {', '.join(p.name for p in partial)})" if partial else ""

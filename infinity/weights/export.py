@@ -100,6 +100,21 @@ def save_dtype(dtype) -> torch.dtype:
     raise ValueError(f"dtype must be one of {sorted(SAVE_DTYPES)} (or the torch dtype), got {dtype!r}")
 
 
+def _replaced_folder(out_dir: Path) -> Path:
+    """The folder a write of ``out_dir`` replaces: the one a link names (its temporary folder is made beside it)."""
+    return Path(os.path.realpath(out_dir)) if out_dir.is_symlink() else out_dir
+
+
+def remove_own_partial_folder(out_dir) -> list[Path]:
+    """The temporary folders this process was writing beside ``out_dir`` (:func:`write_hf_folder`'s), removed: a
+    write this process stops part-way. Returns the paths removed."""
+    out_dir = _replaced_folder(Path(out_dir))
+    partial = list(out_dir.parent.glob(f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-*"))
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
+
+
 def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = None,
                     extra_files: dict[str, str] | None = None,
                     max_shard_nbytes: int = DEFAULT_MAX_SHARD_NBYTES, write: bool = True,
@@ -133,8 +148,7 @@ def write_hf_folder(out_dir, tensors: list[HFTensor], *, config: dict | None = N
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"save_pretrained: {out_dir} exists and is not a folder")
-    if out_dir.is_symlink():
-        out_dir = Path(os.path.realpath(out_dir))  # replace the folder it names, beside it
+    out_dir = _replaced_folder(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
     tmp.mkdir()
