@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from infinity.commands.bench_machine import run_machine
+from infinity.commands.plot import picture_format
 from infinity.commands.train_checks import check_output_folder, check_writable
 from infinity.storage import libaio_unavailable_reason
 from infinity.storage.aio import AsyncIO
@@ -153,14 +154,7 @@ def _plot_format(path: str) -> str:
     """The format ``--plot`` writes: its name's suffix, or PNG where it has none (the name kept as given: matplotlib
     would add ``.png`` to it); checked before the bench, as is the folder it goes into."""
     check_output_folder("--plot", path)
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-    except ImportError:
-        raise ImportError("--plot needs matplotlib (pip install matplotlib)") from None
-    suffix = Path(path).suffix.lower().lstrip(".")
-    if suffix and suffix not in FigureCanvasAgg.get_supported_filetypes():
-        raise ValueError(f"--plot {path!r}: matplotlib cannot write .{suffix} files; name a .png (or .pdf, .svg)")
-    return suffix or "png"
+    return picture_format(path, "--plot")
 
 
 def run(args: argparse.Namespace) -> int:

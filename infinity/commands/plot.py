@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--dpi must be positive, got {args.dpi}")
     output = Path(args.output) if args.output else csv_path.parent / PLOT_FILE
     _check_output(output, "--output " if args.output else "the picture ")
-    plot_metrics(rows, output, title=csv_path.parent.name, dpi=args.dpi, file_format=_file_format(output))
+    plot_metrics(rows, output, title=csv_path.parent.name, dpi=args.dpi, file_format=picture_format(output, "--output"))
     print(f"wrote {output} ({len(rows)} steps)")
     return 0
 
@@ -61,16 +61,18 @@ def _check_output(output: Path, said: str) -> None:
         raise PermissionError(f"{where}: folder {str(folder)!r} is not writable")
 
 
-def _file_format(output: Path) -> str:
-    """The picture's format, from its name's suffix (PNG where it has none); one matplotlib cannot write is named
-    before drawing, rather than PNG bytes written under its name."""
-    suffix = output.suffix.lower().lstrip(".")
+def picture_format(output, flag: str) -> str:
+    """The format of the picture ``output`` (given as ``flag``), from its name's suffix (PNG where it has none); one
+    matplotlib cannot write is named before drawing, rather than PNG bytes written under its name."""
+    suffix = Path(output).suffix.lower().lstrip(".")
     if not suffix:
         return "png"
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise ImportError(f"{flag} needs matplotlib (pip install matplotlib)") from None
     if suffix not in FigureCanvasAgg.get_supported_filetypes():
-        raise ValueError(f"--output {str(output)!r}: matplotlib cannot write .{suffix} files; name a .png (or .pdf, "
+        raise ValueError(f"{flag} {str(output)!r}: matplotlib cannot write .{suffix} files; name a .png (or .pdf, "
                          f".svg)")
     return suffix
 
