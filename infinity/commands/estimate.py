@@ -33,7 +33,7 @@ from dataclasses import asdict
 from infinity.commands import train_lora
 from infinity.commands.hf_model import read_hf_model_config
 from infinity.commands.train_checks import config_number
-from infinity.commands.train_estimate import model_decays, model_numels, model_trainable
+from infinity.commands.train_estimate import device_memory_apart, model_decays, model_numels, model_trainable
 from infinity.commands.train_lora import lora_plan, with_lora
 from infinity.commands.train_plan import (DEFAULT_LR, DEFAULT_MICRO_BATCH, DEFAULT_STEPS, MAX_DEFAULT_SEQ_LEN,
                                           complete_file, engine_config, kept_offload_note)
@@ -45,7 +45,6 @@ from infinity.models.gpt import get_preset
 from infinity.placement.estimate import estimate_for_config, estimate_settings
 from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.max_model import max_gpt
-from infinity.placement.placement import distinct_device_requested
 from infinity.placement.report import format_estimated_split, format_max_gpt, format_table, parse_count
 from infinity.placement.split_choice import step_shape_of
 from infinity.placement.step_time import format_prediction, predict_from_estimate
@@ -201,9 +200,7 @@ def _gpu(args: argparse.Namespace) -> bool:
     machine (CUDA available, or INFINITY_DISTINCT_DEVICE=1)."""
     if args.gpu or args.cpu:
         return args.gpu
-    import torch
-
-    return torch.cuda.is_available() or distinct_device_requested()
+    return device_memory_apart()
 
 
 def _pick(flag, from_config, default):

@@ -13,7 +13,8 @@ from infinity.placement.estimate_gpt import gpt_activation_nbytes
 from infinity.placement.placement import distinct_device_requested
 from infinity.placement.split_choice import StepShape, recomputes, step_shape_of
 
-__all__ = ["estimate_for", "model_decays", "model_numels", "model_trainable", "run_step_shape"]
+__all__ = ["device_memory_apart", "estimate_for", "model_decays", "model_numels", "model_trainable",
+           "run_step_shape"]
 
 
 def model_numels(model) -> tuple[list[int], int]:
@@ -53,6 +54,12 @@ def run_step_shape(plan, model) -> StepShape | None:
                          recompute=plan.activation_checkpointing or recomputes(model))
 
 
+def device_memory_apart() -> bool:
+    """Whether this machine's run computes on a device whose memory is apart from the host's: a GPU, or the test
+    mode that keeps them apart (``INFINITY_DISTINCT_DEVICE=1``)."""
+    return torch.cuda.is_available() or distinct_device_requested()
+
+
 def estimate_for(plan, model) -> dict:
     """The estimate for this run: ``model`` is a ``GPTConfig`` (not built) or an ``nn.Module``."""
     gpt_cfg = model if isinstance(model, GPTConfig) else (model.config if isinstance(model, GPT) else None)
@@ -64,7 +71,7 @@ def estimate_for(plan, model) -> dict:
                                             activation_checkpointing=plan.activation_checkpointing)
     result = estimate_for_config(plan.config, param_numels=numels, largest_layer_params=largest,
                                  world_size=plan.world_size,
-                                 gpu=torch.cuda.is_available() or distinct_device_requested(),  # device memory apart
+                                 gpu=device_memory_apart(),
                                  activation_nbytes=activations, step_shape=run_step_shape(plan, model),
                                  param_decays=model_decays(model, plan.config.optimizer.weight_decay),
                                  param_trainable=model_trainable(model))
