@@ -58,6 +58,7 @@ from infinity.hf.trainer_config import (ARGS_ATTRIBUTE, config_source, deepspeed
 from infinity.hf.trainer_logs import OffloadLog
 from infinity.placement.split_choice import recomputes, step_shape_of
 from infinity.weights.adapters import is_peft_model
+from infinity.weights.export import generation_config_json
 from infinity.weights.pretrained import streamed_from
 
 logger = logging.getLogger(__name__)
@@ -372,8 +373,9 @@ class InfinityTrainerMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # A peft model's adapters are small, and a checkpoint holds them as the stock Trainer's does (what
         # PeftModel.from_pretrained(base, "checkpoint-N") loads).
-        if (not _internal_call or self.args.save_only_model or is_peft_model(self.model)
-                or self._weights_in_checkpoints):
+        wrote_weights = (not _internal_call or self.args.save_only_model or is_peft_model(self.model)
+                         or self._weights_in_checkpoints)
+        if wrote_weights:
             # collective; rank 0 writes (a peft model: its adapters); one shard is model.safetensors, as the stock's
             self.engine.save_pretrained(output_dir, dtype=self._saved_dtype, one_file_unindexed=True)
         if self.args.should_save:
@@ -381,6 +383,10 @@ class InfinityTrainerMixin:
             config = getattr(self.model, "config", None)
             if _internal_call and config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(output_dir)
+                if not wrote_weights:  # the weights' writer adds it; the stock Trainer's checkpoint-N holds it
+                    for name, text in generation_config_json(self.model).items():
+                        with open(os.path.join(output_dir, name), "w", encoding="utf-8") as file:
+                            file.write(text)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

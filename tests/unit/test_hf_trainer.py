@@ -197,6 +197,9 @@ def test_checkpoints_hold_our_shards_and_the_trainers_state_and_rotate(runs):
     assert {"latest", "global_step20", "trainer_state.json", "scheduler.pt", "rng_state.pth", "config.json"} <= files
     assert not any(f.endswith(".safetensors") for f in files)  # the weights are in the sharded checkpoint
     assert LOCK_FILE not in files  # written once: its save-folder lock is not held while the engine lives on
+    generation = [json.loads((runs["tmp"] / run / "checkpoint-20" / "generation_config.json").read_text())
+                  for run in ("ours", "stock")]
+    assert generation[0] == generation[1]  # what generate() reads from a checkpoint, as the stock Trainer wrote it
 
 
 def test_a_checkpoints_zero_to_fp32_script_writes_the_stock_runs_weights(runs):
