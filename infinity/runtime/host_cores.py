@@ -10,7 +10,8 @@ main thread is not bound: with its core left free, the scheduler runs it there.
 
 Several ranks on one machine (``LOCAL_WORLD_SIZE``, as ``torchrun`` sets it, with ``LOCAL_RANK``) share its cores:
 each takes its own contiguous share of them, and leaves the first core of its share to its own feeder, so no two
-ranks' teams run on one core (torchrun's ``OMP_NUM_THREADS=1`` would give every rank's CPU Adam one thread).
+ranks' teams run on one core (torchrun's ``OMP_NUM_THREADS=1`` would give every rank's CPU Adam one thread). Where
+the launcher has bound each rank to its share already (:data:`RANK_BOUND_ENV`), the process's cores are that share.
 
 On a CPU device the cores are the device: forward, backward and the kernel share them, so the team takes torch's
 thread count, unbound. ``zero_optimization.offload_optimizer.host_threads`` sizes the team by hand; fewer threads
@@ -27,13 +28,17 @@ import torch
 
 from infinity.runtime.comm import local_rank_and_size
 
-__all__ = ["FEEDER_CORES", "HOST_THREADS_KEY", "HostCores", "plan_host_cores", "usable_cores"]
+__all__ = ["FEEDER_CORES", "HOST_THREADS_KEY", "RANK_BOUND_ENV", "HostCores", "cores_named", "plan_host_cores",
+           "rank_share", "usable_cores"]
 
 logger = logging.getLogger(__name__)
 
 FEEDER_CORES = 1
 """Cores left to the main thread on a GPU machine: it launches the GPU's kernels and issues its copies."""
 HOST_THREADS_KEY = "zero_optimization.offload_optimizer.host_threads"
+RANK_BOUND_ENV = "INFINITY_RANK_CORES_BOUND"
+"""Set (to 1) where the launcher bound each rank of this machine to its own share of the cores
+(``infinity deepspeed --bind_cores_to_rank``): the process's cores are its rank's already, not shared again."""
 
 
 def usable_cores() -> frozenset[int]:
@@ -78,7 +83,7 @@ def plan_host_cores(device: torch.device, requested: int | None, *, usable: froz
     take the ``local_rank``-th of as many contiguous shares of them. Raises ``ValueError`` naming the key for a
     count this rank has no cores for."""
     usable = usable_cores() if usable is None else usable
-    ordered = _rank_share(sorted(usable), *_local_ranks(local_rank, local_world_size))
+    ordered = rank_share(sorted(usable), *_local_ranks(local_rank, local_world_size))
     if requested is not None:
         if requested > len(ordered):
             raise ValueError(f"config key {HOST_THREADS_KEY} is {requested}, but this rank may run on "
@@ -100,10 +105,12 @@ def _local_ranks(local_rank: int | None, local_world_size: int | None) -> tuple[
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"local rank {rank} of {size} ranks on this machine")
         return rank, size
+    if os.environ.get(RANK_BOUND_ENV) == "1":
+        return 0, 1  # the launcher gave this rank its own cores: its affinity is its share
     return local_rank_and_size()
 
 
-def _rank_share(ordered: list[int], rank: int, size: int) -> list[int]:
+def rank_share(ordered: list[int], rank: int, size: int) -> list[int]:
     """The ``rank``-th of ``size`` contiguous, near-equal shares of ``ordered`` (every core where there are fewer
     cores than ranks: they are shared anyway)."""
     if size <= 1 or len(ordered) < size:
@@ -111,6 +118,22 @@ def _rank_share(ordered: list[int], rank: int, size: int) -> list[int]:
     per, extra = divmod(len(ordered), size)
     start = rank * per + min(rank, extra)
     return ordered[start:start + per + (1 if rank < extra else 0)]
+
+
+def cores_named(text: str) -> list[int]:
+    """The cores of a list such as ``0,2-5`` (numactl's and DeepSpeed's form), in order, each once. Raises
+    ``ValueError`` naming the part that is not a core or a range of cores."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            span = range(int(first), int(last if dash else first) + 1)
+        except ValueError:
+            raise ValueError(f"{text!r}: {part!r} is not a core or a range of cores (such as 0,2-5)") from None
+        if not span or span.start < 0:
+            raise ValueError(f"{text!r}: {part!r} names no core")
+        cores.extend(core for core in span if core not in cores)
+    return cores
 
 
 def _ranges(cores) -> str:

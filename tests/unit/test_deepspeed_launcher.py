@@ -95,6 +95,49 @@ def test_a_launch_that_cannot_work_is_refused_before_any_process_starts(tmp_path
     assert "--num_nodes 2" in capsys.readouterr().err
 
 
+RANK_REPORT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    import deepspeed  # answered by the engine
+    print(json.dumps({"rank": int(os.environ["LOCAL_RANK"]), "cores": sorted(os.sched_getaffinity(0)),
+                      "threads": torch.get_num_threads(), "argv": sys.argv[1:]}))
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a core for each of two processes")
+def test_deepspeeds_launcher_flags_for_one_machine_mean_what_they_mean_there(tmp_path):
+    """A one-host hostfile gives the processes, each bound to its own share of the cores with as many threads,
+    each one's output in its own file; the multi-machine launchers' flags have nothing to do."""
+    (tmp_path / "report.py").write_text(RANK_REPORT)
+    (tmp_path / "hostfile").write_text("# this machine\nlocalhost slots=2\n")
+    done = subprocess.run([sys.executable, "-m", "infinity.cli", "deepspeed", "--hostfile", str(tmp_path / "hostfile"),
+                           "--bind_cores_to_rank", "--enable_each_rank_log", str(tmp_path / "logs"), "--launcher",
+                           "pdsh", "--no_ssh_check", str(tmp_path / "report.py"), "--x", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs = sorted((tmp_path / "logs").rglob("stdout.log"))
+    assert len(logs) == 2 and '"rank"' not in done.stdout  # each rank's output in its file, not the terminal
+    ranks = sorted((json.loads(log.read_text().strip().splitlines()[-1]) for log in logs), key=lambda r: r["rank"])
+    usable = sorted(os.sched_getaffinity(0))
+    half = len(usable) // 2
+    assert [r["cores"] for r in ranks] == [usable[:len(usable) - half], usable[len(usable) - half:]]
+    assert [r["threads"] for r in ranks] == [len(r["cores"]) for r in ranks]
+    assert [r["argv"] for r in ranks] == [["--x", "1", "--local_rank=0"], ["--x", "1", "--local_rank=1"]]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--force_multi"], "--force_multi: not offered"),
+    (["--autotuning", "run"], "--autotuning: not offered"),
+    (["--hostfile", "HOSTS"], "names 2 hosts (worker-0, worker-1)"),
+    (["--bind_cores_to_rank", "--bind_core_list", "0-9999"], "may not run on core(s) [")])
+def test_deepspeed_launcher_flags_that_cannot_work_here_are_refused_by_name(tmp_path, capsys, flags, named):
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "HOSTS").write_text("worker-0 slots=8\nworker-1 slots=8\n")
+    flags = [str(tmp_path / "HOSTS") if flag == "HOSTS" else flag for flag in flags]
+    assert main(["deepspeed", *flags, str(tmp_path / "train.py")]) == 2
+    assert named in capsys.readouterr().err
+
+
 def test_include_and_exclude_pick_gpus_as_deepspeeds_launcher_does():
     from infinity.commands.deepspeed import _chosen_gpus
 

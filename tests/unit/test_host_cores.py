@@ -20,7 +20,7 @@ from infinity import kernels
 from infinity.config.schema import InfinityConfig
 from infinity.placement.host_budget import resolve_host_budget
 from infinity.runtime.comm import local_rank_and_size
-from infinity.runtime.host_cores import HOST_THREADS_KEY, plan_host_cores
+from infinity.runtime.host_cores import HOST_THREADS_KEY, RANK_BOUND_ENV, cores_named, plan_host_cores
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="binding a team off a core needs two cores")
@@ -83,6 +83,24 @@ def test_the_environment_names_the_rank(monkeypatch):
         plan_host_cores(CUDA, None, usable=frozenset(range(8)))
     with pytest.raises(ValueError, match="local rank 4 of 4"):
         plan_host_cores(CUDA, None, usable=frozenset(range(8)), local_rank=4, local_world_size=4)
+
+
+def test_a_rank_the_launcher_bound_to_its_share_takes_all_of_it(monkeypatch):
+    """``infinity deepspeed --bind_cores_to_rank`` gives each rank its share as its affinity: sharing that again
+    would leave it half its cores."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    own_share = frozenset({4, 5, 6, 7})
+    assert plan_host_cores(CUDA, None, usable=own_share).cores == frozenset({7})  # half of a half
+    monkeypatch.setenv(RANK_BOUND_ENV, "1")
+    assert plan_host_cores(CUDA, None, usable=own_share).cores == frozenset({5, 6, 7})
+
+
+def test_core_lists_read_as_numactl_writes_them():
+    assert cores_named("0,2-4,3,7") == [0, 2, 3, 4, 7]
+    for bad in ("1-x", "", "5-2", "-1"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            cores_named(bad)
 
 
 @pytest.mark.parametrize("env, expected", [
