@@ -73,6 +73,13 @@ class WholeParams:
             raise ValueError(f"parameter(s) of shape {unknown} are not this engine's")
         return [self._by_param[id(param)] for param in params]
 
+    def shapes(self, named) -> dict[str, tuple[int, ...]]:
+        """The full shape of each ``(name, parameter)`` in ``named``, by name: what a file of the whole model must
+        give it (a parameter released between passes has an empty ``.data``)."""
+        named = list(named)
+        sharded = self._sharded([param for _, param in named])
+        return {name: tuple(param.slot.shape) for (name, _), param in zip(named, sharded)}
+
     def read(self, param: torch.nn.Parameter, state: str = "master") -> torch.Tensor:
         """``param``'s full fp32 master (``state``: or that optimizer state), a new tensor on the compute device."""
         (sharded,) = self._sharded([param])
@@ -93,6 +100,31 @@ class WholeParams:
         if state != "master" and self._source.optimizer_state()["step"] == 0:
             raise ValueError(f"{sharded.name}: no optimizer step has run, so there is no {state!r} to set yet")
         FullParamWriter(self._source, state).write({sharded.slot.index: value.detach().to("cpu")})
+
+    def write_moments(self, moments: dict[str, dict[torch.nn.Parameter, torch.Tensor]], *, step: int) -> None:
+        """Every trainable parameter's full Adam moments (``moments``: ``exp_avg`` and ``exp_avg_sq``, each with a
+        value for every trainable parameter, every rank's the same) and the optimizer's step count, as a
+        consolidated optimizer (torch's AdamW ``state_dict``) holds them: the next step is that run's ``step + 1``.
+        All of them or none, since one step count stands for every parameter's moments. They are written before the
+        count is set, as a checkpoint loads: before the first step a swapped sub-group's moments read as zeros
+        (nothing is on disk yet), so its spans' padding is written as zeros, not as whatever the disk held."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step={step!r}: the optimizer steps the moments were taken over, an int >= 1")
+        if sorted(moments) != ["exp_avg", "exp_avg_sq"]:
+            raise ValueError(f"moments: exp_avg and exp_avg_sq are written together, got {sorted(moments)}")
+        source = self._source
+        by_index: dict[str, dict[int, torch.Tensor]] = {}
+        for state, values in moments.items():
+            given = {sharded.slot.index: value for sharded, value in zip(self._sharded(list(values)), values.values())}
+            missing = [p.name for p in source.params if p.trainable and p.index not in given]
+            if missing:
+                more = " and more" if len(missing) > 3 else ""
+                raise ValueError(f"{state}: no value for {', '.join(missing[:3])}{more}: every trainable parameter's "
+                                 f"moments are written with the step count")
+            by_index[state] = {index: value.detach().to("cpu") for index, value in given.items()}
+        for state, values in by_index.items():
+            FullParamWriter(source, state).write(values)
+        source.load_optimizer_state({**source.optimizer_state(), "step": step})
 
     @contextlib.contextmanager
     def gathered(self, params, modifier_rank: int | None = None) -> Iterator[None]:
