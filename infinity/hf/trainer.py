@@ -25,7 +25,8 @@ crossings with the optimizer are ours:
   ``peft`` writes them); a checkpoint ``checkpoint-N/`` holds our sharded checkpoint (optimizer states
   included) beside the Trainer's own files, and ``resume_from_checkpoint`` restores both; a ``save_only_model``
   checkpoint gives its weights with a fresh optimizer, as the stock Trainer's does, and a stock Trainer's
-  ``checkpoint-N/`` with torch's optimizer state is refused by name (:mod:`infinity.hf.resume`);
+  ``checkpoint-N/`` with torch's optimizer state goes on as the stock Trainer would go on with it: its weights,
+  AdamW moments and step, schedule, step, data position and RNG (:mod:`infinity.hf.resume`);
 * ``train()`` never writes over an earlier run's checkpoints in ``output_dir`` unless it resumes from them or
   ``overwrite_output_dir=True`` says to (:mod:`infinity.hf.output_dir`).
 
@@ -51,8 +52,8 @@ from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
-from infinity.hf.resume import (checkpoint_to_resume, load_adapters_only, load_model_only, model_only,
-                                refuse_stock_checkpoint)
+from infinity.hf.resume import (check_stock_checkpoint, checkpoint_to_resume, load_adapters_only, load_model_only,
+                                load_stock_optimizer, model_only, schedule_of_one_group, stock_optimizer)
 from infinity.hf.trainer_config import (ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config,
                                        weights_in_checkpoints)
 from infinity.hf.trainer_logs import OffloadLog
@@ -272,16 +273,25 @@ class InfinityTrainerMixin:
     def _decay_groups(self, model: nn.Module) -> list[dict]:
         """The stock ``create_optimizer``'s groups: ``weight_decay`` on the parameters ``get_decay_parameter_names``
         names, none on the others (biases, norms)."""
+        decay, none = self._named_decay_groups(model)
+        return [{"params": [p for _, p in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for _, p in none], "weight_decay": 0.0}]
+
+    def _named_decay_groups(self, model: nn.Module) -> list[list[tuple[str, nn.Parameter]]]:
+        """The trainable parameters by name, in the stock ``create_optimizer``'s two groups and order: how torch's
+        optimizer state in a stock checkpoint numbers them (:func:`~infinity.hf.resume.read_stock_optimizer`)."""
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        return [{"params": [p for name, p in trainable if name in decay], "weight_decay": self.args.weight_decay},
-                {"params": [p for name, p in trainable if name not in decay], "weight_decay": 0.0}]
+        return [[(name, p) for name, p in trainable if name in decay],
+                [(name, p) for name, p in trainable if name not in decay]]
 
     def train(self, resume_from_checkpoint=None, trial=None, *args, **kwargs):
         """The stock ``train``, refused before its first step where its saves would write over an earlier run's
         checkpoints in ``output_dir`` (:func:`~infinity.hf.output_dir.refuse_earlier_checkpoints`), or where it would
-        resume from a stock Trainer's checkpoint (:func:`~infinity.hf.resume.refuse_stock_checkpoint`)."""
-        refuse_stock_checkpoint(checkpoint_to_resume(self.args, resume_from_checkpoint), peft=is_peft_model(self.model))
+        resume from a stock Trainer's checkpoint that cannot go on here
+        (:func:`~infinity.hf.resume.check_stock_checkpoint`)."""
+        check_stock_checkpoint(checkpoint_to_resume(self.args, resume_from_checkpoint), self.engine, self.model,
+                               self._named_decay_groups(self.model), self.args, peft=is_peft_model(self.model))
         if trial is None:  # a hyperparameter search's trial saves into a folder of its own (run-<id>)
             refuse_earlier_checkpoints(self.args, resume_from_checkpoint, overwrite=self._overwrite_output_dir,
                                        comm=self.engine.comm)
@@ -404,9 +414,10 @@ class InfinityTrainerMixin:
 
     def _load_weights_only(self, checkpoint) -> bool:
         """A ``save_only_model`` checkpoint's weights (a peft model's: its adapters) made the engine's, as the stock
-        Trainer loads them (its optimizer fresh); False where ``checkpoint`` is not one."""
+        Trainer loads them (its optimizer fresh), or a stock Trainer's checkpoint's (its optimizer state follows in
+        :meth:`_load_optimizer_and_scheduler`); False where ``checkpoint`` is neither."""
         peft = is_peft_model(self.model)
-        if not model_only(checkpoint, peft=peft):
+        if not (model_only(checkpoint, peft=peft) or stock_optimizer(checkpoint)):
             return False
         (load_adapters_only if peft else load_model_only)(self.engine, self.model, checkpoint)
         return True
@@ -418,9 +429,14 @@ class InfinityTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return  # the optimizer states came back with the engine's checkpoint
+        stock = stock_optimizer(checkpoint)
+        if stock:  # torch's AdamW state: its moments and step become the engine's
+            groups = self._named_decay_groups(self.model)
+            load_stock_optimizer(self.engine, checkpoint, groups, self.args)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            self.lr_scheduler.load_state_dict(schedule_of_one_group(checkpoint, len(groups)) if stock
+                                              else torch.load(path, weights_only=True))
             # A scheduler's state does not hold the optimizer's lr (the stock Trainer restores it with the
             # optimizer's state): the next step's lr is the one the scheduler last set.
             for group, lr in zip(self._engine_optimizer().param_groups, self.lr_scheduler.get_last_lr()):

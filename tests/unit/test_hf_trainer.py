@@ -530,33 +530,102 @@ def test_positional_arguments_are_taken_as_the_stock_trainer_takes_them(tmp_path
     trainer.engine.close()
 
 
-def test_resuming_from_a_stock_trainers_checkpoint_is_refused_naming_it_before_any_work(tmp_path):
-    """A checkpoint-N of the stock Trainer (the model whole, torch's optimizer.pt, no `latest`) is named as such,
-    by path or as output_dir's last (resume_from_checkpoint=True), with nothing loaded or written; the way on that
-    the error gives (the model from that folder, no resume) starts from the stock run's weights at that step."""
-    stock = transformers.Trainer(model=tiny_llama(), args=training_args(tmp_path / "stock", max_steps=2, save_steps=2),
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory):
+    """The stock Trainer's run of 6 steps (5 to an epoch) with checkpoint-2 (the model, torch's optimizer.pt, the
+    scheduler, trainer_state, rng_state), and the stock Trainer resumed from it to step 6: the reference."""
+    tmp = tmp_path_factory.mktemp("stock-resume")
+    args = dict(max_steps=6, save_steps=2, save_total_limit=None, weight_decay=0.1)
+    first = transformers.Trainer(model=tiny_llama(), args=training_args(tmp / "stock", **args),
                                  train_dataset=dataset(), data_collator=collate)
-    stock.train()
-    checkpoint = tmp_path / "stock" / "checkpoint-2"
-    before = file_bytes(tmp_path / "stock")
-    for out, resume in ((tmp_path / "ours", str(checkpoint)), (tmp_path / "stock", True)):
-        ours = Trainer(model=tiny_llama(), args=training_args(out, max_steps=4, save_steps=2), train_dataset=dataset(),
-                       data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
-        with pytest.raises(ValueError, match=rf"'{checkpoint}' is a checkpoint of the stock transformers\.Trainer "
-                                             r"\(model\.safetensors, optimizer\.pt; no 'latest' file.*"
-                                             r"AutoModelForCausalLM\.from_pretrained\(that folder\).*without "
-                                             r"resume_from_checkpoint.*resume it with the stock transformers\.Trainer"):
-            ours.train(resume_from_checkpoint=resume)
-        assert ours.engine.global_step == 0 and ours.state.global_step == 0
+    first.train()
+    checkpoint = tmp / "stock" / "checkpoint-2"
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state.pth"} <= \
+        set(os.listdir(checkpoint)) and "latest" not in os.listdir(checkpoint)
+    resumed = transformers.Trainer(model=tiny_llama(), args=training_args(tmp / "stock-resumed", **args),
+                                   train_dataset=dataset(), data_collator=collate)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    return {"tmp": tmp, "args": args, "checkpoint": checkpoint, "resumed": resumed}
+
+
+def test_a_stock_trainers_checkpoint_with_its_optimizer_state_resumes_as_the_stock_trainer_resumes_it(
+        stock_checkpoint):
+    """Ours, from the stock Trainer's checkpoint-2 (by path, and as output_dir's last): the weights, AdamW moments
+    and step, schedule, step and data position come back, and steps 3-6 (across an epoch) log the losses and end
+    with the weights the stock Trainer's resumed run does; optimizer states swapped to NVMe, to be written before
+    the first step there."""
+    tmp, args, checkpoint, stock = (stock_checkpoint[k] for k in ("tmp", "args", "checkpoint", "resumed"))
+    before = file_bytes(tmp / "stock")
+    (tmp / "last").mkdir()
+    copied_checkpoint(checkpoint, tmp / "last" / checkpoint.name)  # output_dir's last checkpoint
+    for out, resume in ((tmp / "ours", str(checkpoint)), (tmp / "last", True)):
+        ours = Trainer(model=tiny_llama(), args=training_args(out, **args, save_strategy="no"),
+                       train_dataset=dataset(), data_collator=collate, infinity_config=nvme_config(tmp / "swap"))
+        ours.train(resume_from_checkpoint=resume)
+        assert ours.state.global_step == 6 and ours.engine.global_step == 6
+        assert len(logged(ours)) == 6  # the history up to the checkpoint came back with it
+        torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(logged(ours, "learning_rate")),
+                                   torch.tensor(logged(stock, "learning_rate")), rtol=1e-6, atol=0)
+        state = ours.engine.full_state_dict()
+        for name, value in stock.model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5, msg=name)
         ours.engine.close()
-    assert file_bytes(tmp_path / "stock") == before and file_bytes(tmp_path / "ours") == {}
-    started = Trainer(model=transformers.AutoModelForCausalLM.from_pretrained(checkpoint),
-                      args=training_args(tmp_path / "ours", save_strategy="no"), data_collator=collate,
-                      infinity_config={"zero_optimization": {"stage": 3}})
-    state = started.engine.full_state_dict()
-    for name, value in stock.model.state_dict().items():
-        assert torch.equal(state[name], value), name
-    started.engine.close()
+    assert file_bytes(tmp / "stock") == before
+
+
+def copied_checkpoint(checkpoint, to, change_optimizer=None):
+    """A copy of ``checkpoint`` whose optimizer.pt ``change_optimizer`` edits in place."""
+    to.mkdir()  # a new folder: nothing of a run's is written over
+    for f in checkpoint.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    if change_optimizer is not None:
+        state = torch.load(to / "optimizer.pt", weights_only=True)
+        change_optimizer(state)
+        torch.save(state, to / "optimizer.pt")
+    return to
+
+
+def wider_exp_avg(state):
+    state["state"][0]["exp_avg"] = torch.zeros(VOCAB + 1, 32)
+
+
+def other_beta2(state):
+    for group in state["param_groups"]:
+        group["betas"] = (0.9, 0.95)
+
+
+def another_model():
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("model, change, named", [
+    (another_model, None, r"model\.layers\.0\.mlp\.gate_proj\.weight is \(48, 32\) in '.*', the model's is "
+                          r"\(64, 32\): it is not this model's checkpoint"),
+    (tiny_llama, wider_exp_avg, r"model\.embed_tokens\.weight is \(97, 32\) in '.*optimizer\.pt' \(exp_avg\), "
+                                r"the model's is \(96, 32\)"),
+    (tiny_llama, other_beta2, r"saved with betas=\(0\.9, 0\.95\), these arguments give \(0\.9, 0\.999\)"),
+    (tiny_llama, "scaler", r"its fp16 GradScaler's state \(scaler\.pt\) cannot be resumed exactly"),
+], ids=["another-model", "moment-shape", "betas", "grad-scaler"])
+def test_a_stock_checkpoint_that_cannot_go_on_exactly_is_refused_naming_why_before_any_work(
+        stock_checkpoint, tmp_path, model, change, named):
+    """Another model's checkpoint, a moment of another shape (named by the parameter torch's index maps to),
+    AdamW's settings other than the arguments', an fp16 GradScaler's state: each named before a step, with nothing
+    loaded or written."""
+    checkpoint = copied_checkpoint(stock_checkpoint["checkpoint"], tmp_path / "checkpoint-2",
+                                   None if change == "scaler" else change)
+    if change == "scaler":
+        torch.save({"scale": 65536.0}, checkpoint / "scaler.pt")
+    before = file_bytes(tmp_path)
+    ours = Trainer(model=model(), args=training_args(tmp_path / "ours", **stock_checkpoint["args"]),
+                   train_dataset=dataset(), data_collator=collate, infinity_config={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match=named):
+        ours.train(resume_from_checkpoint=str(checkpoint))
+    assert ours.engine.global_step == 0 and ours.state.global_step == 0
+    ours.engine.close()
+    assert file_bytes(tmp_path) == before
 
 
 def test_a_model_only_checkpoint_resumes_as_the_stock_trainer_resumes_it(tmp_path):
