@@ -129,6 +129,34 @@ def test_trainer_checkpoints_of_a_lora_model_hold_its_adapters_as_the_stock_trai
     assert sum(p.numel() for n, p in reloaded.named_parameters() if "lora_" in n) == sum(v.numel() for v in files.values())
 
 
+def test_a_stock_trainers_lora_checkpoint_with_its_optimizer_state_resumes_as_the_stock_trainer_resumes_it(tmp_path):
+    """The stock Trainer's checkpoint-2 of a peft model (adapter_model.safetensors, optimizer.pt over the adapters
+    alone): ours goes on from it with the adapters, moments and schedule, and steps 3-4 log the losses and end with
+    the adapters of the stock Trainer resumed from it."""
+    args = dict(max_steps=4, save_steps=2, save_total_limit=None, weight_decay=0.1)
+    first = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock", **args), train_dataset=dataset(),
+                                 data_collator=collate)
+    first.train()
+    checkpoint = tmp_path / "stock" / "checkpoint-2"
+    assert {"adapter_model.safetensors", "optimizer.pt"} <= set(os.listdir(checkpoint))
+    stock = transformers.Trainer(model=lora(), args=training_args(tmp_path / "stock-resumed", **args),
+                                 train_dataset=dataset(), data_collator=collate)
+    stock.train(resume_from_checkpoint=str(checkpoint))
+    ours = Trainer(model=lora(), args=training_args(tmp_path / "ours", **args, save_strategy="no"),
+                   train_dataset=dataset(), data_collator=collate, infinity_config=nvme_config(tmp_path / "swap"))
+    ours.train(resume_from_checkpoint=str(checkpoint))
+    assert ours.state.global_step == 4 and len(logged(ours)) == 4
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(stock)), rtol=1e-5, atol=0)
+    ours.save_model(tmp_path / "ours-adapter")
+    ours.engine.close()
+    stock.save_model(tmp_path / "stock-adapter")
+    files = load_file(tmp_path / "ours-adapter" / "adapter_model.safetensors")
+    expected = load_file(tmp_path / "stock-adapter" / "adapter_model.safetensors")
+    assert set(files) == set(expected) and files
+    for name, value in files.items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
 def meta_lora(folder, **lora_options):
     """``get_peft_model`` over a model built on the meta device from ``folder``'s config: no weights in memory."""
     with torch.device("meta"):
