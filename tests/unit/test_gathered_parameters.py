@@ -183,6 +183,39 @@ def test_the_safe_get_and_set_helpers_read_and_write_what_torch_adamw_holds(tmp_
             safe_set_full_fp32_param(model.out.weight, torch.zeros(3))
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_moments_and_step_written_whole_go_on_as_the_torch_adamw_that_took_them(tier, tmp_path):
+    """torch's AdamW trains 4 steps; a fresh engine given its weights (masters), moments and step count by
+    ``whole_params()`` before its first step (NVMe: swapped sub-groups with nothing on disk yet) takes the next 4 as
+    that AdamW does. All the trainable parameters' moments or none: one left out is named, nothing written."""
+    torch.manual_seed(3)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    batches = [(x, y) for x, y in torch.utils.data.DataLoader(data(), batch_size=4)]
+    reference(ref, ref_optimizer, batches, 4)  # 16 micro-batches: 4 steps
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                training_data=data(), config=engine_config(tier, tmp_path))
+    with engine:
+        whole = engine.whole_params()
+        moments = {key: {p: ref_optimizer.state[q][key] for p, q in zip(model.parameters(), ref.parameters())}
+                   for key in ("exp_avg", "exp_avg_sq")}
+        partial = {key: {p: v for p, v in values.items() if p is not model.out.bias} for key, values in moments.items()}
+        with pytest.raises(ValueError, match=r"exp_avg: no value for out\.bias: every trainable parameter's moments"):
+            whole.write_moments(partial, step=4)
+        assert engine.shard_source().optimizer_state()["step"] == 0
+        assert torch.equal(whole.read(model.hidden.weight, "exp_avg").cpu(), torch.zeros(16, 8))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            whole.write(p, q.detach())
+        whole.write_moments(moments, step=int(ref_optimizer.state[ref.out.weight]["step"]))
+        losses, batches = run(engine, loader)
+        expected = reference(ref, ref_optimizer, batches, 4)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        state = engine.full_state_dict()
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_scripts_zero3_save_that_tests_ds_id_and_ds_status_gets_the_whole_model(tmp_path):
     """The save function DeepSpeed scripts carry: gather a parameter where it has ``ds_id`` and is not available."""
     from infinity.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
