@@ -130,10 +130,12 @@ def read_stock_optimizer(path, groups: list[list[tuple[str, torch.nn.Parameter]]
     steps: dict[float, str] = {}
     for group, named, decay in zip(saved_groups, groups, (args.weight_decay, 0.0)):
         for key, value in {**expected, "weight_decay": decay}.items():
-            if key in group and tuple(_plain(group[key])) != tuple(_plain(value)):
+            if key in group and _plain(group[key]) != _plain(value):
+                way = (f"the engine's AdamW has no {key}" if key in ("amsgrad", "maximize") else
+                       "set the TrainingArguments to the saved value")
                 raise ValueError(f"resume_from_checkpoint: {file!r} was saved with {key}={group[key]!r}, these "
-                                 f"arguments give {value!r}: the run would not go on as it was. Set the "
-                                 f"TrainingArguments to the saved value. Nothing was loaded or written")
+                                 f"arguments give {value!r}: the run would not go on as it was ({way}). Nothing was "
+                                 f"loaded or written")
         for index, (name, param) in zip(group["params"], named):
             state = states.get(index, states.get(str(index)))
             if not state or "exp_avg" not in state or "exp_avg_sq" not in state:
