@@ -7,7 +7,8 @@ runs unchanged under the engine instead:
 
 * ``TrainingArguments`` (and its subclasses: ``Seq2SeqTrainingArguments``, TRL's configs) take the ``deepspeed``
   value as the engine's config: it is kept as ``args.infinity_config`` and ``args.deepspeed`` reads None, so
-  neither transformers nor accelerate sets DeepSpeed up. Without ``--deepspeed``, the config
+  neither transformers nor accelerate sets DeepSpeed up (without CUDA they take ``use_cpu``, so the processes
+  are one distributed run, as under DeepSpeed's CPU accelerator). Without ``--deepspeed``, the config
   ``infinity accelerate launch`` passes in accelerate's variables (its yaml's DeepSpeed part) is taken so;
 * ``transformers.Trainer`` is :class:`infinity.hf.Trainer`, which reads ``args.infinity_config`` when the script
   passes no ``infinity_config=``. A trainer class the script or a library derives from ``transformers.Trainer``
@@ -34,6 +35,8 @@ import logging
 import os
 import sys
 from typing import Callable
+
+import torch
 
 import infinity.hf as hf
 from infinity.deepspeed import hf_meta_load
@@ -97,6 +100,11 @@ def _take_deepspeed_argument(module) -> None:
             # kept with the arguments, as transformers keeps its config: a ZeRO-3 one makes from_pretrained stream
             self.infinity_config_reader = hf_meta_load.config_reader()(given)
             self.deepspeed = None  # transformers and accelerate: no DeepSpeed plugin, no HfDeepSpeedConfig
+            if not torch.cuda.is_available():
+                # DeepSpeed's CPU accelerator makes the Trainer's run distributed over the launcher's processes;
+                # without the plugin transformers does so on a CPU only with use_cpu (else each process would
+                # see a world of one: its own batch size for the whole run's, all the data its own)
+                self.use_cpu = True
             logger.info("--deepspeed %s: the engine's config (infinity deepspeed); DeepSpeed itself is not used",
                         given if isinstance(given, str) else "(a dict)")
         original(self, *args, **kwargs)

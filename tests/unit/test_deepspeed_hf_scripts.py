@@ -78,7 +78,7 @@ def test_an_unchanged_trainer_script_with_its_deepspeed_json_trains_at_two_ranks
     arguments = ["--output_dir", str(out), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
                  "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--warmup_steps", "2",
                  "--max_grad_norm", "1.0", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
-                 "--use_cpu", "--seed", "0", "--disable_tqdm", "true"]
+                 "--seed", "0", "--disable_tqdm", "true"]  # no --use_cpu: as the script is launched on a GPU box
     done = subprocess.run([sys.executable, "-m", "infinity.cli", "deepspeed", "--num_gpus", "2", str(script),
                            "--deepspeed", str(ds_config), *arguments],
                           capture_output=True, text=True, timeout=600,
