@@ -63,8 +63,13 @@ def run(args: argparse.Namespace) -> int:
         path = getattr(parsed, f"offload_{part}_nvme_path", None)
         if path not in (None, "none"):
             os.environ.setdefault(f"ACCELERATE_DEEPSPEED_OFFLOAD_{part.upper()}_NVME_PATH", str(path))
-    processes = int(parsed.num_processes) if parsed.num_processes else None
-    return deepspeed_command.run(argparse.Namespace(
-        num_gpus=processes, include=None, exclude=None, num_nodes=1, master_addr=None, master_port=None,
-        no_local_rank=True, module=bool(parsed.module), script=parsed.training_script,
-        script_args=list(parsed.training_script_args)))
+    # started as `infinity deepspeed --num_gpus N --no_local_rank [--module] SCRIPT ARGS` would start it: its own
+    # parser gives every other flag its default
+    launcher = argparse.ArgumentParser(add_help=False)
+    deepspeed_command.add_arguments(launcher)
+    flags = ["--no_local_rank", *(["--module"] if parsed.module else [])]
+    if parsed.num_processes:
+        flags += ["--num_gpus", str(int(parsed.num_processes))]
+    launched = launcher.parse_args([*flags, parsed.training_script])
+    launched.script_args = list(parsed.training_script_args)  # as given, whatever they look like to the launcher
+    return deepspeed_command.run(launched)

@@ -4,6 +4,7 @@ a character changed, trains under the engine as stock accelerate trains it witho
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -264,5 +265,9 @@ def test_a_deepspeed_config_reaches_the_launcher_with_accelerates_variables(tmp_
     (args, environment), = started
     assert code == 0 and args.script == str(script) and args.script_args == ["--my_arg", "1"]
     assert args.no_local_rank and args.num_gpus == 1  # accelerate's launcher passes no --local_rank
+    launcher = argparse.ArgumentParser()
+    deepspeed_command.add_arguments(launcher)
+    defaults = vars(launcher.parse_args([str(script)]))  # every flag `infinity deepspeed` reads, the rest as these
+    assert vars(args) == {**defaults, "num_gpus": 1, "no_local_rank": True, "script_args": ["--my_arg", "1"]}
     assert environment["ACCELERATE_USE_DEEPSPEED"] == "true"
     assert environment["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == str(tmp_path / "ds.json")
