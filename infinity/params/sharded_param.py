@@ -1,10 +1,12 @@
 """One parameter under ZeRO-3: its full tensor comes and goes, its shard stays.
 
-The ``nn.Parameter`` keeps its identity, shape and dtype for its whole life;
-its ``.data`` is a view of ``full``, a padded flat tensor whose storage is
+The ``nn.Parameter`` keeps its identity and dtype for its whole life. Inside a
+pass its ``.data`` is a view of ``full``, a padded flat tensor whose storage is
 resized to zero bytes when the parameter is released and back when it is
 fetched. Autograd's saved views of the parameter share that storage, so they
-see the fetched values again in backward.
+see the fetched values again in backward. Between passes a released
+parameter's ``.data`` is an empty tensor (as DeepSpeed's partitioned ones are),
+so its full shape is the slot's, not ``param.shape``.
 
 Fetching brings this rank's shard up into its own chunk of ``full``, then
 all-gathers in place. The shard comes from device memory (gathered from
