@@ -161,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
     if args.machine:
         if args.plot:
             raise ValueError("--plot draws the --block-size x --queue-depth grid, which --machine does not measure")
-        return run_machine(args)
+        if args.path is None:
+            return run_machine(args)  # the disk measured in a temporary folder
+        with _bench_dir(args.path):  # a missing --path created, as for the grid
+            return run_machine(args)
     nbytes = parse_size(args.size)
     if nbytes <= 0 or nbytes % 4096:
         raise ValueError(f"--size must be a positive multiple of 4096 bytes, got {args.size!r}")

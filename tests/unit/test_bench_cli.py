@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from infinity.cli import main
+from infinity.commands import bench_machine
+from infinity.runtime.machine_figures import measure_disk
 from infinity.storage import libaio_unavailable_reason
 from infinity.storage.swap_store import direct_io_problem
 
@@ -110,6 +112,27 @@ def test_a_missing_path_is_created_0700_as_train_does(capsys, bench_dir):
     capsys.readouterr()
     assert where.is_dir() and (where.stat().st_mode & 0o777) == 0o700
     assert rc == 0 or direct_io_problem(str(where))
+
+
+class _DiskMeasured(Exception):
+    """Raised by the stand-in for the rest of ``--machine``'s figures, once the disk is measured."""
+
+
+def test_machine_creates_a_missing_path_0700_and_measures_the_disk_there(bench_dir, monkeypatch):
+    where = bench_dir / "made" / "here"
+    measured = []
+
+    def disk_alone(*, nvme_dir, **_):  # the machine's other figures take minutes on a small CPU
+        mode = where.stat().st_mode & 0o777 if where.is_dir() else None
+        measured.append((mode, *measure_disk(nvme_dir, nbytes=4 << 20)))
+        raise _DiskMeasured
+
+    monkeypatch.setattr(bench_machine, "measure_machine", disk_alone)
+    with pytest.raises(_DiskMeasured):
+        main(["bench", "--machine", "--path", str(where)])
+    (mode, read, write, disk), = measured
+    assert mode == 0o700 and disk == str(where) and read > 0 and write > 0
+    assert not (bench_dir / "made").exists()  # stopped: the folders made for it are gone again
 
 
 def test_tmpfs_path_is_refused(capsys):
