@@ -10,9 +10,9 @@ form; ``--json`` then prints one JSON object with ``write_GBps`` and
     infinity bench --path /mnt/nvme --size 1GiB --block-size 1MiB --queue-depth 32 --json
     infinity bench --path /mnt/nvme --block-size 256KiB,1MiB,4MiB --queue-depth 8,32,64 --backend all --plot bw.png
 
-``--machine`` measures instead, in a few seconds, the figures the step-time model needs (the device's
-throughput, host⇄device copies, the CPU Adam, the disk at ``--path``) and caches them for ``infinity estimate``
-and ``infinity train``:
+``--machine`` measures instead (seconds on a GPU machine, minutes on a small CPU) the figures the step-time
+model needs (the device's throughput, host⇄device copies, the CPU Adam, the disk at ``--path``) and caches them
+for ``infinity estimate`` and ``infinity train``:
 
     infinity bench --machine [--path /mnt/nvme] [--json]
 """
@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="I/O threads (libaio contexts), the aio block's intra_op_parallelism (default 1)")
     parser.add_argument("--repeat", type=int, default=1, help="passes per point; the median is reported (default 1)")
     parser.add_argument("--machine", action="store_true",
-                        help="measure the machine's figures for the step-time model (a few seconds) and cache them")
+                        help="measure the machine's figures for the step-time model (seconds on a GPU machine, "
+                             "minutes on a small CPU) and cache them")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", metavar="FILE.png", help="draw bandwidth against block size and queue depth")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

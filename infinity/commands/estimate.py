@@ -326,7 +326,7 @@ def predicted_step(est: dict, *, micro_batch: int, seq_len: int | None) -> tuple
     figures = load_cached()
     if figures is None:
         return None, (f"predicted step: no figures of this machine at {cache_path()}; "
-                      f"`infinity bench --machine` measures them (a few seconds)")
+                      f"`infinity bench --machine` measures them")
     s = est["setting"]
     where = f"{figures.machine}" + ("" if s["gpu"] == (figures.device == "cuda") else
                                      f" (its {figures.device.upper()} as the device)")
