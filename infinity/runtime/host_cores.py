@@ -68,7 +68,8 @@ class HostCores:
     def describe(self) -> str:
         """``15 threads on cores 1-15 (why)``, or ``torch's 2 threads, unbound (why)``."""
         if self.threads is None:
-            return f"torch's {torch.get_num_threads()} threads, unbound ({self.reason})"
+            count = torch.get_num_threads()
+            return f"torch's {count} thread{'s' if count != 1 else ''}, unbound ({self.reason})"
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         if self.cores is None:
             return f"{threads}, unbound ({self.reason})"

@@ -111,7 +111,7 @@ def main(argv=None, prog: str | None = None) -> int:
     except (OSError, ValueError) as error:  # a missing or damaged checkpoint, an output that cannot be written
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     written = summary.get("path") or args.output_dir
-    print(f"wrote the fp32 weights of {summary.get('checkpoint', args.checkpoint_dir)} to {written}")
+    print(f"wrote the fp32 weights of {summary.get('checkpoint', Path(args.checkpoint_dir).resolve())} to {written}")
     return 0
 
 
