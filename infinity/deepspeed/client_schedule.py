@@ -38,9 +38,12 @@ class ClientSchedule:
         self.lr()  # the groups move together from the start
 
     @classmethod
-    def made_by(cls, factory, lr: float) -> "ClientSchedule":
-        """The scheduler ``factory(optimizer)`` makes, over a stand-in optimizer holding the engine's ``lr``."""
-        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    def made_by(cls, factory, lr: float, weight_decays: list[float]) -> "ClientSchedule":
+        """The scheduler ``factory(optimizer)`` makes, over a stand-in optimizer holding the engine's ``lr``: a group
+        per group of the engine's optimizer (their ``weight_decays``), as DeepSpeed hands the factory its optimizer
+        (a ``LambdaLR`` takes a lambda per group, ``get_last_lr()`` gives a rate per group)."""
+        stand_in = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "weight_decay": decay}
+                                    for decay in weight_decays], lr=lr)
         return cls(factory(stand_in), stand_in)
 
     def lr(self) -> float:

@@ -43,7 +43,8 @@ class DeepSpeedEngine(Engine):
         the config's ``stage3_gather_16bit_weights_on_model_save``. ``trains``: False where ``initialize`` was given
         no optimizer (neither the config's block nor ``optimizer=``): forwards only, as DeepSpeed's engine then."""
         super().__init__(model, config, **kwargs)
-        self.optimizer = OptimizerView(self, self.optimizer)  # DeepSpeed's engine.optimizer: param_groups, cur_scale
+        # DeepSpeed's engine.optimizer: param_groups (one per group given), cur_scale
+        self.optimizer = OptimizerView(self, self.optimizer, kwargs.get("param_groups"))
         self.trains = trains
         self._drop_last = drop_last
         self._gather_16bit_on_save = gather_16bit_on_save
@@ -56,7 +57,8 @@ class DeepSpeedEngine(Engine):
             param.ds_id, param.ds_numel, param.ds_shape = slot.index, slot.numel, torch.Size(slot.shape)
             param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if lr_scheduler is not None and not isinstance(lr_scheduler, ClientSchedule):
-            lr_scheduler = ClientSchedule.made_by(lr_scheduler, self.lr)
+            lr_scheduler = ClientSchedule.made_by(lr_scheduler, self.lr,
+                                                  [group["weight_decay"] for group in self.optimizer.param_groups])
         self.client_schedule: ClientSchedule | None = lr_scheduler
         """The script's learning-rate scheduler, stepped after each applied optimizer step; None: the config's."""
         if lr_scheduler is not None:

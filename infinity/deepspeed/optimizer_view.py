@@ -15,14 +15,18 @@ class OptimizerView:
     sets it for the next step (a value other than the other groups' for the same step is refused), and the other keys
     are read-only. ``zero_grad()`` does nothing, as the engine's step starts each accumulation afresh."""
 
-    def __init__(self, engine, own):
+    def __init__(self, engine, own, param_groups: list[dict] | None = None):
         """``engine``: the :class:`~infinity.deepspeed.engine.DeepSpeedEngine`; ``own``: its optimizer, which answers
-        every other name."""
+        every other name; ``param_groups``: the groups ``initialize`` was given (checked by the engine), or None."""
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_own", own)
         default = engine.config.optimizer.weight_decay
-        decays = sorted({default if slot.weight_decay is None else slot.weight_decay
-                         for slot in engine.layout.slots if slot.trainable}) or [default]
+        if param_groups is not None:  # DeepSpeed's optimizer keeps a group per group given, in order (a script and a
+            # scheduler made over it index them: LambdaLR takes a lambda per group, get_last_lr() a rate per group)
+            decays = [float(group.get("weight_decay", default)) for group in param_groups]
+        else:
+            decays = sorted({default if slot.weight_decay is None else slot.weight_decay
+                             for slot in engine.layout.slots if slot.trainable}) or [default]
         lr_set: dict[int, tuple[int, float]] = {}  # group -> (the step it was set at, the value), shared
         object.__setattr__(self, "_groups", [_LiveGroup(engine, decay, index, lr_set)
                                              for index, decay in enumerate(decays)])

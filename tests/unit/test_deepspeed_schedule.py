@@ -108,6 +108,38 @@ def test_a_callable_makes_the_scheduler_over_the_configs_optimizer_and_a_resume_
     torch.testing.assert_close(torch.tensor(whole), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
+def test_the_configs_optimizer_shows_the_groups_given_in_their_order_to_the_script_and_to_a_scheduler_callable():
+    """accelerate's ``DummyOptim(groups)`` + ``DummyScheduler(lr_scheduler_callable=...)`` pass the groups as
+    ``model_parameters`` and the callable as ``lr_scheduler``: DeepSpeed's optimizer keeps one group per group given,
+    in order, and hands itself to the callable, so ``param_groups`` and ``get_last_lr()`` read as torch's would over
+    the same groups (two here share a decay; the undecayed one comes first)."""
+    def my_groups(model):
+        return [{"params": [model.hidden.bias, model.out.bias], "weight_decay": 0.0},
+                {"params": [model.hidden.weight], "weight_decay": 0.1}, {"params": [model.out.weight]}]
+
+    def factory(optimizer):  # a LambdaLR takes one lambda per group
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda step: 1.0 / (step + 1)] * 3)
+
+    torch.manual_seed(1)
+    model = Regressor()
+    ref = copy.deepcopy(model)
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, model_parameters=my_groups(model),
+                                                                lr_scheduler=factory, training_data=data(),
+                                                                config=config(**ADAMW))
+    ref_optimizer = torch.optim.AdamW(my_groups(ref), lr=LR, weight_decay=0.01)
+    ref_scheduler = factory(ref_optimizer)
+    with engine:
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.1, 0.01]
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [g["weight_decay"]
+                                                                       for g in ref_optimizer.param_groups]
+        losses, rates, batches = run_with_rates(engine, loader)
+        assert scheduler.get_last_lr() == pytest.approx([LR / 5] * 3)
+    expected, expected_rates = reference(ref, ref_optimizer, ref_scheduler, batches)
+    assert rates == pytest.approx(expected_rates, rel=1e-12)
+    assert scheduler.get_last_lr() == pytest.approx(ref_scheduler.get_last_lr(), rel=1e-12)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
 def test_a_scheduler_the_engine_was_not_given_moves_its_rates_through_the_scripts_optimizer():
     """DeepSpeed's engine steps with the groups of the optimizer the script made, so a scheduler over that
     optimizer stepped by the script itself (accelerate's loop does so) sets the rates; a DeepSpeedCPUAdam made over
