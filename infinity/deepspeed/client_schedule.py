@@ -86,7 +86,9 @@ class ScheduleView:
         self._engine = engine
 
     def get_last_lr(self) -> list[float]:
-        return [self._engine.lr]
+        """The engine's one rate, once per group of ``engine.optimizer`` (DeepSpeed's schedulers keep
+        ``[group["lr"] for group in optimizer.param_groups]``)."""
+        return [self._engine.lr] * len(self._engine.optimizer.param_groups)
 
     get_lr = get_last_lr
 

@@ -140,6 +140,26 @@ def test_the_configs_optimizer_shows_the_groups_given_in_their_order_to_the_scri
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
 
 
+def test_the_configs_scheduler_gives_a_rate_per_group_given_as_deepspeeds_does():
+    """accelerate's ``DummyOptim(groups)`` + ``DummyScheduler`` with the config's ``scheduler`` block: DeepSpeed's
+    schedulers keep ``[group["lr"] for group in optimizer.param_groups]``, one rate per group given."""
+    def my_groups(model):
+        return [{"params": [model.hidden.bias, model.out.bias], "weight_decay": 0.0},
+                {"params": [model.hidden.weight, model.out.weight], "weight_decay": 0.1}]
+
+    model = Regressor()
+    block = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 2,
+                                                 "total_num_steps": 8, "warmup_type": "linear"}}
+    engine, optimizer, loader, scheduler = deepspeed.initialize(model=model, model_parameters=my_groups(model),
+                                                                training_data=data(), config=config(**ADAMW,
+                                                                                                    scheduler=block))
+    with engine:
+        run_with_rates(engine, loader)  # four optimizer steps
+        expected = LR * (8 - 3) / (8 - 2)  # WarmupDecayLR at its iteration 3: past the warmup, decaying to 0
+        assert scheduler.get_last_lr() == pytest.approx([expected] * 2, rel=1e-12)
+        assert scheduler.get_last_lr() == [group["lr"] for group in optimizer.param_groups]
+
+
 def test_a_scheduler_the_engine_was_not_given_moves_its_rates_through_the_scripts_optimizer():
     """DeepSpeed's engine steps with the groups of the optimizer the script made, so a scheduler over that
     optimizer stepped by the script itself (accelerate's loop does so) sets the rates; a DeepSpeedCPUAdam made over
