@@ -13,6 +13,7 @@ loaded with the model, ...), load the model whole as before, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from infinity.weights.adapters import DRAWN_VALUES
-from infinity.weights.pretrained import INDEX_FILE, SINGLE_FILE, STREAMED_FROM
+from infinity.weights.pretrained import INDEX_FILE, SINGLE_FILE, STREAMED_FROM, PretrainedWeights, WeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,14 @@ def streaming_from_pretrained(original):
         folder = None if why_whole else _local_folder(pretrained_model_name_or_path, kwargs)
         if folder is not None and not ((folder / SINGLE_FILE).is_file() or (folder / INDEX_FILE).is_file()):
             why_whole, folder = f"{folder} holds no {SINGLE_FILE} (nor {INDEX_FILE}) to stream", None
-        if folder is None:
+        model = None if folder is None else _meta_model(cls, folder, kwargs)
+        if model is not None:
+            why_whole = _why_not_streamed(model, folder)
+        if model is None or why_whole:
             logger.warning("from_pretrained(%s) under a ZeRO-3 config loads the model whole: %s",
                            pretrained_model_name_or_path, why_whole or "no local folder")
             return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
-        return _meta_model(cls, folder, kwargs)
+        return model
 
     return from_pretrained
 
@@ -111,6 +115,18 @@ def _why_whole(cls, path, model_args, kwargs) -> str | None:
         config_names = _config_attributes(cls) if config_names is None else config_names
         if name not in config_names:
             return f"the argument {name}="
+    return None
+
+
+def _why_not_streamed(model: torch.nn.Module, folder: Path) -> str | None:
+    """Why ``folder``'s tensors cannot be streamed into ``model`` (built on meta) by its own names (None: they can),
+    asked before the engine is made: transformers renames or merges some folders' tensors while loading (a Mixtral's
+    experts fused, old names), which it then does to the model loaded whole."""
+    try:
+        with contextlib.closing(PretrainedWeights.open(folder)) as weights:
+            weights.check_model(model)
+    except (WeightsError, OSError) as err:
+        return f"{err} (transformers converts such a folder's tensors while loading)"
     return None
 
 

@@ -68,3 +68,22 @@ def test_without_a_live_zero3_config_from_pretrained_loads_whole(tmp_path):
     assert not hf_meta_load.zero3_load()
     again = from_pretrained(transformers.LlamaForCausalLM, str(tmp_path / "tiny"))
     assert not any(p.is_meta for p in again.parameters())
+
+
+def test_a_folder_whose_tensors_transformers_renames_while_loading_loads_the_model_whole_saying_why(tmp_path, zero3,
+                                                                                                   caplog):
+    """transformers 5 renames a Mixtral's ``block_sparse_moe`` and fuses its experts while loading: streaming by
+    the model's own names would find none, so the model loads whole, as ``from_pretrained`` loads it."""
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    whole = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "moe")
+    with caplog.at_level(logging.WARNING, logger=hf_meta_load.__name__):
+        model = from_pretrained(transformers.MixtralForCausalLM, str(tmp_path / "moe"))
+    assert not any(p.is_meta for p in model.parameters()) and streamed_from(model) is None
+    assert "loads the model whole: missing weights: parameter 'model.layers.0.mlp." in caplog.text  # renamed there
+    state = model.state_dict()
+    for name, value in whole.state_dict().items():
+        assert torch.equal(state[name], value), name
