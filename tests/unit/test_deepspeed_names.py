@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import logging
 
 import psutil
@@ -28,27 +29,42 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_log_dist_logs_on_the_ranks_named_as_deepspeeds_does(caplog, one_rank_group):
-    caplog.set_level(logging.INFO, logger="DeepSpeed")
+def printed(capsys) -> list[str]:
+    """The messages the DeepSpeed logger printed, without its ``[time] [LEVEL] [file:line:function]`` prefix."""
+    return [line.split("] ", 3)[-1] for line in capsys.readouterr().out.splitlines()]
+
+
+def test_log_dist_prints_on_the_ranks_named_as_deepspeeds_does(capsys, one_rank_group):
     assert logger.name == "DeepSpeed"
     for ranks in ([0], [-1], [1], None, [1, 0]):
         log_dist(f"ranks={ranks}", ranks=ranks)
-    assert [r.getMessage() for r in caplog.records] == ["[Rank 0] ranks=[0]", "[Rank 0] ranks=[-1]",
-                                                        "[Rank 0] ranks=[1, 0]"]
+    assert printed(capsys) == ["[Rank 0] ranks=[0]", "[Rank 0] ranks=[-1]", "[Rank 0] ranks=[1, 0]"]
 
 
-def test_log_dist_without_a_process_group_logs_as_rank_minus_one(caplog):
-    caplog.set_level(logging.INFO, logger="DeepSpeed")
+def test_log_dist_without_a_process_group_prints_as_rank_minus_one(capsys):
     log_dist("alone", ranks=[3], level=logging.WARNING)
-    assert [(r.getMessage(), r.levelno) for r in caplog.records] == [("[Rank -1] alone", logging.WARNING)]
+    out = capsys.readouterr().out
+    assert "[WARNING]" in out and out.rstrip().endswith("[Rank -1] alone")
 
 
-def test_see_memory_usage_logs_the_hosts_memory_in_use_only_when_forced(caplog):
-    caplog.set_level(logging.INFO, logger="DeepSpeed")
+def test_the_loggers_lines_are_printed_once_with_no_logging_set_up_or_with_the_scripts(capsys):
+    """DeepSpeed's logger prints its INFO lines to stdout itself and keeps them from the root logger: a script's
+    progress shows without logging set up, and once where the script sets up its own."""
+    logger.info("step 1")
+    scripts = io.StringIO()
+    logging.getLogger().addHandler(handler := logging.StreamHandler(scripts))
+    try:
+        logger.info("step 2")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert printed(capsys) == ["step 1", "step 2"] and scripts.getvalue() == ""
+
+
+def test_see_memory_usage_prints_the_hosts_memory_in_use_only_when_forced(capsys):
     see_memory_usage("not forced")
-    assert caplog.records == []
+    assert printed(capsys) == []
     see_memory_usage("after the model", force=True)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = printed(capsys)
     assert lines[0] == "after the model"
     host = psutil.virtual_memory()
     used_gb = float(lines[-1].split("used = ")[1].split(" GB")[0])
