@@ -25,6 +25,7 @@ from infinity.engine.model_state import StateDictHooks
 from infinity.engine.passes import Passes
 from infinity.engine.state_verbs import StateVerbs
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
+from infinity.engine.trainable_set import refuse_changed_trainable_set
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.grads.spill import GradSpill
@@ -262,6 +263,8 @@ class Engine(StateVerbs):
         self._ensure_open()
         if self._transformers_forward:
             refuse_targets_as_mask(args)
+        if torch.is_grad_enabled():
+            refuse_changed_trainable_set(self.module, self._by_param)  # before the pass: nothing to undo
         args, kwargs = cast_floating((args, kwargs), self.dtype, self.device)
         self._forward_start = time.perf_counter()
         self.passes.begin()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -592,3 +593,36 @@ def test_the_best_adapters_of_a_model_only_run_are_loaded_at_the_end_as_the_stoc
     for name, value in stock.model.state_dict().items():  # lr 1e-1 amplifies float differences: 1e-4
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-4, msg=name)
     ours.engine.close()
+
+
+def test_of_several_adapters_the_active_one_trains_and_a_change_of_adapters_after_initialize_is_refused(tmp_path):
+    """Two adapters, the second active (set_adapter before initialize): it alone trains, as plain peft's. After
+    initialize, peft's set_adapter (which flips requires_grad) and add_adapter (parameters never partitioned) would
+    train another set than the script asks, silently: the next training forward is refused naming the parameter,
+    before any work, and a forward without grad under disable_adapter() (which clears requires_grad) still runs."""
+    from test_model_calls import config, plain_adamw, train_both
+    model = lora()
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], lora_dropout=0.0,
+                                                task_type="CAUSAL_LM"))
+    model.set_adapter("second")
+    reference = copy.deepcopy(model)
+    batch = collate(dataset(2, seed=5))
+    with infinity.initialize(model, config(tmp_path / "swap", "cpu")) as engine:
+        train_both(engine, reference, plain_adamw(reference), steps=2)
+        state = engine.full_state_dict()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert all(torch.equal(state[n], v) for n, v in lora().state_dict().items() if ".default." in n)  # unmoved
+        with torch.no_grad(), model.disable_adapter(), reference.disable_adapter():
+            torch.testing.assert_close(model(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+        model.set_adapter("default")
+        with pytest.raises(ValueError, match=r"'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\."
+                                             r"default\.weight' was frozen at infinity.initialize.*set_adapter"):
+            engine(**batch)
+        model.set_adapter("second")
+        model.add_adapter("third", peft.LoraConfig(r=2, target_modules=["o_proj"], task_type="CAUSAL_LM"))
+        with pytest.raises(ValueError, match=r"'base_model\.model\.model\.layers\.0\.self_attn\.o_proj\.lora_A\.third"
+                                             r"\.weight' was added .* after infinity.initialize.*add_adapter"):
+            engine(**batch)
+        assert engine.global_step == 2 and not engine.backward_pending
+        assert all(torch.equal(v, state[n]) for n, v in engine.full_state_dict().items() if n in state)
