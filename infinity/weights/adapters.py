@@ -77,6 +77,18 @@ def base_tensor_name(name: str) -> str:
     return ".".join(kept)
 
 
+def original_of_saved_copy(name: str) -> str | None:
+    """The wrapped layer's own parameter (``<layer>.original_module.<rest>``) that a ``modules_to_save`` copy
+    (``<layer>.modules_to_save.<adapter>.<rest>``) was copied from; None for any other name. The copy is read from
+    that parameter's tensor, under any of its names: with tied embeddings a saved ``lm_head``'s copy is the
+    embeddings', and the files hold that tensor under the embeddings' name alone."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-2]):
+        if part == SAVED_COPY_PART:
+            return ".".join(parts[:i] + ["original_module"] + parts[i + 2:])
+    return None
+
+
 def trainable_state_dict(source: ShardSource) -> dict[str, torch.Tensor]:
     """The trainable parameters' full fp32 values under every name they have (collective: every rank calls it)."""
     gatherer = FullParamGatherer(source)

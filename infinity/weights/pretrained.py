@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infinity.checkpoint.safetensors_io import CheckpointError, SafetensorsReader
-from infinity.weights.adapters import base_tensor_name, is_adapter, is_peft_model
+from infinity.weights.adapters import base_tensor_name, is_adapter, is_peft_model, original_of_saved_copy
 from infinity.placement.layout import ParamSlot
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ class PretrainedWeights:
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(param), []).append(name)
             first.setdefault(id(param), name)
+        pid_of = {name: pid for pid, names in aliases.items() for name in names}
         used: set[str] = set()
         for pid, names in aliases.items():
             if self.peft and all(is_adapter(n) for n in names):
@@ -160,6 +161,10 @@ class PretrainedWeights:
                 continue
             keys = [self._key(n) for n in names]
             present = [k for k in keys if k in self._where]
+            if not present and self.peft:  # a modules_to_save copy of a tied layer: its original's other names
+                originals = [original_of_saved_copy(n) for n in names]
+                present = [self._key(n) for o in originals if o in pid_of for n in aliases[pid_of[o]]
+                           if self._key(n) in self._where]
             if not present:
                 whose = f" (of {names[0]!r}, a peft model's base)" if self.peft else ""
                 raise WeightsError(f"missing weights: parameter {keys[0]!r}{whose}"

@@ -230,6 +230,37 @@ def test_an_adapter_initialized_from_the_base_weights_is_refused_before_any_file
         infinity.initialize(model, {"zero_optimization": {"stage": 3}}, weights=tmp_path / "no-such-folder")
 
 
+def test_a_saved_copy_of_a_tied_head_over_a_streamed_base_starts_from_the_embeddings_and_trains_as_plain_peft(
+        tmp_path):
+    """modules_to_save=["lm_head"] on a model with tied embeddings: its files hold the tied tensor under the
+    embeddings' name alone, and peft's copy of the head starts from it. Over a streamed base the copy is read from
+    there (not refused as 'missing weights: lm_head.weight'), and trains as plain peft's over the loaded model."""
+    config = tiny_llama().config
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    folder = tmp_path / "base"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    assert "lm_head.weight" not in load_file(folder / "model.safetensors")
+    model = meta_lora(folder, modules_to_save=["lm_head"])
+    reference = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder), peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", modules_to_save=["lm_head"]))
+    head = "base_model.model.lm_head.modules_to_save.default.weight"
+    batches = [collate(dataset(2, seed=s)) for s in range(3)]
+    engine_config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                     "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}}
+    with infinity.initialize(model, engine_config, weights=folder) as engine:
+        initial = engine.full_state_dict()
+        assert torch.equal(initial[head], reference.state_dict()[head])
+        assert torch.equal(initial[head], initial["base_model.model.model.embed_tokens.weight"])
+        reference.load_state_dict(initial)  # the same random lora_A
+        losses = engine_losses(engine, batches)
+        state = engine.full_state_dict()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_peft_losses(reference, batches)), rtol=1e-5,
+                               atol=0)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(state[head], initial[head])  # the copy trained
+
 def test_trainer_with_lora_over_a_base_built_on_meta_streams_it_and_matches_the_stock_trainer(tmp_path):
     """A LoRA script whose base is built under torch.device("meta"): the Trainer streams the base from the folder
     the config came from, and trains as the stock Trainer over the loaded base from the same adapters."""
