@@ -7,9 +7,9 @@ zeros, so the model starts as its base; ``"gaussian"``: ``lora_A`` normal with s
 ``init_lora_weights=False``, by each adapter layer's own ``reset_parameters()`` as its constructor draws.
 The draws come from the generator as :func:`write_initial_shards` seeds it (the same on every rank).
 
-The initializations ``peft`` computes from the base's weights (PiSSA, OLoRA, LoftQ, EVA, CorDA, ...) and
-DoRA's magnitudes need the base in memory: they are refused by :func:`check_adapter_init`, naming the
-option, before any file is opened.
+The initializations ``peft`` computes from the base's weights (PiSSA, OLoRA, LoftQ, EVA, CorDA, ...),
+DoRA's magnitudes and ``trainable_token_indices``' rows need the base in memory: they are refused by
+:func:`check_adapter_init`, naming the option, before any file is opened.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ def check_adapter_init(model: torch.nn.Module) -> None:
             raise ValueError(f"peft adapter {adapter!r}: use_dora=True computes its magnitudes from the base "
                              f"model's weights, which are streamed from their files here; use plain LoRA, or "
                              f"build the model from its weights before get_peft_model")
+        tokens = getattr(config, "trainable_token_indices", None)
+        if tokens:  # peft copies those rows of the embeddings into the new deltas (on meta: no values)
+            raise ValueError(f"peft adapter {adapter!r}: trainable_token_indices={tokens!r} starts its tokens' rows "
+                             f"from the base model's embeddings, which are streamed from their files here; build the "
+                             f"model from its weights before get_peft_model, or leave the embeddings frozen")
 
 
 class AdapterInit:

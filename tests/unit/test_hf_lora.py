@@ -222,7 +222,8 @@ def test_the_adapters_over_a_streamed_base_are_drawn_from_the_seed(tmp_path):
 
 
 @pytest.mark.parametrize("options, named", [({"init_lora_weights": "orthogonal"}, "init_lora_weights='orthogonal'"),
-                                            ({"use_dora": True}, "use_dora=True")])
+                                            ({"use_dora": True}, "use_dora=True"),
+                                            ({"trainable_token_indices": [3, 5]}, r"trainable_token_indices=\[3, 5\]")])
 def test_an_adapter_initialized_from_the_base_weights_is_refused_before_any_file_is_read(tmp_path, options, named):
     tiny_llama().config.save_pretrained(tmp_path)  # the shapes only: no weights anywhere
     model = meta_lora(tmp_path, **options)
