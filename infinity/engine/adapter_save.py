@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from infinity.weights.adapters import kept_entries
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,28 +60,3 @@ class AdapterSaveHook:
             else:
                 values[key] = value.detach()
         return values
-
-
-def kept_entries(peft_model: torch.nn.Module, adapters, save_embedding_layers) -> dict[str, torch.Tensor] | None:
-    """The entries of ``peft_model``'s state dict that its ``save_pretrained`` keeps for ``adapters`` (None: all of
-    its adapters), as the parameters and buffers themselves; None where peft's selection made new tensors of them."""
-    from peft.utils import get_peft_model_state_dict  # a peft model is at hand: peft is installed
-
-    entries = peft_model.state_dict(keep_vars=True)  # the parameters themselves: nothing is read
-    keys_by_id: dict[int, list[str]] = {}
-    for key, value in entries.items():
-        keys_by_id.setdefault(id(value), []).append(key)
-    kept = {}
-    for adapter in list(adapters) if adapters is not None else list(peft_model.peft_config):
-        try:
-            selected = get_peft_model_state_dict(peft_model, state_dict=entries, adapter_name=adapter,
-                                                 save_embedding_layers=save_embedding_layers)
-        except Exception as err:  # noqa: BLE001  (any selection this cannot follow is left to peft whole)
-            logger.debug("peft's selection of adapter %r not followed (%r): the whole state dict is read", adapter, err)
-            return None
-        for value in selected.values():
-            keys = keys_by_id.get(id(value))
-            if keys is None:
-                return None  # a new tensor: which entries it came from is not known here
-            kept.update((key, entries[key]) for key in keys)
-    return kept

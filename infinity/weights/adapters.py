@@ -9,8 +9,9 @@ initializes them (:mod:`infinity.engine.adapter_init`).
 
 So a model built on the meta device, wrapped by ``peft``, streams its base from the base model's folder
 (``initialize(peft_model, config, weights=folder)``) and is never whole in memory. What such a run saves of it
-is the adapters (:func:`save_adapters`), written by ``peft`` itself, which ``PeftModel.from_pretrained`` loads. ``peft`` itself is not
-imported here: its models are known by their classes' names, as :mod:`infinity.models.transformers_lm` does.
+is the adapters (:func:`save_adapters`), written by ``peft`` itself, which ``PeftModel.from_pretrained`` loads.
+``peft`` itself is imported only where a peft model is at hand (:func:`kept_entries`): its models are known by their
+classes' names, as :mod:`infinity.models.transformers_lm` does.
 """
 
 from __future__ import annotations
@@ -89,22 +90,54 @@ def original_of_saved_copy(name: str) -> str | None:
     return None
 
 
-def trainable_state_dict(source: ShardSource) -> dict[str, torch.Tensor]:
-    """The trainable parameters' full fp32 values under every name they have (collective: every rank calls it)."""
+def saved_state_dict(source: ShardSource, peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters ``peft_model.save_pretrained`` writes, full fp32 under every name they have (collective: every
+    rank calls it): the trainable ones, and those peft's selection keeps that are frozen (the adapters not active
+    now: peft writes every adapter, each in its own folder; the embedding layers where the config asks for them)."""
+    kept = kept_entries(peft_model, None, "auto")
+    kept_names = set(kept) if kept is not None else set()
+    kept_indices = {index for name, index in source.param_names if name in kept_names}
     gatherer = FullParamGatherer(source)
     try:
-        by_index = {p.index: gatherer.gather(p).clone() for p in source.params if p.trainable}
+        by_index = {p.index: gatherer.gather(p).clone() for p in source.params
+                    if p.trainable or p.index in kept_indices}
     finally:
         gatherer.close()
     return {name: by_index[index] for name, index in source.param_names if index in by_index}
 
 
+def kept_entries(peft_model: torch.nn.Module, adapters, save_embedding_layers) -> dict[str, torch.Tensor] | None:
+    """The entries of ``peft_model``'s state dict that its ``save_pretrained`` keeps for ``adapters`` (None: all of
+    its adapters), as the parameters and buffers themselves; None where peft's selection made new tensors of them
+    or failed (the caller then reads the whole state dict, or the trainable parameters alone)."""
+    from peft.utils import get_peft_model_state_dict  # a peft model is at hand: peft is installed
+
+    entries = peft_model.state_dict(keep_vars=True)  # the parameters themselves: nothing is read
+    keys_by_id: dict[int, list[str]] = {}
+    for key, value in entries.items():
+        keys_by_id.setdefault(id(value), []).append(key)
+    kept = {}
+    for adapter in list(adapters) if adapters is not None else list(peft_model.peft_config):
+        try:
+            selected = get_peft_model_state_dict(peft_model, state_dict=entries, adapter_name=adapter,
+                                                 save_embedding_layers=save_embedding_layers)
+        except Exception as err:  # noqa: BLE001  (any selection this cannot follow is left to peft whole)
+            logger.debug("peft's selection of adapter %r not followed (%r)", adapter, err)
+            return None
+        for value in selected.values():
+            keys = keys_by_id.get(id(value))
+            if keys is None:
+                return None  # a new tensor: which entries it came from is not known here
+            kept.update((key, entries[key]) for key in keys)
+    return kept
+
+
 def save_adapters(source: ShardSource, peft_model: torch.nn.Module, out_dir, *, dtype: str = "fp32",
                   write: bool = True) -> tuple[int, int]:
-    """``peft_model``'s adapters (its trainable parameters) written by ``peft`` into ``out_dir`` in ``dtype``
-    (``adapter_config.json``, ``adapter_model.safetensors``); their count and bytes. Collective: every rank
-    calls it, those with ``write`` write."""
-    state = {name: value.to(save_dtype(dtype)) for name, value in trainable_state_dict(source).items()}
+    """``peft_model``'s adapters (every one of them: :func:`saved_state_dict`) written by ``peft`` into ``out_dir`` in
+    ``dtype`` (``adapter_config.json``, ``adapter_model.safetensors``, another adapter's in its own folder); their
+    count and bytes. Collective: every rank calls it, those with ``write`` write."""
+    state = {name: value.to(save_dtype(dtype)) for name, value in saved_state_dict(source, peft_model).items()}
     if write:
         peft_model.save_pretrained(str(out_dir), state_dict=state)
         logger.info("wrote %d adapter tensors to %s", len(state), out_dir)

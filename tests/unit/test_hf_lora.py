@@ -627,16 +627,21 @@ def test_the_best_adapters_of_a_model_only_run_are_loaded_at_the_end_as_the_stoc
     ours.engine.close()
 
 
+def two_adapters():
+    """peft's "default" adapter and a "second", active: it alone is trainable."""
+    model = lora()
+    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], lora_dropout=0.0,
+                                                task_type="CAUSAL_LM"))
+    model.set_adapter("second")
+    return model
+
 def test_of_several_adapters_the_active_one_trains_and_a_change_of_adapters_after_initialize_is_refused(tmp_path):
     """Two adapters, the second active (set_adapter before initialize): it alone trains, as plain peft's. After
     initialize, peft's set_adapter (which flips requires_grad) and add_adapter (parameters never partitioned) would
     train another set than the script asks, silently: the next training forward is refused naming the parameter,
     before any work, and a forward without grad under disable_adapter() (which clears requires_grad) still runs."""
     from test_model_calls import config, plain_adamw, train_both
-    model = lora()
-    model.add_adapter("second", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj"], lora_dropout=0.0,
-                                                task_type="CAUSAL_LM"))
-    model.set_adapter("second")
+    model = two_adapters()
     reference = copy.deepcopy(model)
     batch = collate(dataset(2, seed=5))
     with infinity.initialize(model, config(tmp_path / "swap", "cpu")) as engine:
@@ -658,3 +663,26 @@ def test_of_several_adapters_the_active_one_trains_and_a_change_of_adapters_afte
             engine(**batch)
         assert engine.global_step == 2 and not engine.backward_pending
         assert all(torch.equal(v, state[n]) for n, v in engine.full_state_dict().items() if n in state)
+
+
+def test_engine_save_pretrained_of_several_adapters_writes_each_as_peft_does(tmp_path):
+    """peft's save_pretrained writes every adapter (the second in its own folder), the frozen ones too:
+    engine.save_pretrained (and so the Trainer's save_model) wrote the frozen "default" with the active one's
+    tensors. Each file equals plain peft's after the same training."""
+    from test_model_calls import config, plain_adamw, train_both
+    model = two_adapters()
+    with torch.no_grad():  # "default" as if trained before: its lora_B not zero
+        for name, param in model.named_parameters():
+            if ".lora_B.default." in name:
+                param.normal_()
+    reference = copy.deepcopy(model)
+    with infinity.initialize(model, config(tmp_path / "swap", "cpu")) as engine:
+        train_both(engine, reference, plain_adamw(reference), steps=1)
+        summary = engine.save_pretrained(tmp_path / "ours")
+    reference.save_pretrained(tmp_path / "plain")
+    assert summary["tensors"] == 12  # q, v of "default" and k of "second": A and B in each of 2 layers
+    for file in ("adapter_model.safetensors", "second/adapter_model.safetensors"):
+        ours, plain = load_file(tmp_path / "ours" / file), load_file(tmp_path / "plain" / file)
+        assert set(ours) == set(plain), file
+        for name, value in plain.items():
+            torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{file}: {name}")
