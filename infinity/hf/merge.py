@@ -5,7 +5,8 @@ model whole in memory: the adapters (small) are gathered first; each LoRA layer'
 ``get_delta_weight`` over them (its scaling, ``fan_in_fan_out``, embeddings); then each base tensor is
 gathered from the ranks' shards, its layer's delta added, and written before the next. Names are the base
 model's (``base_model.model.``, ``base_layer`` dropped); a ``modules_to_save`` layer is written from its
-trained copy. ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it, with no ``peft`` needed.
+trained copy (where its original is tied to another layer, that one keeps the original, untied, as peft leaves it).
+``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it, with no ``peft`` needed.
 
 Collective: every rank calls it, rank 0 writes. The LoRA variants whose merge is not a delta added to the
 weight (DoRA's magnitudes) are refused before anything is gathered.
@@ -38,9 +39,10 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
     source = engine.shard_source()
     require_step_boundary(source, "save_merged")
     out_dtype = save_dtype(dtype)
-    first_name = {}
+    first_name, names_of = {}, {}
     for name, index in source.param_names:
         first_name.setdefault(index, name)
+        names_of.setdefault(index, []).append(name)
     gatherer = FullParamGatherer(source)
     try:
         # the adapters first, all of them (they are small): every rank gathers the same ones in the same order
@@ -49,11 +51,20 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
         deltas = _deltas(peft_model, layers, adapters)
         copies = {base_tensor_name(first_name[p.index]) for p in source.params
                   if f".{SAVED_COPY_PART}." in first_name[p.index]}
-        tensors = []
+        tensors, untied = [], False
         for p in source.params:
             name = first_name[p.index]
-            if is_adapter(name) or (".original_module." in name and base_tensor_name(name) in copies):
-                continue  # merged in; or a modules_to_save layer's untrained original, written from its copy
+            if is_adapter(name):
+                continue  # merged in
+            # A modules_to_save layer's untrained original is written from its copy; where it is tied (GPT-2's
+            # lm_head to wte), the other name keeps the original, and the merged model's embeddings are untied,
+            # as peft's merge_and_unload leaves them.
+            names = names_of[p.index]
+            if any(".original_module." in n and base_tensor_name(n) in copies for n in names):
+                kept = [n for n in names if base_tensor_name(n) not in copies]
+                if not kept:
+                    continue
+                untied, name = True, kept[0]
             delta = deltas.get(name)
             tensors.append(HFTensor(base_tensor_name(name), p.shape, out_dtype,
                                     lambda out, p=p, d=delta: out.copy_(gatherer.gather(p) if d is None
@@ -67,7 +78,10 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
                 tensors.append(HFTensor(key, tuple(buf.tensor.shape), kind,
                                         lambda out, b=buf.tensor: out.copy_(b.detach().cpu())))
         extra = generation_config_json(peft_model)
-        summary = write_hf_folder(out_dir, tensors, config=hf_config_of(peft_model, out_dtype), extra_files=extra,
+        config = hf_config_of(peft_model, out_dtype)
+        if untied and config is not None:
+            config["tie_word_embeddings"] = False
+        summary = write_hf_folder(out_dir, tensors, config=config, extra_files=extra,
                                   max_shard_nbytes=max_shard_nbytes, write=source.comm.rank == 0)
     finally:
         gatherer.close()

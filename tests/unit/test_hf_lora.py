@@ -518,6 +518,33 @@ def test_the_merged_model_is_what_peft_merge_and_unload_writes(tmp_path):
     assert torch.equal(got["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
 
 
+def test_a_merged_model_whose_saved_copy_was_tied_keeps_the_original_under_the_other_name_as_peft_does(tmp_path):
+    """modules_to_save=["embed_tokens"] with tied embeddings: the head stays tied to the untrained original, so
+    peft's merge_and_unload unties them (the trained copy as the embeddings, the original as lm_head.weight,
+    tie_word_embeddings false). save_merged wrote the copy alone and kept the tie: the loaded model's head was the
+    trained copy."""
+    from infinity.hf.merge import save_merged
+    from test_model_calls import config, plain_adamw, train_both
+    tied = tiny_llama().config
+    tied.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(tied), peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj"], task_type="CAUSAL_LM", modules_to_save=["embed_tokens"]))
+    reference = copy.deepcopy(model)
+    with infinity.initialize(model, config(tmp_path / "swap", "cpu")) as engine:
+        train_both(engine, reference, plain_adamw(reference), steps=2)
+        save_merged(engine, model, tmp_path / "merged")
+    reference.merge_and_unload().save_pretrained(tmp_path / "expected")
+    merged, expected = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name)
+                        for name in ("merged", "expected"))
+    assert merged.config.tie_word_embeddings is False is expected.config.tie_word_embeddings
+    assert not torch.equal(expected.lm_head.weight, expected.model.embed_tokens.weight)  # the copy trained
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    batch = collate(dataset(4, seed=9))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
+
 def test_train_cli_with_merge_lora_writes_a_plain_model_with_the_adapters_merged(tmp_path, capsys):
     """--merge-lora: --save-pretrained writes the base's tensors under its names, the wrapped layers changed by the
     adapters and no other, loadable by transformers alone, with the tokenizer."""
