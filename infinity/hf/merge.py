@@ -9,7 +9,8 @@ trained copy (where its original is tied to another layer, that one keeps the or
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it, with no ``peft`` needed.
 
 Collective: every rank calls it, rank 0 writes. The LoRA variants whose merge is not a delta added to the
-weight (DoRA's magnitudes) are refused before anything is gathered.
+weight (DoRA's magnitudes), and ``trainable_token_indices`` (rows written over the embeddings), are refused before
+anything is gathered.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The model's LoRA layers by name; a variant whose merge is not a delta (DoRA) is refused by name."""
     layers = {}
     for name, module in model.named_modules():
+        if hasattr(module, "trainable_tokens_delta"):  # peft's TrainableTokensLayer: its merge replaces rows
+            raise ValueError(f"layer {name!r} holds peft's trainable_token_indices, whose merge writes its tokens' "
+                             f"rows over the embeddings' (not a delta added to them); save the adapters instead "
+                             f"(--save-pretrained without --merge-lora)")
         if not (callable(getattr(module, "get_delta_weight", None)) and hasattr(module, "lora_A")):
             continue
         variants = getattr(module, "lora_variant", None) or {}

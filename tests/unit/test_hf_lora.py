@@ -545,6 +545,19 @@ def test_a_merged_model_whose_saved_copy_was_tied_keeps_the_original_under_the_o
     with torch.no_grad():
         torch.testing.assert_close(merged(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
 
+def test_save_merged_of_trainable_tokens_is_refused_by_name_before_anything_is_written(tmp_path):
+    """trainable_token_indices trains rows of the embeddings, which peft's merge writes over them: save_merged wrote
+    the delta and the base under peft's names (token_adapter...), which transformers does not load (it drew new
+    embeddings). Refused, naming the option, with nothing written."""
+    from infinity.hf.merge import save_merged
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=8, target_modules=["q_proj"], task_type="CAUSAL_LM",
+                                                             trainable_token_indices=[3, 5]))
+    with infinity.initialize(model, {"zero_optimization": {"stage": 3}}) as engine:
+        with pytest.raises(ValueError, match=r"'base_model\.model\.model\.embed_tokens\.token_adapter' holds "
+                                             r"peft's trainable_token_indices.*save the adapters instead"):
+            save_merged(engine, model, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+
 def test_train_cli_with_merge_lora_writes_a_plain_model_with_the_adapters_merged(tmp_path, capsys):
     """--merge-lora: --save-pretrained writes the base's tensors under its names, the wrapped layers changed by the
     adapters and no other, loadable by transformers alone, with the tokenizer."""
