@@ -50,13 +50,14 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
         adapters = {first_name[p.index]: gatherer.gather(p).clone() for p in source.params
                     if is_adapter(first_name[p.index])}
         deltas = _deltas(peft_model, layers, adapters)
+        active = set(peft_model.active_adapters)
         copies = {base_tensor_name(first_name[p.index]) for p in source.params
-                  if f".{SAVED_COPY_PART}." in first_name[p.index]}
+                  if _copy_of_adapter(first_name[p.index]) in active}
         tensors, untied = [], False
         for p in source.params:
             name = first_name[p.index]
-            if is_adapter(name):
-                continue  # merged in
+            if is_adapter(name) or _copy_of_adapter(name) not in (None, *active):
+                continue  # merged in; or another adapter's modules_to_save copy, which peft's merge drops too
             # A modules_to_save layer's untrained original is written from its copy; where it is tied (GPT-2's
             # lm_head to wte), the other name keeps the original, and the merged model's embeddings are untied,
             # as peft's merge_and_unload leaves them.
@@ -89,6 +90,16 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
     if source.comm.rank == 0:
         logger.info("wrote %s: the base with %d LoRA layer(s) merged", out_dir, len(layers))
     return dict(summary, merged_layers=len(layers))
+
+
+def _copy_of_adapter(name: str) -> str | None:
+    """The adapter whose ``modules_to_save`` copy ``name`` is a parameter of (``<layer>.modules_to_save.<adapter>.``);
+    None for any other parameter."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-2]):
+        if part == SAVED_COPY_PART:
+            return parts[i + 1]
+    return None
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -545,6 +545,27 @@ def test_a_merged_model_whose_saved_copy_was_tied_keeps_the_original_under_the_o
     with torch.no_grad():
         torch.testing.assert_close(merged(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
 
+def test_save_merged_of_several_adapters_with_saved_copies_writes_the_active_ones_copy_as_peft(tmp_path):
+    """Two adapters, each with its own modules_to_save copy of lm_head: peft's merge_and_unload keeps the active
+    adapter's copy. save_merged refused the folder ('lm_head.weight' listed twice)."""
+    from infinity.hf.merge import save_merged
+    from test_model_calls import config, plain_adamw, train_both
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM",
+                                                             modules_to_save=["lm_head"]))
+    model.add_adapter("second", peft.LoraConfig(r=2, target_modules=["v_proj"], task_type="CAUSAL_LM",
+                                                modules_to_save=["lm_head"]))
+    model.set_adapter("second")
+    reference = copy.deepcopy(model)
+    with infinity.initialize(model, config(tmp_path / "swap", "cpu")) as engine:
+        train_both(engine, reference, plain_adamw(reference), steps=2)
+        save_merged(engine, model, tmp_path / "merged")
+    expected = reference.merge_and_unload().state_dict()
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(expected["lm_head.weight"], tiny_llama().lm_head.weight)  # the active copy trained
+
 def test_save_merged_of_trainable_tokens_is_refused_by_name_before_anything_is_written(tmp_path):
     """trainable_token_indices trains rows of the embeddings, which peft's merge writes over them: save_merged wrote
     the delta and the base under peft's names (token_adapter...), which transformers does not load (it drew new
