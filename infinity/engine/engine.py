@@ -25,7 +25,7 @@ from infinity.engine.model_state import StateDictHooks
 from infinity.engine.passes import Passes
 from infinity.engine.state_verbs import StateVerbs
 from infinity.engine.step_metrics import StepMeter, optimizer_split_metrics, optimizer_states_by_tier
-from infinity.engine.trainable_set import refuse_changed_trainable_set
+from infinity.engine.trainable_set import TrainableSet
 from infinity.grads.loss_scaler import LossScaler
 from infinity.grads.reducer import GradReducer
 from infinity.grads.spill import GradSpill
@@ -217,6 +217,7 @@ class Engine(StateVerbs):
         AdapterMergeHooks(self, model, self._by_param)  # peft's merge_and_unload(): with each layer whole
         if is_peft_model(model):
             AdapterSaveHook(self, model, self._by_param)  # peft's save_pretrained(): reads only what it writes
+        self._trainable_set = TrainableSet(model, self._by_param)  # what each training forward may train
         self.meter = StepMeter(self.tiers, self.comm, self.copies, self.timeline, self.compute.staged,
                                optimizer_states_by_tier(self.optimizer), self.hooks.clock)
         if config.zero.offload_optimizer.splits:
@@ -264,7 +265,7 @@ class Engine(StateVerbs):
         if self._transformers_forward:
             refuse_targets_as_mask(args)
         if torch.is_grad_enabled():
-            refuse_changed_trainable_set(self.module, self._by_param)  # before the pass: nothing to undo
+            self._trainable_set.refuse_changes()  # before the pass: nothing to undo
         args, kwargs = cast_floating((args, kwargs), self.dtype, self.device)
         self._forward_start = time.perf_counter()
         self.passes.begin()
