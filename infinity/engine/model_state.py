@@ -14,6 +14,7 @@ behind the next forward are made first, so the values are the trained ones, as a
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -31,6 +32,7 @@ class StateDictHooks:
         # is an entry of each module owning it, and is read once, both entries one tensor as in a plain state dict.
         self._filling: weakref.ref | None = None
         self._read: dict[int, torch.Tensor] = {}
+        self._keys_only = 0  # inside keys_only(): released entries are left empty, neither read nor refused
         self._handles = []
         for module, group in groups.items():
             self._handles.append(module.register_state_dict_pre_hook(self._landing))
@@ -56,7 +58,7 @@ class StateDictHooks:
                         and state_dict[prefix + name] is not sharded.param  # keep_vars: the parameters themselves
                         and state_dict[prefix + name].numel() == 0 < sharded.slot.numel]
             owner = self._owner()
-            if not released or owner is None:
+            if not released or owner is None or self._keys_only:
                 return
             if owner.world_size > 1:
                 raise RuntimeError(
@@ -72,6 +74,17 @@ class StateDictHooks:
                     self._read[id(sharded)] = whole.read_as_computed(sharded.param)
                 state_dict[key] = self._read[id(sharded)]
         return hook
+
+    @contextlib.contextmanager
+    def keys_only(self):
+        """A block in which ``state_dict()`` leaves released entries empty: for a caller that reads only its keys
+        (peft's save asks each ``modules_to_save`` copy for its ``state_dict()`` to name the entries it takes from
+        the state dict it was given), at one rank nothing is read whole for it, at several it is not refused."""
+        self._keys_only += 1
+        try:
+            yield
+        finally:
+            self._keys_only -= 1
 
     def _forget(self, filled: weakref.ref) -> None:
         """The state dict was dropped: so are the values read into it (they are a whole model's)."""

@@ -51,8 +51,11 @@ class StateVerbs:
         ``one_file_unindexed``: a model that fits one shard is ``model.safetensors`` without an index, as
         transformers' ``save_pretrained`` writes it."""
         self._ensure_open()
-        return save_model(self.shard_source(), self.module, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
-                          one_file_unindexed=one_file_unindexed)
+        # the values written are gathered from the shards; peft's own save_pretrained (rank 0, given them) still asks
+        # each modules_to_save copy for its state_dict(), for the keys alone
+        with self.model_state.keys_only():
+            return save_model(self.shard_source(), self.module, out_dir, dtype=dtype,
+                              max_shard_nbytes=max_shard_nbytes, one_file_unindexed=one_file_unindexed)
 
     # -- checkpoints ---------------------------------------------------------------
     def shard_source(self) -> ShardSource:

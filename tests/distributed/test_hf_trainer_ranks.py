@@ -1,0 +1,73 @@
+"""``infinity.hf.Trainer`` at two gloo ranks on the CPU against the stock ``transformers.Trainer`` run as DDP at the
+same two ranks, in the same processes: a peft LoRA model with ``modules_to_save`` (a trainable copy of the head)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("accelerate")
+
+from helpers import run_ranks  # noqa: E402
+from infinity.hf import Trainer  # noqa: E402
+from unit.test_hf_trainer import collate, dataset, logged, nvme_config, tiny_llama, training_args  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.device_independent]  # compared on the CPU: the distinct-device pass leaves it out
+
+ADAPTERS = "adapter_model.safetensors"
+
+
+def lora_llama():
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    return peft.get_peft_model(tiny_llama(), config)
+
+
+def _both_trainers(rank, world_size, out, options):
+    """The stock Trainer's run, then ours, of the same script at these two ranks; rank 0's logs and evaluation."""
+    # as torchrun starts a rank: accelerate takes the process group the test's ranks already joined
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    runs = {}
+    for name in ("stock", "ours"):
+        args = training_args(os.path.join(out, name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, save_steps=1, save_total_limit=None, **options)
+        script = dict(model=lora_llama(), args=args, train_dataset=dataset(24), eval_dataset=dataset(6, seed=2),
+                      data_collator=collate)
+        trainer = (transformers.Trainer(**script) if name == "stock"
+                   else Trainer(**script, infinity_config=nvme_config(os.path.join(out, f"swap{rank}"))))
+        assert trainer.args.world_size == 2
+        trainer.train()
+        trainer.save_model(os.path.join(out, name, "final"))
+        runs[name] = {"loss": logged(trainer), "eval": trainer.evaluate()["eval_loss"],
+                      "best": trainer.state.best_model_checkpoint}
+        if name == "ours":
+            trainer.engine.close()
+    return runs
+
+
+def saved_adapters(folder):
+    return transformers.modeling_utils.load_state_dict(os.path.join(folder, ADAPTERS))
+
+
+def assert_same_adapters(ours, stock):
+    ours, stock = saved_adapters(ours), saved_adapters(stock)
+    assert "base_model.model.lm_head.weight" in stock  # the head's trainable copy, as peft names it in the file
+    assert set(ours) == set(stock)
+    for name, value in stock.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_two_ranks_save_the_adapters_and_the_heads_copy_in_each_checkpoint_as_the_stock_trainers_ddp(tmp_path):
+    """peft's save asks the head's trainable copy for its state_dict() (for its keys): at two ranks the Trainer's
+    checkpoints and save_model wrote nothing and stopped the run there."""
+    run, _ = run_ranks(_both_trainers, str(tmp_path), {})
+    assert len(run["ours"]["loss"]) == 3
+    torch.testing.assert_close(torch.tensor(run["ours"]["loss"]), torch.tensor(run["stock"]["loss"]), rtol=1e-5,
+                               atol=0)
+    for folder in ("checkpoint-1", "checkpoint-3", "final"):
+        assert_same_adapters(tmp_path / "ours" / folder, tmp_path / "stock" / folder)
