@@ -206,7 +206,9 @@ def load_adapters_only(engine, model: torch.nn.Module, path) -> None:
 
     weights = load_peft_weights(str(path), device="cpu")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    with engine.gathered_parameters(trainable, modifier_rank=0):
+    # peft's loader asks the model for its state_dict() to map the file's names to the model's, the keys alone: the
+    # released base is not read whole for that (nor, at several ranks, refused: each rank loads the same file)
+    with engine.gathered_parameters(trainable, modifier_rank=0), engine.model_state.keys_only():
         result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     if unexpected:

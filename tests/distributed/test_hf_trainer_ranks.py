@@ -71,3 +71,17 @@ def test_two_ranks_save_the_adapters_and_the_heads_copy_in_each_checkpoint_as_th
                                atol=0)
     for folder in ("checkpoint-1", "checkpoint-3", "final"):
         assert_same_adapters(tmp_path / "ours" / folder, tmp_path / "stock" / folder)
+
+
+def test_two_ranks_load_the_best_adapters_of_a_model_only_run_at_the_end_as_the_stock_trainers_ddp(tmp_path):
+    """peft's loader asks the whole model for its state_dict() (for its keys): at two ranks loading the adapters
+    of a save_only_model checkpoint (the best at the end; a stock checkpoint resumed) stopped the run there."""
+    # the highest eval loss is the best: an early checkpoint, so what is loaded at the end is not the last step's
+    options = dict(eval_strategy="steps", eval_steps=1, save_only_model=True, load_best_model_at_end=True,
+                   metric_for_best_model="eval_loss", greater_is_better=True)
+    run, _ = run_ranks(_both_trainers, str(tmp_path), options)
+    assert run["ours"]["best"] == str(tmp_path / "ours" / "checkpoint-1")
+    assert run["stock"]["best"] == str(tmp_path / "stock" / "checkpoint-1")
+    assert run["ours"]["eval"] == pytest.approx(run["stock"]["eval"], rel=1e-6)
+    assert_same_adapters(tmp_path / "ours" / "final", tmp_path / "stock" / "checkpoint-1")
+    assert_same_adapters(tmp_path / "ours" / "final", tmp_path / "stock" / "final")
