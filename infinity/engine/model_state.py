@@ -5,7 +5,10 @@ empty ones, silently).
 
 With one rank each released parameter is read whole from its shards (its fp32 master; a frozen one's compute shard),
 in the dtype the model computes in. With several ranks a gather is collective, and scripts often save on one rank
-alone: there a state dict would hang or be empty, so it is refused, naming the collective forms.
+alone: there a state dict would hang or be empty, so it is refused, naming the collective forms. Where the engine's
+own collective verbs let peft ask for a state dict whose keys alone it reads (its save names a ``modules_to_save``
+copy's entries from it, its loader maps a file's names to the model's), :meth:`StateDictHooks.keys_only` leaves the
+released entries empty instead, at any world size: nothing is gathered for names.
 
 A state dict of the parameters themselves (``keep_vars=True``) is left as it is; so are the parameters a pass holds
 whole and those never released (one rank, shards on the device). Either way the last step's updates that finish
