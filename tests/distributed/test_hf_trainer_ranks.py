@@ -27,13 +27,14 @@ def lora_llama():
     return peft.get_peft_model(tiny_llama(), config)
 
 
-def _both_trainers(rank, world_size, out, options):
-    """The stock Trainer's run, then ours, of the same script at these two ranks; rank 0's logs and evaluation."""
+def _both_trainers(rank, world_size, out, options, runs=("stock", "ours")):
+    """The stock Trainer's run, then ours, of the same script at these two ranks; rank 0's logs and evaluation.
+    ``resumed``: ours again, from the stock run's checkpoint-2 (its adapters and torch's optimizer state)."""
     # as torchrun starts a rank: accelerate takes the process group the test's ranks already joined
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
-    runs = {}
-    for name in ("stock", "ours"):
+    done = {}
+    for name in runs:
         args = training_args(os.path.join(out, name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=3, save_steps=1, save_total_limit=None, **options)
         script = dict(model=lora_llama(), args=args, train_dataset=dataset(24), eval_dataset=dataset(6, seed=2),
@@ -41,13 +42,13 @@ def _both_trainers(rank, world_size, out, options):
         trainer = (transformers.Trainer(**script) if name == "stock"
                    else Trainer(**script, infinity_config=nvme_config(os.path.join(out, f"swap{rank}"))))
         assert trainer.args.world_size == 2
-        trainer.train()
+        trainer.train(resume_from_checkpoint=os.path.join(out, "stock", "checkpoint-2") if name == "resumed" else None)
         trainer.save_model(os.path.join(out, name, "final"))
-        runs[name] = {"loss": logged(trainer), "eval": trainer.evaluate()["eval_loss"],
+        done[name] = {"loss": logged(trainer), "eval": trainer.evaluate()["eval_loss"],
                       "best": trainer.state.best_model_checkpoint}
-        if name == "ours":
+        if name != "stock":
             trainer.engine.close()
-    return runs
+    return done
 
 
 def saved_adapters(folder):
@@ -64,13 +65,17 @@ def assert_same_adapters(ours, stock):
 
 def test_two_ranks_save_the_adapters_and_the_heads_copy_in_each_checkpoint_as_the_stock_trainers_ddp(tmp_path):
     """peft's save asks the head's trainable copy for its state_dict() (for its keys): at two ranks the Trainer's
-    checkpoints and save_model wrote nothing and stopped the run there."""
-    run, _ = run_ranks(_both_trainers, str(tmp_path), {})
+    checkpoints and save_model wrote nothing and stopped the run there. A run resumed from the stock run's
+    checkpoint-2 (its adapters, the head's copy and AdamW's moments) goes on as the stock run went on."""
+    run, _ = run_ranks(_both_trainers, str(tmp_path), {}, ("stock", "ours", "resumed"))
     assert len(run["ours"]["loss"]) == 3
     torch.testing.assert_close(torch.tensor(run["ours"]["loss"]), torch.tensor(run["stock"]["loss"]), rtol=1e-5,
                                atol=0)
     for folder in ("checkpoint-1", "checkpoint-3", "final"):
         assert_same_adapters(tmp_path / "ours" / folder, tmp_path / "stock" / folder)
+    assert len(run["resumed"]["loss"]) == 3  # the stock run's first two logs, from its trainer_state.json
+    assert run["resumed"]["loss"][2] == pytest.approx(run["stock"]["loss"][2], rel=1e-5)
+    assert_same_adapters(tmp_path / "resumed" / "final", tmp_path / "stock" / "final")
 
 
 def test_two_ranks_load_the_best_adapters_of_a_model_only_run_at_the_end_as_the_stock_trainers_ddp(tmp_path):
