@@ -29,7 +29,9 @@ import torch
 from safetensors import safe_open
 from transformers.trainer_utils import get_last_checkpoint  # optional extra: reached only through infinity.hf.Trainer
 
-from infinity.checkpoint import LATEST_FILE
+from infinity.checkpoint import LATEST_FILE, CheckpointError
+from infinity.checkpoint.files import read_meta
+from infinity.checkpoint.publish import resolve_checkpoint
 
 STOCK_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
                "adapter_model.safetensors", "adapter_model.bin", "optimizer.pt")
@@ -99,6 +101,28 @@ def check_stock_checkpoint(path, engine, model: torch.nn.Module, groups: list[li
         f"infinity.hf.Trainer checkpoint): {why}. To start from its weights with a fresh optimizer and schedule, "
         f"build the model with {load} and call train() without resume_from_checkpoint; {other}. Nothing was loaded "
         f"or written")
+
+
+def check_world_size(path, world_size: int) -> None:
+    """Raise ``ValueError`` where ``path`` is an ``infinity.hf.Trainer`` checkpoint saved without its frozen base (a
+    peft model's: the Trainer leaves the base out) by another number of processes than this run's, before anything
+    is loaded: its shards hold the adapters' optimizer state beside a fingerprint of each process's slice of the
+    base, and load only at the world size that saved them (the stock Trainer's DDP checkpoint holds whole tensors,
+    and resumes at any). Anything else is left to the loader."""
+    if path is None or not os.path.isfile(os.path.join(path, LATEST_FILE)):
+        return
+    try:
+        meta = read_meta(resolve_checkpoint(path))
+    except (OSError, CheckpointError):
+        return  # the loader names what is wrong with it
+    saved = int(meta.get("world_size", world_size))
+    if meta.get("frozen_excluded") and saved != world_size:
+        raise ValueError(
+            f"resume_from_checkpoint: {os.fspath(path)!r} was saved by {saved} process(es) without the frozen base "
+            f"(a peft model's checkpoint), and loads at {saved} only; this run has {world_size}. Launch it with "
+            f"{saved} (torchrun --nproc_per_node {saved}), or start from its adapters with a fresh optimizer "
+            f"(PeftModel.from_pretrained(base, that folder, is_trainable=True), train() without "
+            f"resume_from_checkpoint). Nothing was loaded or written")
 
 
 def stock_optimizer(path) -> bool:

@@ -52,8 +52,9 @@ from infinity.checkpoint.recovery_script import write_recovery_script
 from infinity.config.tier_names import Tier
 from infinity.engine.engine import Engine, initialize
 from infinity.hf.output_dir import overwrite_asked, refuse_earlier_checkpoints
-from infinity.hf.resume import (check_stock_checkpoint, checkpoint_to_resume, load_adapters_only, load_model_only,
-                                load_stock_optimizer, model_only, schedule_of_one_group, stock_optimizer)
+from infinity.hf.resume import (check_stock_checkpoint, check_world_size, checkpoint_to_resume, load_adapters_only,
+                                load_model_only, load_stock_optimizer, model_only, schedule_of_one_group,
+                                stock_optimizer)
 from infinity.hf.trainer_config import (ARGS_ATTRIBUTE, config_source, deepspeed_scheduler, trainer_config,
                                        weights_in_checkpoints)
 from infinity.hf.trainer_logs import OffloadLog
@@ -289,9 +290,12 @@ class InfinityTrainerMixin:
         """The stock ``train``, refused before its first step where its saves would write over an earlier run's
         checkpoints in ``output_dir`` (:func:`~infinity.hf.output_dir.refuse_earlier_checkpoints`), or where it would
         resume from a stock Trainer's checkpoint that cannot go on here
-        (:func:`~infinity.hf.resume.check_stock_checkpoint`)."""
-        check_stock_checkpoint(checkpoint_to_resume(self.args, resume_from_checkpoint), self.engine, self.model,
-                               self._named_decay_groups(self.model), self.args, peft=is_peft_model(self.model))
+        (:func:`~infinity.hf.resume.check_stock_checkpoint`), or from a peft model's checkpoint of another world
+        size (:func:`~infinity.hf.resume.check_world_size`)."""
+        resumed = checkpoint_to_resume(self.args, resume_from_checkpoint)
+        check_world_size(resumed, self.engine.comm.world_size)
+        check_stock_checkpoint(resumed, self.engine, self.model, self._named_decay_groups(self.model), self.args,
+                               peft=is_peft_model(self.model))
         if trial is None:  # a hyperparameter search's trial saves into a folder of its own (run-<id>)
             refuse_earlier_checkpoints(self.args, resume_from_checkpoint, overwrite=self._overwrite_output_dir,
                                        comm=self.engine.comm)

@@ -77,6 +77,19 @@ def test_two_ranks_save_the_adapters_and_the_heads_copy_in_each_checkpoint_as_th
     assert run["resumed"]["loss"][2] == pytest.approx(run["stock"]["loss"][2], rel=1e-5)
     assert_same_adapters(tmp_path / "resumed" / "final", tmp_path / "stock" / "final")
 
+    # one process resuming our two ranks' checkpoint (its shards beside each rank's slice of the base) is refused
+    # by name before any work, with the ways that work, where the engine's loader said to save it otherwise
+    out = tmp_path / "one"
+    one = Trainer(model=lora_llama(), args=training_args(out, max_steps=3), train_dataset=dataset(24),
+                  data_collator=collate, infinity_config=nvme_config(tmp_path / "swap-one"))
+    try:
+        with pytest.raises(ValueError, match=r"resume_from_checkpoint: .*checkpoint-2.* saved by 2 process\(es\).*"
+                                             r"this run has 1\. Launch it with 2 \(torchrun --nproc_per_node 2\)"):
+            one.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
+    finally:
+        one.engine.close()
+    assert not any(out.iterdir()) and one.state.global_step == 0  # the folder as the constructor left it: empty
+
 
 def test_two_ranks_load_the_best_adapters_of_a_model_only_run_at_the_end_as_the_stock_trainers_ddp(tmp_path):
     """peft's loader asks the whole model for its state_dict() (for its keys): at two ranks loading the adapters
