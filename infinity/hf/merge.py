@@ -24,7 +24,8 @@ from infinity.checkpoint.shard_source import require_step_boundary
 from infinity.checkpoint.state_dict import FullParamGatherer
 from infinity.engine.engine import Engine
 from infinity.engine.stand_ins import stand_ins_for
-from infinity.weights.adapters import ADAPTER_PARTS, SAVED_COPY_PART, base_tensor_name, is_adapter, is_peft_model
+from infinity.weights.adapters import (ADAPTER_PARTS, ORIGINAL_PART, adapter_of_saved_copy, base_tensor_name,
+                                       is_adapter, is_peft_model)
 from infinity.weights.export import (DEFAULT_MAX_SHARD_NBYTES, HFTensor, generation_config_json, hf_config_of,
                                      save_dtype, write_hf_folder)
 
@@ -52,17 +53,17 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
         deltas = _deltas(peft_model, layers, adapters)
         active = set(peft_model.active_adapters)
         copies = {base_tensor_name(first_name[p.index]) for p in source.params
-                  if _copy_of_adapter(first_name[p.index]) in active}
+                  if adapter_of_saved_copy(first_name[p.index]) in active}
         tensors, untied = [], False
         for p in source.params:
             name = first_name[p.index]
-            if is_adapter(name) or _copy_of_adapter(name) not in (None, *active):
+            if is_adapter(name) or adapter_of_saved_copy(name) not in (None, *active):
                 continue  # merged in; or another adapter's modules_to_save copy, which peft's merge drops too
             # A modules_to_save layer's untrained original is written from its copy; where it is tied (GPT-2's
             # lm_head to wte), the other name keeps the original, and the merged model's embeddings are untied,
             # as peft's merge_and_unload leaves them.
             names = names_of[p.index]
-            if any(".original_module." in n and base_tensor_name(n) in copies for n in names):
+            if any(f".{ORIGINAL_PART}." in n and base_tensor_name(n) in copies for n in names):
                 kept = [n for n in names if base_tensor_name(n) not in copies]
                 if not kept:
                     continue
@@ -90,16 +91,6 @@ def save_merged(engine: Engine, peft_model: nn.Module, out_dir, *, dtype: str = 
     if source.comm.rank == 0:
         logger.info("wrote %s: the base with %d LoRA layer(s) merged", out_dir, len(layers))
     return dict(summary, merged_layers=len(layers))
-
-
-def _copy_of_adapter(name: str) -> str | None:
-    """The adapter whose ``modules_to_save`` copy ``name`` is a parameter of (``<layer>.modules_to_save.<adapter>.``);
-    None for any other parameter."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-2]):
-        if part == SAVED_COPY_PART:
-            return parts[i + 1]
-    return None
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 PEFT_PREFIX = "base_model.model."
 """Where ``PeftModel`` keeps the model it wraps (``PeftModel.base_model`` is the tuner, its ``model`` the base)."""
 
-WRAPPER_PARTS = frozenset({"base_layer", "original_module"})
+ORIGINAL_PART = "original_module"
+"""``<layer>.original_module.``: a ``modules_to_save`` layer's own, untrained tensors."""
+WRAPPER_PARTS = frozenset({"base_layer", ORIGINAL_PART})
 """Name parts a ``peft`` wrapper inserts before the wrapped layer's own tensors."""
 
 SAVED_COPY_PART = "modules_to_save"
@@ -84,10 +86,21 @@ def original_of_saved_copy(name: str) -> str | None:
     that parameter's tensor, under any of its names: with tied embeddings a saved ``lm_head``'s copy is the
     embeddings', and the files hold that tensor under the embeddings' name alone."""
     parts = name.split(".")
-    for i, part in enumerate(parts[:-2]):
-        if part == SAVED_COPY_PART:
-            return ".".join(parts[:i] + ["original_module"] + parts[i + 2:])
-    return None
+    at = _saved_copy_at(parts)
+    return None if at is None else ".".join(parts[:at] + [ORIGINAL_PART] + parts[at + 2:])
+
+
+def adapter_of_saved_copy(name: str) -> str | None:
+    """The adapter whose ``modules_to_save`` copy ``name`` is a parameter of (``<layer>.modules_to_save.<adapter>.``);
+    None for any other name."""
+    parts = name.split(".")
+    at = _saved_copy_at(parts)
+    return None if at is None else parts[at + 1]
+
+
+def _saved_copy_at(parts: list[str]) -> int | None:
+    """Where :data:`SAVED_COPY_PART` stands in a name's ``parts``, followed by an adapter and a tensor; or None."""
+    return next((i for i, part in enumerate(parts[:-2]) if part == SAVED_COPY_PART), None)
 
 
 def saved_state_dict(source: ShardSource, peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
